@@ -945,14 +945,628 @@ def resolve_session(session_dir, ref) -> str:
 # ============================================================================
 
 
+DEFAULT_MAX_TURNS = 30
+DEFAULT_CONTEXT_BUDGET = 100_000
+DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
+DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
+_LIST_SESSIONS_LIMIT = 20
+_ABORT_GRACE_SECONDS = 1.0
+_TOOL_SUMMARY_CHARS = 60
+_SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+_SPINNER_INTERVAL = 0.1
+_EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_NO_MODEL_HELP = (
+    "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
+    "anthropic:claude-sonnet-4-5), or set OPENAI_API_KEY or ANTHROPIC_API_KEY; for a local "
+    "OpenAI-compatible server such as Ollama set OPENAI_BASE_URL=http://localhost:11434/v1")
+_DEFAULT_SYSTEM_PROMPT = (
+    "You are lich, a careful coding agent working in the folder {root}. "
+    "Your tools: {tools}. Paths are relative to that folder and must stay inside it. "
+    "Look before you change anything, keep changes small, and say what you did. "
+    "Answer concisely in plain text.")
+_REPL_HELP = """commands:
+  /resume [ID|latest]  continue a recorded session (latest by default)
+  /sessions            list recent sessions
+  /clear               start a new conversation and session file
+  /help                this text
+  /exit                leave (Ctrl-D too)"""
+
+
+class _UsageError(Exception):
+    """A command-line mistake: exit 2 with the message."""
+
+
+def _build_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lich", description="A coding agent on the command line: one-shot with PROMPT, "
+        "an interactive chat without. Piped stdin is added to the prompt as context.")
+    add = parser.add_argument
+    add("prompt", nargs="?", metavar="PROMPT", help="what to do; omit for interactive chat")
+    add("-m", "--model", metavar="SPEC", help="provider:model[@base_url], comma-separated for "
+        "failover (default: $LICH_MODEL, else by the API key that is set)")
+    add("--base-url", metavar="URL", help="the provider's base URL")
+    add("-s", "--system", metavar="TEXT", help="the system prompt")
+    add("--max-turns", type=_positive_int, default=DEFAULT_MAX_TURNS, metavar="N",
+        help=f"model calls per run (default {DEFAULT_MAX_TURNS})")
+    add("--context-budget", type=_non_negative_int, default=DEFAULT_CONTEXT_BUDGET,
+        metavar="TOKENS", help=f"compress history above this estimate (default "
+        f"{DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+    add("--temperature", type=float, metavar="T", help="sampling temperature")
+    add("--session-dir", metavar="DIR", help="where sessions are recorded (default "
+        "$LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
+        "~/.local/state/lich/sessions)")
+    add("--no-session", action="store_true", help="record nothing")
+    add("--label", metavar="L", help="a label for the session file name")
+    add("--resume", metavar="ID", help="continue a session: an id, a unique prefix or 'latest'")
+    add("-c", "--continue", dest="resume", action="store_const", const="latest",
+        help="continue the latest session (= --resume latest)")
+    add("--list-sessions", action="store_true", help="list recent sessions, newest first")
+    add("--allow", action="append", choices=("write", "shell"), default=[],
+        help="offer the file-writing or shell tools (repeatable)")
+    add("--yolo", action="store_true", help="offer write and shell tools, never ask")
+    add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
+    add("--json", action="store_true", help="print every loop event as a JSON line on stdout")
+    add("--no-stream", action="store_true", help="print the answer when it is complete")
+    add("-q", "--quiet", action="store_true", help="no tool lines, spinner or notes")
+    add("-v", "--verbose", action="store_true", help="debug logs and tracebacks on stderr")
+    add("--version", action="version", version=f"lich {__version__}")
+    return parser
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _default_session_dir(environ) -> str:
+    if environ.get("LICH_SESSION_DIR"):
+        return environ["LICH_SESSION_DIR"]
+    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "lich", "sessions")
+
+
+def _default_model(environ) -> str:
+    if environ.get("LICH_MODEL"):
+        return environ["LICH_MODEL"]
+    if environ.get("OPENAI_API_KEY") or environ.get("OPENAI_BASE_URL"):
+        return DEFAULT_OPENAI_MODEL
+    if environ.get("ANTHROPIC_API_KEY"):
+        return DEFAULT_ANTHROPIC_MODEL
+    raise _UsageError(_NO_MODEL_HELP)
+
+
+def _prompt_with_stdin(prompt, piped) -> str:
+    """The prompt, with piped text before it as context in a fenced block."""
+    if piped is None or not piped.strip():
+        if prompt is None:
+            raise _UsageError("no prompt: pass PROMPT or pipe text on stdin")
+        return prompt
+    if prompt is None:
+        return piped
+    fence = "```"
+    while fence in piped:
+        fence += "`"
+    return f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\n{prompt}"
+
+
+def _tool_summary(call) -> str:
+    """A few words saying what a tool call does: its first string argument."""
+    try:
+        args = json.loads(call.get("arguments") or "{}")
+    except ValueError:
+        args = None
+    text = ""
+    if isinstance(args, dict):
+        text = next((v for v in args.values() if isinstance(v, str)), "")
+    text = " ".join(text.split())
+    if len(text) > _TOOL_SUMMARY_CHARS:
+        text = text[:_TOOL_SUMMARY_CHARS - 1] + "…"
+    return f"{call.get('name')} {text}".rstrip()
+
+
+def _short_reason(result) -> str:
+    reason = " ".join(str(result.error or "failed").split())
+    return reason if len(reason) <= _TOOL_SUMMARY_CHARS else reason[:_TOOL_SUMMARY_CHARS - 1] + "…"
+
+
+def _plain(value):
+    """A JSON-ready copy of an event value: dataclasses as dicts, exceptions described."""
+    if isinstance(value, BaseException):
+        described = {"type": type(value).__name__, "message": str(value)}
+        for name in ("kind", "status", "retryable", "retry_after"):
+            if hasattr(value, name):
+                described[name] = getattr(value, name)
+        return described
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(value)
+    return value
+
+
+class _Terminal:
+    """Everything the CLI shows: the answer on stdout, progress and notes on stderr."""
+
+    def __init__(self, *, quiet=False, json_lines=False, color=False, spinner=False):
+        self.quiet = quiet
+        self.json_lines = json_lines
+        self.color = color
+        self.spinner_enabled = spinner and not quiet and not json_lines
+        self._tool_line_open = False
+        self._answer_open = False  # streamed text not yet ended by a newline
+        self._spinner_stop = None
+        self._lock = threading.Lock()
+
+    # stdout
+    def delta(self, text: str) -> None:
+        self.stop_spinner()
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self._answer_open = not text.endswith("\n")
+
+    def end_answer(self) -> None:
+        if self._answer_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self._answer_open = False
+
+    def answer(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text if text.endswith("\n") else text + "\n")
+            sys.stdout.flush()
+
+    def json_line(self, value) -> None:
+        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=repr) + "\n")
+        sys.stdout.flush()
+
+    # stderr
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            self.line(text)
+
+    def line(self, text: str) -> None:
+        self.stop_spinner()
+        with self._lock:
+            if self._tool_line_open:
+                sys.stderr.write("\n")
+                self._tool_line_open = False
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    def error(self, text: str) -> None:
+        self.end_answer()
+        self.line(f"lich: {text}")
+
+    def tool_start(self, call) -> None:
+        if self.quiet or self.json_lines:
+            return
+        self.stop_spinner()
+        self.end_answer()
+        with self._lock:
+            sys.stderr.write(self._paint("→ " + _tool_summary(call), "2"))
+            sys.stderr.flush()
+            self._tool_line_open = True
+
+    def tool_end(self, call, result, cancelled) -> None:
+        if self.quiet or self.json_lines:
+            return
+        mark = self._paint("✓", "32") if result.ok else self._paint("✗ " + _short_reason(result), "31")
+        with self._lock:
+            if self._tool_line_open:
+                sys.stderr.write(" " + mark + "\n")
+            else:
+                sys.stderr.write(self._paint("→ " + _tool_summary(call), "2") + " " + mark + "\n")
+            sys.stderr.flush()
+            self._tool_line_open = False
+
+    def start_spinner(self) -> None:
+        if not self.spinner_enabled or self._spinner_stop is not None:
+            return
+        stop = threading.Event()
+        self._spinner_stop = stop
+
+        def spin():
+            for i in range(10**9):
+                if stop.wait(_SPINNER_INTERVAL):
+                    break
+                with self._lock:
+                    sys.stderr.write(f"\r{_SPINNER_FRAMES[i % len(_SPINNER_FRAMES)]} thinking")
+                    sys.stderr.flush()
+            with self._lock:
+                sys.stderr.write("\r\033[K")
+                sys.stderr.flush()
+
+        self._spinner_thread = threading.Thread(target=spin, daemon=True)
+        self._spinner_thread.start()
+
+    def stop_spinner(self) -> None:
+        stop, self._spinner_stop = self._spinner_stop, None
+        if stop is not None:
+            stop.set()
+            self._spinner_thread.join()
+
+    def _paint(self, text, code):
+        return f"\033[{code}m{text}\033[0m" if self.color else text
+
+
+def _event_printer(term: _Terminal):
+    """The emitter handler that shows the loop's progress."""
+
+    def on_event(event):
+        kind = event["type"]
+        if term.json_lines:
+            term.json_line({k: _plain(v) for k, v in event.items()})
+        elif kind == "llm_start":
+            term.start_spinner()
+        elif kind == "llm_end":
+            term.stop_spinner()
+            if event["result"].message.get("tool_calls"):
+                term.end_answer()
+        elif kind == "tool_call_start":
+            term.tool_start(event["call"])
+        elif kind == "tool_call_end":
+            term.tool_end(event["call"], event["result"], event["cancelled"])
+        elif kind == "compress_end":
+            term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
+        elif kind == "error":
+            term.stop_spinner()
+
+    return on_event
+
+
+class _LogToStderr(logging.Handler):
+    """Shows lich's log records on stderr through the terminal."""
+
+    def __init__(self, term, level):
+        super().__init__(level)
+        self.term = term
+
+    def emit(self, record):
+        try:
+            text = record.getMessage()
+            if record.exc_info and self.level <= logging.DEBUG:
+                import traceback
+
+                text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+            prefix = "warning: " if record.levelno >= logging.WARNING else "debug: "
+            self.term.line("lich: " + prefix + text)
+        except Exception:
+            self.handleError(record)
+
+
+def _run_interruptibly(work, signal, term):
+    """Run ``work()`` in a worker thread; Ctrl-C sets ``signal`` and gives it a moment.
+
+    Returns work's result or raises its exception. A second Ctrl-C, or a worker still
+    busy after the grace period (a blocking HTTP read), raises KeyboardInterrupt.
+    """
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=target, name="lich-run", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+    except KeyboardInterrupt:
+        signal.set()
+        term.stop_spinner()
+        term.end_answer()
+        term.note("interrupted; stopping (Ctrl-C again to quit at once)")
+        deadline = time.monotonic() + _ABORT_GRACE_SECONDS
+        while worker.is_alive() and time.monotonic() < deadline:
+            worker.join(0.05)
+        if worker.is_alive():
+            raise KeyboardInterrupt from None
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
+    """The ``approve`` function of interactive chat: y / n / a(lways, for this tool)."""
+    import select
+
+    def approve(call) -> bool:
+        name = call.get("name")
+        if name in always:
+            return True
+        term.line(f"  {_tool_summary(call)}")
+        sys.stderr.write("  allow? [y]es / [n]o / [a]lways ")
+        sys.stderr.flush()
+        while not signal.is_set():
+            ready, _, _ = select.select([sys.stdin], [], [], 0.1)
+            if ready:
+                answer = sys.stdin.readline().strip().lower()
+                if answer in ("a", "always"):
+                    always.add(name)
+                    return True
+                return answer in ("y", "yes")
+        return False
+
+    return approve
+
+
+def _list_sessions(session_dir, term: _Terminal) -> int:
+    try:
+        with os.scandir(session_dir) as entries:
+            found = [e for e in entries if e.name.endswith(SESSION_SUFFIX) and e.is_file()]
+    except OSError:
+        found = []
+    found.sort(key=lambda e: (e.stat().st_mtime_ns, e.name), reverse=True)
+    if not found:
+        term.note("no sessions yet")
+    for entry in found[:_LIST_SESSIONS_LIMIT]:
+        try:
+            messages = read_session_messages(entry.path)
+        except OSError:
+            continue
+        first = next((m["content"] for m in messages if m["role"] == "user"), "")
+        first = " ".join(first.split())[:_TOOL_SUMMARY_CHARS]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.stat().st_mtime))
+        sys.stdout.write(f"{entry.name[:-len(SESSION_SUFFIX)]}  {when}  {len(messages):>4} messages"
+                         f"  {first}\n")
+    if len(found) > _LIST_SESSIONS_LIMIT:
+        term.note(f"... {len(found) - _LIST_SESSIONS_LIMIT} older sessions")
+    return _EXIT_OK
+
+
+def _load_session(session_dir, ref) -> list:
+    try:
+        return read_session_messages(resolve_session(session_dir, ref))
+    except FileNotFoundError:
+        raise SessionNotFound(f"session not found: {ref}") from None
+
+
+def _exit_code(run) -> int:
+    return {"final": _EXIT_OK, "budget": _EXIT_BUDGET}.get(run.stopped_reason, _EXIT_INTERRUPTED)
+
+
+class _Cli:
+    """One invocation of the command line, its options resolved."""
+
+    def __init__(self, args, environ):
+        self.args = args
+        self.interactive = args.prompt is None and sys.stdin.isatty()
+        self.streaming = not (args.no_stream or args.json)
+        color = sys.stderr.isatty() and not environ.get("NO_COLOR")
+        self.term = _Terminal(quiet=args.quiet, json_lines=args.json, color=color, spinner=color)
+        self.sessions_home = args.session_dir or _default_session_dir(environ)
+        self.session_dir = None if args.no_session else self.sessions_home
+        self.model = args.model or _default_model(environ)
+        self.signal = threading.Event()
+        self.always_allowed = set()
+        allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
+        approve = (_ask_approval(self.term, self.signal, self.always_allowed)
+                   if self.interactive and not args.yolo else None)
+        root = os.path.abspath(args.root)
+        if not os.path.isdir(root):
+            raise _UsageError(f"--root is not a folder: {args.root}")
+        self.tools = coding_tools(root, allow_write="write" in allow, allow_shell="shell" in allow,
+                                  approve=approve)
+        names = ", ".join(spec["name"] for spec in self.tools.specs())
+        self.system_prompt = (args.system if args.system is not None
+                              else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names))
+        options = {"stream": self.streaming}
+        if self.streaming:
+            options["on_delta"] = self.term.delta
+        if args.base_url:
+            options["base_url"] = args.base_url
+        try:
+            self.chat = chat_from_spec(self.model, **options)
+        except (ValueError, TypeError) as exc:
+            raise _UsageError(str(exc)) from None
+        self.emitter = AgentEmitter()
+        self.emitter.on_any(_event_printer(self.term))
+
+    def run(self, prompt, history, session=None):
+        """One run_agent turn, interruptible; returns the AgentRunResult."""
+        self.signal.clear()
+        args = self.args
+        budget = args.context_budget or None
+
+        def work():
+            return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
+                             session=session, session_dir=None if session else self.session_dir,
+                             label=args.label, emitter=self.emitter, max_turns=args.max_turns,
+                             system_prompt=self.system_prompt, temperature=args.temperature,
+                             context_budget_tokens=budget, signal=self.signal)
+
+        return _run_interruptibly(work, self.signal, self.term)
+
+    def finish(self, run) -> int:
+        """Show a finished one-shot run; returns the exit code."""
+        term = self.term
+        if self.args.json:
+            term.json_line({"type": "run_end", "stopped_reason": run.stopped_reason,
+                            "usage": run.usage_total, "session_path": run.session_path})
+        elif self.streaming:
+            term.end_answer()
+        else:
+            last = run.final or (run.result.message if run.result else None)
+            term.answer((last or {}).get("content") or "")
+        if self.args.verbose:
+            term.line(f"lich: usage: {run.usage_total['input_tokens']} input tokens, "
+                      f"{run.usage_total['output_tokens']} output tokens")
+        if run.stopped_reason == "budget":
+            term.note(f"lich: stopped: the turn budget ({self.args.max_turns}) ran out before "
+                      "a final answer; raise --max-turns or continue with -c")
+        elif run.stopped_reason == "aborted":
+            term.note("lich: stopped: interrupted")
+        return _exit_code(run)
+
+    def one_shot(self, prompt, history) -> int:
+        try:
+            run = self.run(prompt, history)
+        except KeyboardInterrupt:
+            self.term.end_answer()
+            return _EXIT_INTERRUPTED
+        except AbortError:
+            self.term.end_answer()
+            self.term.note("lich: stopped: interrupted")
+            return _EXIT_INTERRUPTED
+        return self.finish(run)
+
+    def repl(self, history) -> int:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        term, session = self.term, None
+        term.note(f"lich {__version__} · {self.model} · /help for commands, Ctrl-D to leave")
+        try:
+            while True:
+                try:
+                    line = input("› ").strip()
+                except KeyboardInterrupt:
+                    sys.stderr.write("\n")
+                    continue
+                except EOFError:
+                    sys.stderr.write("\n")
+                    return _EXIT_OK
+                if not line:
+                    continue
+                if line.startswith("/"):
+                    command, _, rest = line.partition(" ")
+                    if command in ("/exit", "/quit"):
+                        return _EXIT_OK
+                    if command == "/help":
+                        term.line(_REPL_HELP)
+                    elif command == "/sessions":
+                        _list_sessions(self.sessions_home, term)
+                    elif command == "/clear":
+                        _close(session)
+                        history, session = [], None
+                        term.note("new conversation")
+                    elif command == "/resume":
+                        ref = rest.strip() or "latest"
+                        try:
+                            history = _load_session(self.sessions_home, ref)
+                        except SessionNotFound as exc:
+                            term.error(str(exc))
+                            continue
+                        _close(session)
+                        session = None
+                        term.note(f"resumed {ref}: {len(history)} messages")
+                    else:
+                        term.error(f"unknown command {command}; /help lists them")
+                    continue
+                if session is None and self.session_dir is not None:
+                    try:
+                        session = open_session(self.session_dir, self.args.label)
+                    except OSError as exc:
+                        term.error(f"warning: session recording is off: {exc.strerror or exc}")
+                        self.session_dir = None
+                try:
+                    run = self.run(line, history, session)
+                except KeyboardInterrupt:
+                    term.end_answer()
+                    term.note("interrupted")
+                    continue
+                except ProviderError as exc:
+                    term.error(f"error: {exc.kind}: {exc}")
+                    continue
+                except AbortError:
+                    term.end_answer()
+                    term.note("interrupted")
+                    continue
+                history = run.messages
+                if self.streaming:
+                    term.end_answer()
+                else:
+                    term.answer((run.final or {}).get("content") or "")
+                if run.stopped_reason == "budget":
+                    term.note(f"stopped: the turn budget ({self.args.max_turns}) ran out")
+        finally:
+            _close(session)
+
+
+def _close(session):
+    if session is not None:
+        session.close()
+
+
 def main(argv=None) -> int:
-    """Run the lich command line; returns the process exit code."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args == ["--version"]:
-        print(f"lich {__version__}")
-        return 0
-    print("lich: the command line is not built yet; try --version", file=sys.stderr)
-    return 2
+    """Run the lich command line; returns the process exit code.
+
+    ``lich PROMPT`` runs one agent turn and prints the answer on stdout; with no PROMPT
+    and a terminal on stdin it starts an interactive chat. Exit codes: 0 a final
+    answer, 1 a provider or runtime error, 2 a usage error or an unknown session,
+    3 the turn budget ran out, 130 interrupted.
+    """
+    if argv is None:
+        argv = sys.argv[1:]
+    if list(argv) == ["--version"]:  # the quick path: no parser to build
+        sys.stdout.write(f"lich {__version__}\n")
+        return _EXIT_OK
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
+        return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    environ = os.environ
+    term = _Terminal(quiet=args.quiet)
+    logger_handler = _LogToStderr(term, logging.DEBUG if args.verbose else logging.WARNING)
+    _log.addHandler(logger_handler)
+    previous_level = _log.level
+    if args.verbose:
+        _log.setLevel(logging.DEBUG)
+    try:
+        return _main(args, environ, logger_handler)
+    except _UsageError as exc:
+        term.error(str(exc))
+        return _EXIT_USAGE
+    except SessionNotFound as exc:
+        term.error(str(exc))
+        return _EXIT_USAGE
+    except KeyboardInterrupt:
+        return _EXIT_INTERRUPTED
+    except ProviderError as exc:
+        if args.verbose:
+            _log.debug("provider error", exc_info=True)
+        term.error(f"error: {exc.kind}: {exc}")
+        return _EXIT_ERROR
+    except Exception as exc:
+        if args.verbose:
+            _log.debug("runtime error", exc_info=True)
+        term.error(f"error: {type(exc).__name__}: {exc}")
+        return _EXIT_ERROR
+    finally:
+        _log.removeHandler(logger_handler)
+        _log.setLevel(previous_level)
+
+
+def _main(args, environ, logger_handler) -> int:
+    if args.list_sessions:
+        return _list_sessions(args.session_dir or _default_session_dir(environ), _Terminal())
+    cli = _Cli(args, environ)
+    logger_handler.term = cli.term
+    history = _load_session(cli.sessions_home, args.resume) if args.resume else []
+    if cli.interactive:
+        return cli.repl(history)
+    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    prompt = _prompt_with_stdin(args.prompt, piped)
+    try:
+        return cli.one_shot(prompt, history)
+    except ProviderError:
+        cli.term.end_answer()
+        raise
 
 
 if __name__ == "__main__":
