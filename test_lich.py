@@ -1274,3 +1274,131 @@ def test_import_does_not_import_requests():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=HERE, timeout=60, check=False)
     assert proc.stdout == "False\n", proc.stderr
+
+
+# ============================================================================
+# Hardening
+# ============================================================================
+
+
+def check_event_order(events, max_turns, outcome=None, error=None):
+    """Assert every ordering guarantee of the spec's event table on one run's events."""
+    i, n = 0, len(events)
+    llm_ends = 0
+    expected_turn = 1
+    ended = None
+    while i < n:
+        assert events[i] == {"type": "turn_start", "turn": expected_turn}, (i, events[i])
+        turn = expected_turn
+        i += 1
+        if events[i]["type"] == "error":
+            assert isinstance(events[i]["error"], lich.AbortError) and i == n - 1
+            ended = ("aborted", turn - 1)
+            break
+        if events[i]["type"] == "compress_start":
+            assert events[i + 1]["type"] == "compress_end"
+            i += 2
+        assert events[i] == {"type": "llm_start", "turn": turn}
+        i += 1
+        if events[i]["type"] == "error":
+            assert i == n - 1 and events[i]["error"] is error
+            ended = ("raised", None)
+            break
+        assert events[i]["type"] == "llm_end" and events[i]["turn"] == turn
+        llm_ends += 1
+        calls = events[i]["result"].message.get("tool_calls") or []
+        i += 1
+        for call in calls:
+            if events[i]["type"] == "tool_call_start":
+                assert events[i] == {"type": "tool_call_start", "turn": turn, "call": call}
+                assert events[i + 1]["type"] == "tool_call_end" and events[i + 1]["call"] is call
+                assert events[i + 1]["cancelled"] is False
+                i += 2
+            else:
+                assert events[i]["type"] == "tool_call_end" and events[i]["call"] is call
+                assert events[i]["cancelled"] is True
+                i += 1
+        if not calls:
+            assert events[i]["type"] == "final" and events[i + 1] == {"type": "turn_end", "turn": turn}
+            assert i + 2 == n
+            ended = ("final", turn)
+            break
+        if turn == max_turns:
+            assert events[i:] == [{"type": "budget_exhausted", "turns_used": max_turns},
+                                  {"type": "turn_end", "turn": turn}]
+            ended = ("budget", max_turns)
+            break
+        expected_turn += 1
+    assert sum(e["type"] == "final" for e in events) <= 1
+    assert sum(e["type"] == "llm_start" for e in events) == llm_ends + (ended[0] == "raised")
+    if outcome is not None:
+        assert (outcome.stopped_reason, outcome.turns_used) == ended
+        assert_history_is_paired(outcome.messages)
+    return ended
+
+
+def assert_history_is_paired(messages):
+    """Every tool message follows its assistant call; every call has exactly one tool message."""
+    pending = None
+    for message in messages:
+        if message["role"] == "tool":
+            assert pending, f"tool message without its call: {message}"
+            assert message["tool_call_id"] == pending.pop(0)
+            continue
+        assert not pending, f"unanswered tool calls before {message}"
+        pending = [c["id"] for c in message.get("tool_calls") or []]
+    assert not pending
+
+
+def random_run(rng):
+    """A scripted run of random shape; returns (events, max_turns, outcome, error)."""
+    signal = threading.Event()
+    max_turns = rng.randint(1, 6)
+    error = lich.ProviderError("random failure", "server")
+    counter = iter(range(10**6))
+
+    def chat(messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+        roll = rng.random()
+        if messages and messages[0].get("content") == lich.COMPRESSION_SYSTEM_PROMPT:
+            if roll < 0.3:
+                raise RuntimeError("summarizer down")
+            return lich.ChatResult(assistant("summary"))
+        if roll < 0.07:
+            raise error
+        if roll < 0.12:
+            signal_holder.set()
+        if roll < 0.3:
+            return lich.ChatResult(assistant("final " + "x" * rng.randint(0, 400)))
+        calls = [(f"c{next(counter)}", rng.choice(["echo", "fail", "boom", "stop"]), "{}")
+                 for _ in range(rng.randint(1, 3))]
+        return lich.ChatResult(assistant("y" * rng.randint(0, 400), *calls))
+
+    signal_holder = signal
+    tools = SignallingTools(signal)
+    tools.raise_on = "boom"
+    emitter, events = recorder_emitter()
+    messages = long_history(rng.randint(0, 14)) if rng.random() < 0.5 else [user("go")]
+    budget = rng.choice([None, 50, 200, 10_000])
+    if rng.random() < 0.05:
+        signal.set()
+    try:
+        outcome = lich.run_conversation(chat, tools, messages, max_turns=max_turns,
+                                        context_budget_tokens=budget, signal=signal, emitter=emitter)
+    except lich.ProviderError as exc:
+        assert exc is error
+        return events, max_turns, None, error
+    return events, max_turns, outcome, None
+
+
+def test_event_ordering_holds_for_random_runs():
+    import random
+
+    rng = random.Random(20261130)
+    seen = set()
+    for _ in range(400):
+        events, max_turns, outcome, error = random_run(rng)
+        seen.add(check_event_order(events, max_turns, outcome, error)[0])
+        seen.update(e["type"] for e in events if e["type"].startswith("compress"))
+        seen.update("cancelled" for e in events if e.get("cancelled"))
+    assert seen == {"final", "budget", "aborted", "raised", "compress_start", "compress_end",
+                    "cancelled"}
