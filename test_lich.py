@@ -1258,6 +1258,1090 @@ def test_a_recorded_run_resumes(tmp_path):
 # Tools
 # ============================================================================
 
+# Imported here rather than at the top so that each section's edits merge on their own.
+from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035
+
+_SENTINEL = object()
+
+
+def tool_call(name, arguments="{}", call_id="call_1"):
+    """A ToolCall; ``arguments`` that are not a str are JSON-encoded."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {"id": call_id, "name": name, "arguments": arguments}
+
+
+def params_of(fn):
+    """The ``parameters`` schema Tools makes for ``fn``."""
+    tools = lich.Tools()
+    tools.register(fn, name="f")
+    return tools.specs()[0]["parameters"]
+
+
+def obj_schema(properties, required=()):
+    schema = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    schema["additionalProperties"] = False
+    return schema
+
+
+def _f_str(x: str): pass
+def _f_int(x: int): pass
+def _f_float(x: float): pass
+def _f_bool(x: bool): pass
+def _f_list(x: list): pass
+def _f_list_int(x: "list[int]"): pass
+def _f_typing_list(x: List[str]): pass  # noqa: UP006
+def _f_nested_list(x: List[List[float]]): pass  # noqa: UP006
+def _f_dict(x: dict): pass
+def _f_typing_dict(x: Dict): pass  # noqa: UP006
+def _f_dict_str_int(x: Dict[str, int]): pass  # noqa: UP006
+def _f_dict_of_lists(x: Dict[str, List[str]]): pass  # noqa: UP006
+def _f_dict_any(x: Dict[str, Any]): pass  # noqa: UP006
+def _f_optional(x: Optional[str]): pass  # noqa: FA100
+def _f_optional_default(x: Optional[int] = None): pass  # noqa: FA100
+def _f_literal(x: Literal["r", "w"]): pass
+def _f_literal_int(x: Literal[1, 2, 3]): pass
+def _f_literal_mixed(x: Literal["a", 1]): pass
+def _f_optional_literal(x: Optional[Literal["r", "w"]] = None): pass  # noqa: FA100
+def _f_list_optional(x: List[Optional[int]]): pass  # noqa: FA100, UP006
+def _f_no_hint(x): pass
+def _f_any(x: Any): pass
+def _f_defaults(n: int = 3, s: str = "s", flag: bool = False, xs: list = [1]): pass  # noqa: B006
+def _f_implicit_optional(x: int = None, y: Literal["a"] = None): pass  # noqa: RUF013
+def _f_unencodable_default(x: Optional[dict] = _SENTINEL): pass  # noqa: FA100
+def _f_keyword_only(a: str, *, b: int, c: float = 1.5): pass
+def _f_signal(x: int, signal: threading.Event): pass
+def _f_optional_signal(x: int, signal: Optional[threading.Event] = None): pass  # noqa: FA100
+def _f_none(): pass
+
+
+_SCHEMA_CASES = [
+    ("str", _f_str, obj_schema({"x": {"type": "string"}}, ["x"])),
+    ("int", _f_int, obj_schema({"x": {"type": "integer"}}, ["x"])),
+    ("float", _f_float, obj_schema({"x": {"type": "number"}}, ["x"])),
+    ("bool", _f_bool, obj_schema({"x": {"type": "boolean"}}, ["x"])),
+    ("list", _f_list, obj_schema({"x": {"type": "array"}}, ["x"])),
+    ("list[int]", _f_list_int, obj_schema({"x": {"type": "array", "items": {"type": "integer"}}},
+                                          ["x"])),
+    ("List[str]", _f_typing_list, obj_schema({"x": {"type": "array", "items": {"type": "string"}}},
+                                             ["x"])),
+    ("List[List[float]]", _f_nested_list, obj_schema(
+        {"x": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}}, ["x"])),
+    ("dict", _f_dict, obj_schema({"x": {"type": "object"}}, ["x"])),
+    ("Dict", _f_typing_dict, obj_schema({"x": {"type": "object"}}, ["x"])),
+    ("Dict[str, int]", _f_dict_str_int, obj_schema(
+        {"x": {"type": "object", "additionalProperties": {"type": "integer"}}}, ["x"])),
+    ("Dict[str, List[str]]", _f_dict_of_lists, obj_schema(
+        {"x": {"type": "object", "additionalProperties": {"type": "array",
+                                                          "items": {"type": "string"}}}}, ["x"])),
+    ("Dict[str, Any]", _f_dict_any, obj_schema({"x": {"type": "object"}}, ["x"])),
+    ("Optional[str]", _f_optional, obj_schema({"x": {"type": ["string", "null"]}}, ["x"])),
+    ("Optional[int]=None", _f_optional_default, obj_schema(
+        {"x": {"type": ["integer", "null"], "default": None}})),
+    ("Literal[str]", _f_literal, obj_schema({"x": {"type": "string", "enum": ["r", "w"]}}, ["x"])),
+    ("Literal[int]", _f_literal_int, obj_schema({"x": {"type": "integer", "enum": [1, 2, 3]}},
+                                                ["x"])),
+    ("Literal[mixed]", _f_literal_mixed, obj_schema(
+        {"x": {"type": ["string", "integer"], "enum": ["a", 1]}}, ["x"])),
+    ("Optional[Literal]", _f_optional_literal, obj_schema(
+        {"x": {"type": ["string", "null"], "enum": ["r", "w", None], "default": None}})),
+    ("List[Optional[int]]", _f_list_optional, obj_schema(
+        {"x": {"type": "array", "items": {"type": ["integer", "null"]}}}, ["x"])),
+    ("no hint", _f_no_hint, obj_schema({"x": {}}, ["x"])),
+    ("Any", _f_any, obj_schema({"x": {}}, ["x"])),
+    ("defaults", _f_defaults, obj_schema({
+        "n": {"type": "integer", "default": 3}, "s": {"type": "string", "default": "s"},
+        "flag": {"type": "boolean", "default": False}, "xs": {"type": "array", "default": [1]}})),
+    ("None default", _f_implicit_optional, obj_schema({
+        "x": {"type": ["integer", "null"], "default": None},
+        "y": {"type": ["string", "null"], "enum": ["a", None], "default": None}})),
+    ("unencodable default", _f_unencodable_default, obj_schema(
+        {"x": {"type": ["object", "null"]}})),
+    ("keyword-only", _f_keyword_only, obj_schema(
+        {"a": {"type": "string"}, "b": {"type": "integer"},
+         "c": {"type": "number", "default": 1.5}}, ["a", "b"])),
+    ("threading.Event left out", _f_signal, obj_schema({"x": {"type": "integer"}}, ["x"])),
+    ("Optional[Event] left out", _f_optional_signal, obj_schema({"x": {"type": "integer"}},
+                                                                ["x"])),
+    ("no parameters", _f_none, obj_schema({})),
+]
+
+
+@pytest.mark.parametrize("fn,expected", [c[1:] for c in _SCHEMA_CASES],
+                         ids=[c[0] for c in _SCHEMA_CASES])
+def test_tools_schema_from_type_hints(fn, expected):
+    assert params_of(fn) == expected
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="X | None needs Python 3.10")
+def test_tools_schema_pep604_optional():
+    def f(x: "int | None", y: "list[str] | None" = None): pass
+    assert params_of(f) == obj_schema({"x": {"type": ["integer", "null"]},
+                                       "y": {"type": ["array", "null"], "items": {"type": "string"},
+                                             "default": None}}, ["x"])
+
+
+def _doc_none(path: str): pass
+
+
+def _doc_one_line(path: str):
+    """Read a file."""
+
+
+def _doc_paragraphs(path: str):
+    """Read a file of the workspace,
+    numbered from 1.
+
+    Further details the model does not need.
+    """
+
+
+def _doc_google(path: str, offset: int = 1, limit: int = 10, *, verbose: bool = False):
+    """Read a file.
+
+    Args:
+        path (str): The file,
+            relative to the root.
+        offset: First line.
+
+        limit (int, optional): How many lines.
+        unknown: Not a parameter; ignored.
+
+    Returns:
+        The text. path: not an argument.
+    """
+
+
+def _doc_args_only(a: int, b: int):
+    """
+    Arguments:
+        a: The first.
+        b: The second.
+    """
+
+
+_DOC_CASES = [
+    ("no docstring", _doc_none, {}, "", obj_schema({"path": {"type": "string"}}, ["path"])),
+    ("one line", _doc_one_line, {}, "Read a file.",
+     obj_schema({"path": {"type": "string"}}, ["path"])),
+    ("first paragraph joined", _doc_paragraphs, {},
+     "Read a file of the workspace, numbered from 1.",
+     obj_schema({"path": {"type": "string"}}, ["path"])),
+    ("Google Args section", _doc_google, {}, "Read a file.", obj_schema({
+        "path": {"type": "string", "description": "The file, relative to the root."},
+        "offset": {"type": "integer", "description": "First line.", "default": 1},
+        "limit": {"type": "integer", "description": "How many lines.", "default": 10},
+        "verbose": {"type": "boolean", "default": False}}, ["path"])),
+    ("Args only", _doc_args_only, {}, "", obj_schema({
+        "a": {"type": "integer", "description": "The first."},
+        "b": {"type": "integer", "description": "The second."}}, ["a", "b"])),
+    ("description given", _doc_google, {"description": "Custom."}, "Custom.", obj_schema({
+        "path": {"type": "string", "description": "The file, relative to the root."},
+        "offset": {"type": "integer", "description": "First line.", "default": 1},
+        "limit": {"type": "integer", "description": "How many lines.", "default": 10},
+        "verbose": {"type": "boolean", "default": False}}, ["path"])),
+]
+
+
+@pytest.mark.parametrize("fn,options,description,parameters", [c[1:] for c in _DOC_CASES],
+                         ids=[c[0] for c in _DOC_CASES])
+def test_tools_spec_from_docstring(fn, options, description, parameters):
+    tools = lich.Tools()
+    tools.register(fn, **options)
+    assert tools.specs() == [{"name": fn.__name__, "description": description,
+                              "parameters": parameters}]
+
+
+def test_tools_registration_forms_keep_order_and_return_the_function():
+    tools = lich.Tools()
+
+    @tools.tool
+    def zeta(a: int) -> int:
+        """Zeta."""
+        return a
+
+    @tools.tool(name="alpha", description="Renamed.")
+    def first(a: int) -> int:
+        return a + 1
+
+    @tools.tool()
+    def mid():
+        """Mid."""
+
+    def plain(s: str) -> str:
+        return s
+
+    assert tools.register(plain, "plain_tool", "Plain.") is plain
+    assert (zeta(1), first(1)) == (1, 2)
+    assert [(s["name"], s["description"]) for s in tools.specs()] == [
+        ("zeta", "Zeta."), ("alpha", "Renamed."), ("mid", "Mid."), ("plain_tool", "Plain.")]
+    assert tools.run(tool_call("alpha", {"a": 41})) == lich.ToolResult(ok=True, output="42")
+    assert isinstance(tools, lich.ToolRunner)
+
+
+def test_tools_register_methods_and_callable_objects():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def bump(self, by: int = 1) -> int:
+            """Add to the counter."""
+            self.n += by
+            return self.n
+
+        def __call__(self, word: str) -> str:
+            return word.upper()
+
+    counter = Counter()
+    tools = lich.Tools()
+    tools.register(counter.bump)
+    tools.register(counter, name="shout")
+    assert tools.specs()[0]["parameters"] == obj_schema({"by": {"type": "integer", "default": 1}})
+    assert tools.specs()[1]["parameters"] == obj_schema({"word": {"type": "string"}}, ["word"])
+    assert tools.run(tool_call("bump", {"by": 5})) == lich.ToolResult(ok=True, output="5")
+    assert tools.run(tool_call("shout", {"word": "hi"})) == lich.ToolResult(ok=True, output="HI")
+
+
+def _bad_set(x: set): pass
+def _bad_tuple(x: tuple): pass
+def _bad_class(x: lich.ToolResult): pass
+def _bad_dict_keys(x: Dict[int, str]): pass  # noqa: UP006
+def _bad_union(x: Union[int, str]): pass  # noqa: FA100
+def _bad_nested(x: List[set]): pass  # noqa: UP006
+def _bad_literal(x: Literal[b"raw"]): pass
+
+
+@pytest.mark.parametrize("fn", [_bad_set, _bad_tuple, _bad_class, _bad_dict_keys, _bad_union,
+                                _bad_nested, _bad_literal],
+                         ids=["set", "tuple", "class", "Dict[int, str]", "Union[int, str]",
+                              "List[set]", "Literal[bytes]"])
+def test_tools_inexpressible_hint_is_a_type_error_naming_function_and_parameter(fn):
+    with pytest.raises(TypeError) as info:
+        lich.Tools().register(fn)
+    message = str(info.value)
+    assert message.startswith(f"cannot register {fn.__name__}: parameter 'x' has the type hint ")
+    assert message.endswith(", which JSON Schema cannot express; use str, int, float, bool, "
+                            "list, dict, Optional or Literal")
+
+
+def _varargs(*items: str): pass
+def _varkw(**options: str): pass
+def _positional_only(a: int, /): pass
+def _unresolvable(x: "Nowhere"): pass  # noqa: F821
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_varargs, ("cannot register _varargs: parameter 'items' is variadic positional; a tool "
+                "takes keyword arguments")),
+    (_varkw, ("cannot register _varkw: parameter 'options' is variadic keyword; a tool takes "
+              "keyword arguments")),
+    (_positional_only, ("cannot register _positional_only: parameter 'a' is positional-only; a "
+                        "tool takes keyword arguments")),
+    (_unresolvable, ("cannot register _unresolvable: a type hint cannot be resolved: name "
+                     "'Nowhere' is not defined")),
+], ids=["*args", "**kwargs", "positional-only", "unresolvable hint"])
+def test_tools_unusable_signature_is_a_type_error(fn, message):
+    with pytest.raises(TypeError) as info:
+        lich.Tools().register(fn)
+    assert str(info.value) == message
+
+
+def test_tools_registration_refusals():
+    tools = lich.Tools()
+    tools.register(_f_str, name="same")
+    with pytest.raises(ValueError, match="^a tool named 'same' is already registered$"):
+        tools.register(_f_int, name="same")
+    with pytest.raises(ValueError, match="^invalid tool name '<lambda>'"):
+        tools.register(lambda: None)
+    with pytest.raises(ValueError, match="^invalid tool name 'has space'"):
+        tools.register(_f_str, name="has space")
+    with pytest.raises(TypeError, match="^a tool must be callable, not 3$"):
+        tools.register(3)
+    with pytest.raises(ValueError):
+        lich.Tools(max_output_chars=0)
+    with pytest.raises(TypeError):
+        lich.Tools(max_output_chars="10")
+    assert [s["name"] for s in tools.specs()] == ["same"]
+
+
+@pytest.fixture
+def sample_tools():
+    tools = lich.Tools()
+
+    @tools.tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @tools.tool
+    def scale(xs: List[float], factor: float = 2) -> list:  # noqa: UP006
+        """Scale numbers; reports the Python types it received."""
+        return [type(x).__name__ for x in xs] + [type(factor).__name__]
+
+    @tools.tool
+    def pick(mode: Literal["r", "w"],
+             n: Optional[int] = None,  # noqa: FA100
+             tags: Dict[str, int] = {}):  # noqa: B006, UP006
+        """Echo a choice."""
+        return {"mode": mode, "n": n, "tags": tags}
+
+    @tools.tool
+    def anything(x, level: Literal[1, 2] = 1):
+        """Echo any value."""
+        return x
+
+    return tools
+
+
+_MALFORMED_CALLS = [
+    ("empty arguments", "add", "",
+     "invalid arguments for add: missing required arguments 'a', 'b'"),
+    ("whitespace arguments", "add", "  \n ",
+     "invalid arguments for add: missing required arguments 'a', 'b'"),
+    ("invalid JSON", "add", '{"a": 1',
+     ("the arguments of add are not valid JSON "
+      "(Expecting ',' delimiter: line 1 column 8 (char 7)); send one JSON object")),
+    ("a JSON list", "add", "[1, 2]", "the arguments of add must be a JSON object, not an array"),
+    ("a JSON string", "add", '"a=1, b=2"',
+     "the arguments of add must be a JSON object, not a string"),
+    ("a JSON number", "add", "3", "the arguments of add must be a JSON object, not an integer"),
+    ("JSON null", "add", "null", "the arguments of add must be a JSON object, not null"),
+    ("missing argument", "add", '{"a": 1}',
+     "invalid arguments for add: missing required argument 'b'"),
+    ("unknown argument", "add", '{"a": 1, "b": 2, "c": 3}',
+     "invalid arguments for add: unknown argument 'c' (add takes a, b)"),
+    ("string for int", "add", '{"a": "1", "b": 2}',
+     "invalid arguments for add: argument 'a' must be an integer, not a string"),
+    ("float for int", "add", '{"a": 1.5, "b": 2}',
+     "invalid arguments for add: argument 'a' must be an integer, not a number"),
+    ("bool for int", "add", '{"a": true, "b": 2}',
+     "invalid arguments for add: argument 'a' must be an integer, not a boolean"),
+    ("null for int", "add", '{"a": null, "b": 2}',
+     "invalid arguments for add: argument 'a' must be an integer, not null"),
+    ("several problems", "add", '{"x": 1, "y": 2, "a": "1"}',
+     ("invalid arguments for add: unknown arguments 'x', 'y' (add takes a, b); missing required "
+      "argument 'b'; argument 'a' must be an integer, not a string")),
+    ("bool in a float list", "scale", '{"xs": [1, true]}',
+     "invalid arguments for scale: argument 'xs[1]' must be a number, not a boolean"),
+    ("object for a list", "scale", '{"xs": {"0": 1}}',
+     "invalid arguments for scale: argument 'xs' must be an array, not an object"),
+    ("not in the Literal", "pick", '{"mode": "x"}',
+     "invalid arguments for pick: argument 'mode' must be one of \"r\", \"w\", not \"x\""),
+    ("true is not 1", "anything", '{"x": 0, "level": true}',
+     "invalid arguments for anything: argument 'level' must be one of 1, 2, not true"),
+    ("string for Optional[int]", "pick", '{"mode": "r", "n": "5"}',
+     "invalid arguments for pick: argument 'n' must be an integer or null, not a string"),
+    ("bad dict value", "pick", '{"mode": "r", "tags": {"k": "v"}}',
+     "invalid arguments for pick: argument 'tags[\"k\"]' must be an integer, not a string"),
+    ("unknown tool", "nope", "{}",
+     "unknown tool \"nope\"; the available tools are: add, scale, pick, anything"),
+]
+
+
+@pytest.mark.parametrize("name,arguments,error", [c[1:] for c in _MALFORMED_CALLS],
+                         ids=[c[0] for c in _MALFORMED_CALLS])
+def test_tools_run_malformed_call_is_a_failed_result(sample_tools, name, arguments, error):
+    assert sample_tools.run(tool_call(name, arguments)) == lich.ToolResult(ok=False, error=error)
+
+
+@pytest.mark.parametrize("call,error", [
+    ("add", "a tool call must be an object with a name and arguments"),
+    ({"id": "1", "arguments": "{}"},
+     "unknown tool None; the available tools are: add, scale, pick, anything"),
+    ({"id": "1", "name": ["add"], "arguments": "{}"},
+     "unknown tool ['add']; the available tools are: add, scale, pick, anything"),
+    ({"id": "1", "name": "add", "arguments": 7},
+     "the arguments of add must be a JSON object, not an integer"),
+], ids=["not a dict", "no name", "name not a string", "arguments not text"])
+def test_tools_run_malformed_call_object(sample_tools, call, error):
+    assert sample_tools.run(call) == lich.ToolResult(ok=False, error=error)
+
+
+def test_tools_run_deeply_nested_arguments_do_not_escape(sample_tools):
+    result = sample_tools.run(tool_call("add", "[" * 100_000))
+    assert result.ok is False
+    assert result.error.startswith("the arguments of add are not valid JSON (")
+
+
+def test_tools_run_with_no_tools_registered():
+    assert lich.Tools().run(tool_call("x")) == lich.ToolResult(
+        ok=False, error='unknown tool "x"; no tools are available')
+
+
+def test_tools_run_converts_int_to_float_only(sample_tools):
+    assert sample_tools.run(tool_call("scale", {"xs": [1, 2.5], "factor": 3})) == lich.ToolResult(
+        ok=True, output='["float", "float", "float"]')
+    assert sample_tools.run(tool_call("pick", {"mode": "w", "n": None, "tags": {"a": 1}})) == \
+        lich.ToolResult(ok=True, output='{"mode": "w", "n": null, "tags": {"a": 1}}')
+
+
+def test_tools_run_accepts_already_decoded_arguments(sample_tools):
+    call = {"id": "1", "name": "add", "arguments": {"a": 1, "b": 2}}
+    assert sample_tools.run(call) == lich.ToolResult(ok=True, output="3")
+
+
+@pytest.mark.parametrize("value", [None, "text", [1, {"a": "b"}], True, 3.5],
+                         ids=["null", "string", "array", "boolean", "number"])
+def test_tools_unannotated_parameter_accepts_any_json(sample_tools, value):
+    result = sample_tools.run(tool_call("anything", {"x": value}))
+    expected = value if isinstance(value, str) else ("" if value is None else json.dumps(value))
+    assert result == lich.ToolResult(ok=True, output=expected)
+
+
+class _Opaque:
+    def __repr__(self):
+        return "<opaque>"
+
+
+def _circular():
+    items = []
+    items.append(items)
+    return items
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("plain text", lich.ToolResult(ok=True, output="plain text")),
+    (None, lich.ToolResult(ok=True, output="")),
+    (lich.ToolResult(ok=False, output="partial", error="it broke"),
+     lich.ToolResult(ok=False, output="partial", error="it broke")),
+    ({"a": [1, "é"]}, lich.ToolResult(ok=True, output='{"a": [1, "é"]}')),
+    (42, lich.ToolResult(ok=True, output="42")),
+    ({1, 2}, lich.ToolResult(ok=True, output="{1, 2}")),
+    ({"x": _Opaque()}, lich.ToolResult(ok=True, output="{'x': <opaque>}")),
+    (b"\xff", lich.ToolResult(ok=True, output="b'\\xff'")),
+    (_circular(), lich.ToolResult(ok=True, output="[[...]]")),
+], ids=["str", "None", "ToolResult", "dict", "int", "set", "unencodable object", "bytes",
+        "circular"])
+def test_tools_return_value_to_text(value, expected):
+    tools = lich.Tools()
+    tools.register(lambda: value, name="give")
+    assert tools.run(tool_call("give")) == expected
+
+
+@pytest.mark.parametrize("exc,error", [
+    (ValueError("boom"), "ValueError: boom"),
+    (KeyError("k"), "KeyError: 'k'"),
+    (SystemExit(3), "SystemExit: 3"),
+], ids=["ValueError", "KeyError", "SystemExit"])
+def test_tools_exception_becomes_failed_result(exc, error):
+    tools = lich.Tools()
+
+    def fail():
+        raise exc
+
+    tools.register(fail)
+    assert tools.run(tool_call("fail")) == lich.ToolResult(ok=False, error=error)
+
+
+@pytest.mark.parametrize("limit,text,expected", [
+    (10, "abcdefghijklmnopqrstuvwxyz", "abcde\n[... 16 characters omitted ...]\nvwxyz"),
+    (11, "abcdefghijklmnopqrstuvwxyz", "abcdef\n[... 15 characters omitted ...]\nvwxyz"),
+    (1, "abc", "a\n[... 2 characters omitted ...]\n"),
+    (26, "abcdefghijklmnopqrstuvwxyz", "abcdefghijklmnopqrstuvwxyz"),
+], ids=["even limit", "odd limit", "limit 1", "exactly the limit"])
+def test_tools_truncates_long_output_around_a_marker(limit, text, expected):
+    tools = lich.Tools(max_output_chars=limit)
+    tools.register(lambda: text, name="long")
+    tools.register(lambda: lich.ToolResult(ok=False, output=text, error=text), name="failed")
+    assert tools.run(tool_call("long")) == lich.ToolResult(ok=True, output=expected)
+    assert tools.run(tool_call("failed")) == lich.ToolResult(ok=False, output=expected,
+                                                             error=expected)
+
+
+def test_tools_truncates_default_limit_and_counts_the_marker_once():
+    tools = lich.Tools()
+    text = "h" * 25_000 + "m" * 100_000 + "t" * 25_000
+    tools.register(lambda: text, name="big")
+    output = tools.run(tool_call("big")).output
+    assert output == "h" * 25_000 + "\n[... 100000 characters omitted ...]\n" + "t" * 25_000
+    assert output.count("characters omitted") == 1
+
+
+def test_tools_signal_parameter_receives_the_loop_signal():
+    tools = lich.Tools()
+    seen = []
+
+    @tools.tool
+    def watch(x: int, signal: threading.Event) -> str:
+        seen.append(signal)
+        return f"{x} {signal.is_set()}"
+
+    event = threading.Event()
+    event.set()
+    assert tools.run(tool_call("watch", {"x": 1}), event) == lich.ToolResult(ok=True,
+                                                                               output="1 True")
+    assert tools.run(tool_call("watch", {"x": 2})) == lich.ToolResult(ok=True, output="2 False")
+    assert seen[0] is event and isinstance(seen[1], threading.Event)
+    assert tools.run(tool_call("watch", {"x": 1, "signal": True})) == lich.ToolResult(
+        ok=False, error="invalid arguments for watch: unknown argument 'signal' (watch takes x)")
+
+
+def test_tools_hundred_calls_in_one_turn_stay_cheap(sample_tools):
+    calls = [tool_call("add", {"a": i, "b": 1}, call_id=f"c{i}") for i in range(100)]
+    started = time.perf_counter()
+    results = [sample_tools.run(c) for c in calls]
+    assert time.perf_counter() - started < 0.5
+    assert results == [lich.ToolResult(ok=True, output=str(i + 1)) for i in range(100)]
+
+
+# ---- coding_tools --------------------------------------------------------------
+
+
+@pytest.fixture
+def ws(tmp_path):
+    """A workspace folder, with a secret in a sibling folder outside it."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("top secret\n")
+    return root
+
+
+def run_tool(tools, name, **arguments):
+    return tools.run(tool_call(name, arguments))
+
+
+def finishes(fn, timeout=5.0):
+    """fn() run in a daemon thread; its result, or an AssertionError if it hangs."""
+    box = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert box, f"still running after {timeout} s"
+    return box[0]
+
+
+def process_gone(pid, wait=2.0):
+    """Whether process ``pid`` is dead (a zombie counts as dead) within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.02)
+    return False
+
+
+_CODING_SPECS = {
+    "read_file": {
+        "description": "Read a text file of the workspace: its lines, numbered from 1; long "
+                       "lines are cut.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "offset": {"type": "integer", "description": "The number of the first line to read.",
+                       "default": 1},
+            "limit": {"type": "integer", "description": "The most lines to read.",
+                      "default": 2000}}, ["path"])},
+    "list_files": {
+        "description": "List the files under a folder of the workspace, sorted, as paths from "
+                       "the root; skips .git, node_modules, __pycache__, .venv and venv.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The folder, relative to the workspace root.",
+                     "default": "."},
+            "pattern": {"type": "string", "default": "**/*",
+                        "description": 'A glob the file paths, relative to that folder, must '
+                                       'match, such as "**/*.py" or "src/*.{js,ts}"; one without '
+                                       '"/" matches file names at any depth.'}})},
+    "search": {
+        "description": 'Search the text files of the workspace, line by line, for a regular '
+                       'expression; answers with "file:line: text" lines.',
+        "parameters": obj_schema({
+            "pattern": {"type": "string",
+                        "description": "A Python regular expression (the re module's syntax)."},
+            "path": {"type": "string", "default": ".",
+                     "description": "The folder or file to search, relative to the workspace "
+                                    "root."},
+            "glob": {"type": ["string", "null"], "default": None,
+                     "description": 'Only search the files matching this glob, such as "*.py" or '
+                                    '"src/**/*.ts".'}}, ["pattern"])},
+    "write_file": {
+        "description": "Create or overwrite a text file of the workspace; missing folders are "
+                       "created.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "content": {"type": "string", "description": "The whole new text of the file."}},
+            ["path", "content"])},
+    "edit_file": {
+        "description": "Replace old_text, which must occur exactly once in the file, with "
+                       "new_text.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "old_text": {"type": "string",
+                         "description": "The text to replace, copied exactly (whitespace "
+                                        "included), with enough of its surroundings to occur only "
+                                        "once."},
+            "new_text": {"type": "string", "description": "The text to put in its place."}},
+            ["path", "old_text", "new_text"])},
+    "bash": {
+        "description": "Run a shell command with /bin/sh in the workspace root; answers with its "
+                       "output (stdout and stderr together) and its exit code. Stdin is closed; "
+                       "the command is killed after 120 seconds; background processes do not "
+                       "outlive it.",
+        "parameters": obj_schema({
+            "command": {"type": "string", "description": "The command, run by /bin/sh -c."}},
+            ["command"])},
+}
+
+
+@pytest.mark.parametrize("name", list(_CODING_SPECS))
+def test_coding_tools_spec(ws, name):
+    specs = {s["name"]: s for s in lich.coding_tools(ws, allow_write=True,
+                                                     allow_shell=True).specs()}
+    assert specs[name] == {"name": name, **_CODING_SPECS[name]}
+
+
+@pytest.mark.parametrize("options,names", [
+    ({}, ["read_file", "list_files", "search"]),
+    ({"allow_write": True}, ["read_file", "list_files", "search", "write_file", "edit_file"]),
+    ({"allow_shell": True}, ["read_file", "list_files", "search", "bash"]),
+    ({"allow_write": True, "allow_shell": True},
+     ["read_file", "list_files", "search", "write_file", "edit_file", "bash"]),
+], ids=["read only", "write", "shell", "write and shell"])
+def test_coding_tools_offered(ws, options, names):
+    tools = lich.coding_tools(ws, **options)
+    assert [s["name"] for s in tools.specs()] == names
+    assert run_tool(tools, "bash", command="true").ok is ("bash" in names)
+
+
+def test_coding_tools_refuses_bad_options(ws):
+    with pytest.raises(ValueError, match="^root is not a directory: "):
+        lich.coding_tools(ws / "missing")
+    with pytest.raises(ValueError):
+        lich.coding_tools(ws, shell_timeout=0)
+    with pytest.raises(TypeError):
+        lich.coding_tools(ws, approve="yes")
+
+
+def test_read_file_numbers_lines(ws):
+    (ws / "f.txt").write_bytes(b"one\r\ntwo\nthree\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="f.txt") == lich.ToolResult(
+        ok=True, output="     1\tone\n     2\ttwo\n     3\tthree")
+    assert run_tool(tools, "read_file", path="f.txt", offset=2, limit=1) == lich.ToolResult(
+        ok=True, output="     2\ttwo\n[... the file goes on; read more with offset=3]")
+    assert run_tool(tools, "read_file", path=str(ws / "f.txt"), offset=3) == lich.ToolResult(
+        ok=True, output="     3\tthree")
+
+
+@pytest.mark.parametrize("content,arguments,result", [
+    (b"", {}, lich.ToolResult(ok=True, output="(the file is empty)")),
+    (b"a\nb\nc", {"offset": 10}, lich.ToolResult(
+        ok=False, error="offset 10 is past the end of f.txt, which has 3 lines")),
+    (b"a\n", {"offset": 0}, lich.ToolResult(ok=False, error="offset and limit must be 1 or more")),
+    (b"a\n", {"limit": 0}, lich.ToolResult(ok=False, error="offset and limit must be 1 or more")),
+    (b"caf\xe9 \xff\n", {}, lich.ToolResult(ok=True, output="     1\tcaf\ufffd \ufffd")),
+    (b"x" * 2500 + b"\nok\n", {}, lich.ToolResult(
+        ok=True, output="     1\t" + "x" * 2000 + " [... 500 more characters]\n     2\tok")),
+    ("é".encode() * 3_000_000 + b"\r\nend", {}, lich.ToolResult(
+        ok=True, output="     1\t" + "é" * 2000 + " [... 2998000 more characters]\n     2\tend")),
+    (b"\x7fELF\x00\x01", {}, lich.ToolResult(ok=False,
+                                              error="path is a binary file, not text: f.txt")),
+], ids=["empty", "offset past the end", "offset 0", "limit 0", "invalid UTF-8", "long line",
+        "6 MB line", "binary"])
+def test_read_file_cases(ws, content, arguments, result):
+    (ws / "f.txt").write_bytes(content)
+    assert run_tool(lich.coding_tools(ws), "read_file", path="f.txt", **arguments) == result
+
+
+def test_read_file_huge_file_stops_at_its_budget(ws):
+    with open(ws / "big.txt", "w") as f:
+        f.writelines(f"line {i + 1} " + "x" * 90 + "\n" for i in range(200_000))
+    output = run_tool(lich.coding_tools(ws), "read_file", path="big.txt").output
+    lines = output.split("\n")
+    shown = len(lines) - 1
+    assert lines[-1] == f"[... the file goes on; read more with offset={shown + 1}]"
+    assert lines[0] == "     1\tline 1 " + "x" * 90
+    assert lines[-2].startswith(f"{shown:6}\tline {shown} ")
+    assert 30_000 < len(output) <= 40_100
+    short = run_tool(lich.coding_tools(ws), "read_file", path="big.txt", offset=199_999).output
+    assert short == "199999\tline 199999 " + "x" * 90 + "\n200000\tline 200000 " + "x" * 90
+
+
+def test_read_file_refusals(ws, tmp_path):
+    (ws / "sub").mkdir()
+    os.mkfifo(ws / "pipe")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="sub") == lich.ToolResult(
+        ok=False, error="path is a directory, not a file: sub; list_files shows what it holds")
+    assert run_tool(tools, "read_file", path="nope.txt") == lich.ToolResult(
+        ok=False, error="no such file or directory: nope.txt")
+    assert finishes(lambda: run_tool(tools, "read_file", path="pipe")) == lich.ToolResult(
+        ok=False, error="path is not a regular file: pipe")
+
+
+def test_read_file_refuses_a_device_file(ws):
+    try:
+        os.mknod(ws / "null", 0o20666, os.makedev(1, 3))  # a character device: /dev/null's twin
+    except (PermissionError, AttributeError):
+        pytest.skip("creating a device file needs privileges")
+    tools = lich.coding_tools(ws)
+    assert finishes(lambda: run_tool(tools, "read_file", path="null")) == lich.ToolResult(
+        ok=False, error="path is not a regular file: null")
+    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="no files match **/* "
+                                                                           "under .")
+
+
+def _make_links(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (ws / "inside.txt").write_text("inside\n")
+    os.symlink(outside / "secret.txt", ws / "link.txt")
+    os.symlink(outside, ws / "outdir")
+    os.symlink("/dev/zero", ws / "zero")
+    os.symlink("loop_b", ws / "loop_a")
+    os.symlink("loop_a", ws / "loop_b")
+    os.symlink("inside.txt", ws / "alias.txt")
+
+
+@pytest.mark.parametrize("path", [
+    "../outside/secret.txt", "sub/../../outside/secret.txt", "{outside}/secret.txt", "/etc/passwd",
+    "link.txt", "outdir/secret.txt", "zero",
+], ids=["../", "folder then ../..", "absolute outside", "/etc/passwd", "symlink to a file outside",
+        "symlinked folder outside", "/dev/zero through a symlink"])
+def test_read_file_stays_in_the_workspace(ws, tmp_path, path):
+    _make_links(ws, tmp_path)
+    path = path.format(outside=tmp_path / "outside")
+    result = finishes(lambda: run_tool(lich.coding_tools(ws), "read_file", path=path))
+    assert result == lich.ToolResult(ok=False, error=f"path is outside the workspace: {path}")
+
+
+def test_read_file_symlinks_inside(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="alias.txt") == lich.ToolResult(
+        ok=True, output="     1\tinside")
+    assert run_tool(tools, "read_file", path="loop_a") == lich.ToolResult(
+        ok=False, error="too many levels of symbolic links: loop_a")
+
+
+def test_coding_tools_root_given_through_a_symlink(ws, tmp_path):
+    (ws / "f.txt").write_text("x\n")
+    os.symlink(ws, tmp_path / "ws_link")
+    tools = lich.coding_tools(str(tmp_path / "ws_link"))
+    assert run_tool(tools, "read_file", path="f.txt") == lich.ToolResult(ok=True,
+                                                                          output="     1\tx")
+    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="f.txt")
+
+
+def _make_tree(ws):
+    for rel in ["a.py", "b.txt", ".hidden", "src/c.py", "src/deep/d.py", "src/e.js",
+                ".git/config", "node_modules/m.js", "__pycache__/a.pyc", ".venv/v.py",
+                "venv/w.py", "src/node_modules/n.js"]:
+        path = ws / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"def {path.stem.strip('.')}():\n    return '{rel}'\n")
+
+
+@pytest.mark.parametrize("arguments,output", [
+    ({}, ".hidden\na.py\nb.txt\nsrc/c.py\nsrc/deep/d.py\nsrc/e.js"),
+    ({"pattern": "*.py"}, "a.py\nsrc/c.py\nsrc/deep/d.py"),
+    ({"pattern": "**/*.py"}, "a.py\nsrc/c.py\nsrc/deep/d.py"),
+    ({"pattern": "src/*.py"}, "src/c.py"),
+    ({"pattern": "src/**"}, "src/c.py\nsrc/deep/d.py\nsrc/e.js"),
+    ({"pattern": "*.{js,txt}"}, "b.txt\nsrc/e.js"),
+    ({"pattern": "[ab].*"}, "a.py\nb.txt"),
+    ({"pattern": "?.py"}, "a.py\nsrc/c.py\nsrc/deep/d.py"),
+    ({"path": "src", "pattern": "*.py"}, "src/c.py\nsrc/deep/d.py"),
+    ({"path": "src/"}, "src/c.py\nsrc/deep/d.py\nsrc/e.js"),
+    ({"path": ".git"}, ".git/config"),
+    ({"pattern": "*.rs"}, "no files match *.rs under ."),
+], ids=["everything", "name glob", "**/ glob", "folder glob", "folder/**", "braces", "class",
+        "question mark", "subfolder", "trailing slash", "skipped folder asked for", "no match"])
+def test_list_files(ws, arguments, output):
+    _make_tree(ws)
+    assert run_tool(lich.coding_tools(ws), "list_files", **arguments) == lich.ToolResult(
+        ok=True, output=output)
+
+
+def test_list_files_caps_its_answer(ws):
+    for i in range(505):
+        (ws / f"f{i:03}.txt").write_text("")
+    output = run_tool(lich.coding_tools(ws), "list_files").output
+    assert output.split("\n") == [f"f{i:03}.txt" for i in range(500)] + ["... 5 more"]
+
+
+def test_list_files_never_follows_links_out(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    os.mkfifo(ws / "pipe")
+    os.symlink(".", ws / "self")  # a folder link inside: not followed either
+    result = finishes(lambda: run_tool(lich.coding_tools(ws), "list_files"))
+    assert result == lich.ToolResult(ok=True, output="alias.txt\ninside.txt")
+
+
+@pytest.mark.parametrize("path,error", [
+    ("..", "path is outside the workspace: .."),
+    ("outdir", "path is outside the workspace: outdir"),
+    ("inside.txt", "path is not a directory: inside.txt"),
+    ("missing", "no such file or directory: missing"),
+], ids=["parent", "symlinked folder outside", "a file", "missing"])
+def test_list_files_refusals(ws, tmp_path, path, error):
+    _make_links(ws, tmp_path)
+    assert run_tool(lich.coding_tools(ws), "list_files", path=path) == lich.ToolResult(
+        ok=False, error=error)
+
+
+@pytest.mark.parametrize("arguments,output", [
+    ({"pattern": r"def \w+"},
+     (".hidden:1: def hidden():\na.py:1: def a():\nb.txt:1: def b():\nsrc/c.py:1: def c():\n"
+      "src/deep/d.py:1: def d():\nsrc/e.js:1: def e():")),
+    ({"pattern": "return 'src", "glob": "*.py"},
+     "src/c.py:2:     return 'src/c.py'\nsrc/deep/d.py:2:     return 'src/deep/d.py'"),
+    ({"pattern": "return", "path": "src/c.py"}, "src/c.py:2:     return 'src/c.py'"),
+    ({"pattern": "return", "path": "src", "glob": "deep/*"},
+     "src/deep/d.py:2:     return 'src/deep/d.py'"),
+    ({"pattern": "nothing like this"}, "no matches"),
+], ids=["regex", "glob", "one file", "folder and glob", "no match"])
+def test_search(ws, arguments, output):
+    _make_tree(ws)
+    (ws / "data.bin").write_bytes(b"\x00def binary():\n")
+    assert run_tool(lich.coding_tools(ws), "search", **arguments) == lich.ToolResult(
+        ok=True, output=output)
+
+
+def test_search_caps_matches_and_cuts_lines(ws):
+    (ws / "many.txt").write_text("hit\n" * 205)
+    (ws / "wide.txt").write_text("hit " + "w" * 3000 + "\n")
+    tools = lich.coding_tools(ws)
+    lines = run_tool(tools, "search", pattern="hit", glob="many.txt").output.split("\n")
+    assert lines == [f"many.txt:{i}: hit" for i in range(1, 201)] + ["... 5 more matches"]
+    assert run_tool(tools, "search", pattern="hit", path="wide.txt") == lich.ToolResult(
+        ok=True, output="wide.txt:1: hit " + "w" * 496)
+
+
+def test_search_refusals(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    os.mkfifo(ws / "pipe")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern="(") == lich.ToolResult(
+        ok=False, error="invalid regular expression: missing ), unterminated subpattern at "
+                        "position 0")
+    assert finishes(lambda: run_tool(tools, "search", pattern="secret")) == lich.ToolResult(
+        ok=True, output="no matches")
+    assert run_tool(tools, "search", pattern="secret", path="outdir") == lich.ToolResult(
+        ok=False, error="path is outside the workspace: outdir")
+    assert run_tool(tools, "search", pattern="x", path="pipe") == lich.ToolResult(
+        ok=False, error="path is not a regular file or a directory: pipe")
+
+
+def test_search_aborts_between_files(ws):
+    (ws / "a.txt").write_text("x\n")
+    event = threading.Event()
+    event.set()
+    assert lich.coding_tools(ws).run(tool_call("search", {"pattern": "x"}), event) == \
+        lich.ToolResult(ok=False, error="the search was aborted")
+
+
+class Approver:
+    """An approve callback that records the calls it was asked about."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.asked = []
+
+    def __call__(self, call):
+        self.asked.append(call)
+        return self.answer
+
+
+def test_write_file_creates_folders_and_overwrites(ws):
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "write_file", path="new/dir/f.txt", content="héllo\n") == \
+        lich.ToolResult(ok=True, output="wrote 6 characters to new/dir/f.txt")
+    assert run_tool(tools, "write_file", path="new/dir/f.txt", content="bye") == \
+        lich.ToolResult(ok=True, output="wrote 3 characters to new/dir/f.txt")
+    assert (ws / "new/dir/f.txt").read_bytes() == b"bye"
+
+
+@pytest.mark.parametrize("path,error", [
+    ("../escape.txt", "path is outside the workspace: ../escape.txt"),
+    ("{outside}/new.txt", "path is outside the workspace: {outside}/new.txt"),
+    ("outdir/new.txt", "path is outside the workspace: outdir/new.txt"),
+    ("link.txt", "path is outside the workspace: link.txt"),
+    ("sub", "path is a directory: sub"),
+    ("inside.txt/x", "a part of the path is not a directory: inside.txt/x"),
+], ids=["../", "absolute outside", "symlinked folder outside", "symlink to a file outside",
+        "a folder", "below a file"])
+def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, error):
+    _make_links(ws, tmp_path)
+    (ws / "sub").mkdir()
+    outside = tmp_path / "outside"
+    path, error = path.format(outside=outside), error.format(outside=outside)
+    approve = Approver(True)
+    tools = lich.coding_tools(ws, allow_write=True, approve=approve)
+    assert run_tool(tools, "write_file", path=path, content="x") == lich.ToolResult(ok=False,
+                                                                                  error=error)
+    assert approve.asked == []
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "top secret\n"
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_write_file_asks_approval(ws):
+    declined = Approver(False)
+    tools = lich.coding_tools(ws, allow_write=True, approve=declined)
+    call = tool_call("write_file", {"path": "f.txt", "content": "x"}, call_id="w1")
+    assert tools.run(call) == lich.ToolResult(ok=False, error="the user declined this call")
+    assert declined.asked == [call]
+    assert not (ws / "f.txt").exists()
+    assert tools.run(tool_call("write_file", {"path": "f.txt"})).ok is False
+    assert declined.asked == [call]  # invalid arguments: nobody is asked
+    accepted = Approver(True)
+    tools = lich.coding_tools(ws, allow_write=True, approve=accepted)
+    assert tools.run(call) == lich.ToolResult(ok=True, output="wrote 1 characters to f.txt")
+    assert accepted.asked == [call]
+
+
+def test_edit_file(ws):
+    (ws / "f.py").write_bytes(b"\xff\nold = 1\nkeep\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="f.py", old_text="old = 1", new_text="new = 2") == \
+        lich.ToolResult(ok=True, output="replaced 1 occurrence of old_text in f.py")
+    assert (ws / "f.py").read_bytes() == b"\xff\nnew = 2\nkeep\n"
+
+
+@pytest.mark.parametrize("old_text,error", [
+    ("absent", ("old_text was not found in f.txt; read the file and copy the text exactly, "
+                "whitespace included")),
+    ("twice", ("old_text occurs 2 times in f.txt; include more of the surrounding text so that "
+               "it occurs exactly once")),
+    ("", "old_text is empty; copy the exact text to replace from the file"),
+], ids=["zero matches", "two matches", "empty old_text"])
+def test_edit_file_needs_exactly_one_match(ws, old_text, error):
+    (ws / "f.txt").write_text("twice\ntwice\n")
+    approve = Approver(True)
+    tools = lich.coding_tools(ws, allow_write=True, approve=approve)
+    assert run_tool(tools, "edit_file", path="f.txt", old_text=old_text, new_text="x") == \
+        lich.ToolResult(ok=False, error=error)
+    assert (ws / "f.txt").read_text() == "twice\ntwice\n"
+    assert approve.asked == []
+
+
+def test_edit_file_refusals(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    (ws / "bin.dat").write_bytes(b"a\x00b")
+    declined = Approver(False)
+    tools = lich.coding_tools(ws, allow_write=True, approve=declined)
+    assert run_tool(tools, "edit_file", path="link.txt", old_text="top", new_text="x") == \
+        lich.ToolResult(ok=False, error="path is outside the workspace: link.txt")
+    assert run_tool(tools, "edit_file", path="bin.dat", old_text="a", new_text="x") == \
+        lich.ToolResult(ok=False, error="path is a binary file, not text: bin.dat")
+    assert declined.asked == []
+    assert run_tool(tools, "edit_file", path="inside.txt", old_text="inside", new_text="x") == \
+        lich.ToolResult(ok=False, error="the user declined this call")
+    assert len(declined.asked) == 1
+    assert (ws / "inside.txt").read_text() == "inside\n"
+    assert (tmp_path / "outside" / "secret.txt").read_text() == "top secret\n"
+
+
+@pytest.mark.parametrize("command,result", [
+    ("echo hi", lich.ToolResult(ok=True, output="hi\n[exit code 0]")),
+    ("echo out; echo err >&2", lich.ToolResult(ok=True, output="out\nerr\n[exit code 0]")),
+    ("printf 'no newline'", lich.ToolResult(ok=True, output="no newline\n[exit code 0]")),
+    ("cat", lich.ToolResult(ok=True, output="[exit code 0]")),
+    ("echo bad; exit 3", lich.ToolResult(ok=False, output="bad\n[exit code 3]",
+                                         error="the command exited with code 3")),
+    ("kill -9 $$", lich.ToolResult(ok=False, output="[exit code -9]",
+                                   error="the command was killed by signal 9")),
+    ("printf 'a\\377b\\n'", lich.ToolResult(ok=True, output="a\ufffdb\n[exit code 0]")),
+    ("  ", lich.ToolResult(ok=False, error="command is empty")),
+], ids=["stdout", "stderr merged", "no final newline", "stdin closed", "non-zero exit",
+        "killed by a signal", "non-UTF-8 output", "empty command"])
+def test_bash(ws, command, result):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=5)
+    assert finishes(lambda: run_tool(tools, "bash", command=command)) == result
+
+
+def test_bash_runs_in_the_root(ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=5)
+    assert run_tool(tools, "bash", command="pwd; ls") == lich.ToolResult(
+        ok=True, output=f"{os.path.realpath(ws)}\n[exit code 0]")
+
+
+def test_bash_timeout_kills_the_whole_group(ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+    started = time.monotonic()
+    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo waiting; wait")
+    assert time.monotonic() - started < 2
+    assert result == lich.ToolResult(ok=False, output="waiting\n",
+                                     error="the command timed out after 0.5 seconds and was "
+                                           "killed")
+    assert process_gone(int((ws / "child.pid").read_text()))
+
+
+def test_bash_background_child_holding_the_output_cannot_hang_it(ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=10)
+    started = time.monotonic()
+    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo started")
+    assert time.monotonic() - started < 2
+    assert result == lich.ToolResult(
+        ok=True, output="started\n[background processes left running were killed]\n"
+                        "[exit code 0]")
+    assert process_gone(int((ws / "child.pid").read_text()))
+
+
+def test_bash_shell_closing_its_output_still_times_out(ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+    started = time.monotonic()
+    result = run_tool(tools, "bash", command="echo bye; exec >&- 2>&-; sleep 30")
+    assert time.monotonic() - started < 2
+    assert result == lich.ToolResult(ok=False, output="bye\n", error="the command timed out "
+                                                                     "after 0.5 seconds and was "
+                                                                     "killed")
+
+
+def test_bash_abort_mid_command(ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=30)
+    event = threading.Event()
+    timer = threading.Timer(0.3, event.set)
+    timer.start()
+    started = time.monotonic()
+    try:
+        result = tools.run(tool_call("bash", {"command": "echo $$ > sh.pid; echo started; "
+                                                         "sleep 30"}), event)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 2
+    assert result == lich.ToolResult(ok=False, output="started\n",
+                                     error="the command was aborted and killed")
+    assert process_gone(int((ws / "sh.pid").read_text()))
+    assert tools.run(tool_call("bash", {"command": "touch never"}), event) == lich.ToolResult(
+        ok=False, error="the command was aborted before it started")
+    assert not (ws / "never").exists()
+
+
+def test_bash_50_mb_of_output_is_streamed_and_capped(ws):
+    resource = pytest.importorskip("resource")
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = run_tool(tools, "bash", command="head -c 50000000 /dev/zero | tr '\\0' a")
+    growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    growth_kib = growth // 1024 if sys.platform == "darwin" else growth  # bytes there
+    assert result == lich.ToolResult(
+        ok=True, output="a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000
+                        + "\n[exit code 0]")
+    assert growth_kib < 100 * 1024
+
+
+def test_bash_asks_approval(ws):
+    declined = Approver(False)
+    tools = lich.coding_tools(ws, allow_shell=True, approve=declined)
+    call = tool_call("bash", {"command": "touch made"})
+    assert tools.run(call) == lich.ToolResult(ok=False, error="the user declined this call")
+    assert declined.asked == [call]
+    assert not (ws / "made").exists()
+    assert run_tool(tools, "bash") == lich.ToolResult(
+        ok=False, error="invalid arguments for bash: missing required argument 'command'")
+    assert declined.asked == [call]
+
 
 # ============================================================================
 # Command line
