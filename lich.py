@@ -1341,8 +1341,7 @@ class Tools:
         """The tool specs, in registration order."""
         return [tool.spec for tool in self._tools.values()]
 
-    def run(self, call: dict,
-            signal: Optional[threading.Event] = None) -> ToolResult:  # noqa: FA100
+    def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult:
         """Run one tool call; never raises: every failure is a failed ToolResult."""
         try:
             if not isinstance(call, dict):
@@ -1370,7 +1369,7 @@ class Tools:
             return ToolResult(ok=True, output=self._limit(text))
         except _ToolFailure as e:
             return ToolResult(ok=False, error=self._limit(str(e)))
-        except (Exception, SystemExit) as e:  # noqa: BLE001 -- run never raises
+        except (Exception, SystemExit) as e:  # run never raises
             _log.debug("tool call %r raised", call, exc_info=True)
             return ToolResult(ok=False, error=self._limit(f"{type(e).__name__}: {e}"))
 
@@ -1764,7 +1763,7 @@ class _Workspace:
         return "\n".join(lines) if lines else f"no files match {pattern} under {path}"
 
     def search(self, pattern: str, path: str = ".",
-               glob: Optional[str] = None,  # noqa: FA100
+               glob: Optional[str] = None,
                *, signal: threading.Event) -> str:
         """Search the text files of the workspace, line by line, for a regular expression;
         answers with "file:line: text" lines.
