@@ -291,6 +291,9 @@ _HTTP_URL = re.compile(r"https?://[^/?#\s]", re.IGNORECASE)
 _SPEC = re.compile(r"\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z", re.DOTALL)
 
 
+_json_decode = json.JSONDecoder().decode  # for str: json.loads minus its per-call checks
+
+
 def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
     import requests
@@ -369,6 +372,16 @@ def _error_from_wire(body):
         data = json.loads(raw) if raw[:1] in ("{", "[") else None
     except ValueError:
         data = None
+    text, codes = _error_fields(data)
+    if not text:
+        text = raw or "(empty body)"
+    if len(text) > _ERROR_TEXT_MAX_CHARS:
+        text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
+    return text, codes
+
+
+def _error_fields(data):
+    """(text or None, codes) from a parsed error object: OpenAI's, Anthropic's, FastAPI's..."""
     text = None
     codes = ()
     if isinstance(data, dict):
@@ -390,11 +403,7 @@ def _error_from_wire(body):
                 if value:
                     text = json.dumps(value, ensure_ascii=False)
                     break
-    if not isinstance(text, str) or not text:
-        text = raw or "(empty body)"
-    if len(text) > _ERROR_TEXT_MAX_CHARS:
-        text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
-    return text, codes
+    return (text if isinstance(text, str) and text else None), codes
 
 
 def _classify_http_error(status, body, headers):
@@ -495,6 +504,44 @@ def _sse_events(chunks, signal):
         yield event, data
 
 
+def _ack_now(response):
+    """Acknowledge the response headers at once instead of after the delayed-ACK timer.
+
+    A server that writes headers and body separately with Nagle's algorithm on (Python's
+    http.server does) holds the body until that ACK: ~40 ms on every reused connection.
+    TCP_QUICKACK exists on Linux; elsewhere this does nothing.
+    """
+    import socket  # loaded by requests already
+    option = getattr(socket, "TCP_QUICKACK", None)
+    if option is not None:
+        try:
+            response.raw.connection.sock.setsockopt(socket.IPPROTO_TCP, option, 1)
+        except (AttributeError, OSError):
+            pass
+
+
+def _body_end_arrived(response):
+    """Whether the bytes after a stream's end marker have already arrived.
+
+    Reading them returns the connection to the pool, but waiting for them can cost ~40 ms:
+    a server using Nagle's algorithm holds its last small write until our delayed ACK.
+    So we look without blocking, and otherwise let the connection be closed.
+    """
+    try:
+        sock = response.raw.connection.sock
+        buffered = response.raw._fp.fp  # http.client's reader over the socket
+        timeout = sock.gettimeout()
+    except AttributeError:
+        return False
+    try:
+        sock.settimeout(0)
+        return bool(buffered.peek(1))
+    except OSError:  # nothing yet (a TLS socket says so with SSLWantReadError)
+        return False
+    finally:
+        sock.settimeout(timeout)
+
+
 class _HTTPChat:
     """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors."""
 
@@ -554,11 +601,13 @@ class _HTTPChat:
         _log.debug("%s: POST %s model=%s stream=%s", self._provider, self._url, self.model,
                    self.stream)
         try:
+            # stream=True even for a plain answer: control returns after the headers
             response = self._http().post(
                 self._url, data=json.dumps(body).encode(),
-                headers=self._headers, timeout=self._timeouts, stream=self.stream)
+                headers=self._headers, timeout=self._timeouts, stream=True)
         except requests.RequestException as e:
             raise self._transport_error(e, streaming=False) from e
+        _ack_now(response)
         status = response.status_code
         if 200 <= status < 300:
             return response
@@ -574,21 +623,25 @@ class _HTTPChat:
                           retry_after=retry_after)
 
     def _result(self, response):
-        content = response.content
+        try:
+            content = response.content
+        except _requests().RequestException as e:
+            raise self._transport_error(e, streaming=False) from e
         try:
             data = json.loads(content)
         except ValueError:
             raise self._invalid("body is not JSON", content) from None
-        return self._checked(self._from_wire, data, content)
+        try:
+            return self._from_wire(data)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            raise self._invalid(f"unexpected JSON shape ({type(e).__name__}: {e})",
+                                content) from e
 
     def _stream_result(self, response, signal):
         requests = _requests()
         if response.headers.get("content-type", "").startswith("application/json"):
             # A server that ignored stream=true: one delta with the whole text.
-            try:
-                result = self._result(response)
-            except requests.RequestException as e:
-                raise self._transport_error(e, streaming=True) from e
+            result = self._result(response)
             if result.message["content"] and self.on_delta is not None:
                 self.on_delta(result.message["content"])
             return result
@@ -596,23 +649,17 @@ class _HTTPChat:
         chunks = response.iter_content(size)
         try:
             result = self._from_wire_stream(_sse_events(chunks, signal), self.on_delta)
-            drained = 0
-            for chunk in chunks:  # normally just the terminating chunk: keeps the connection
-                drained += len(chunk)
-                if drained > _STREAM_DRAIN_MAX_BYTES:
-                    break
+            if _body_end_arrived(response):
+                drained = 0
+                for chunk in chunks:  # the chunked terminator: the connection can be reused
+                    drained += len(chunk)
+                    if drained > _STREAM_DRAIN_MAX_BYTES:
+                        break
         except requests.RequestException as e:
             raise self._transport_error(e, streaming=True) from e
         except _OversizedEvent as e:
             raise self._error(f"invalid response: {e}", "invalid_response") from e
         return result
-
-    def _checked(self, parse, data, body):
-        """``parse(data)``, with any shape error turned into ProviderError(invalid_response)."""
-        try:
-            return parse(data)
-        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
-            raise self._invalid(f"unexpected JSON shape ({type(e).__name__}: {e})", body) from e
 
     # -- errors -------------------------------------------------------------------------
 
@@ -640,15 +687,8 @@ class _HTTPChat:
 
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream."""
-        error = payload.get("error") if isinstance(payload, dict) else None
-        text = None
-        codes = ()
-        if isinstance(error, dict):
-            text = error.get("message")
-            codes = tuple(str(error[k]) for k in ("code", "type") if error.get(k) is not None)
-        elif isinstance(error, str):
-            text = error
-        if not isinstance(text, str) or not text:
+        text, codes = _error_fields(payload)
+        if not text:
             text = _snippet(json.dumps(payload, ensure_ascii=False))
         kind = "overloaded" if "overloaded_error" in codes else "invalid_response"
         label = f" ({codes[0]})" if codes else ""
@@ -788,7 +828,7 @@ class OpenAIChat(_HTTPChat):
                 done = True
                 break
             try:
-                chunk = json.loads(data)
+                chunk = _json_decode(data.decode())
             except ValueError:
                 raise self._invalid("SSE data is not JSON", data) from None
             if event == b"error" or not isinstance(chunk, dict) or chunk.get("error"):
@@ -986,7 +1026,7 @@ class AnthropicChat(_HTTPChat):
         done = False
         for event, data in events:
             try:
-                payload = json.loads(data)
+                payload = _json_decode(data.decode())
             except ValueError:
                 raise self._invalid("SSE data is not JSON", data) from None
             if not isinstance(payload, dict):

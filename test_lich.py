@@ -616,6 +616,26 @@ def test_calls_from_one_thread_reuse_one_connection(server, stream):
     assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
 
 
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
+    # The loopback server writes headers and body separately with Nagle's algorithm on:
+    # without an immediate ACK each call on a reused connection would stall ~40 ms.
+    def responder(request):
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply("x"))
+
+    server.responder = responder
+    chat = openai_at(server, stream=stream)
+    chat(USER)
+    started = time.monotonic()
+    for _ in range(10):
+        chat(USER)
+    assert time.monotonic() - started < 0.25
+
+
 # -- Anthropic: the wire ----------------------------------------------------------------
 
 
