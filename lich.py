@@ -579,10 +579,10 @@ class _HTTPChat:
                               f"(or pass api_key=...)", "auth")
         body = self._to_wire(messages, tools, temperature, max_tokens)
         response = self._send(body)
-        if not self.stream:
-            return self._result(response)
         try:
-            return self._stream_result(response, signal)
+            if self.stream:
+                return self._stream_result(response, signal)
+            return self._result(response)
         finally:
             response.close()
 
@@ -808,8 +808,9 @@ class OpenAIChat(_HTTPChat):
             if not isinstance(arguments, str):
                 arguments = "{}" if arguments is None else json.dumps(arguments,
                                                                        ensure_ascii=False)
-            calls.append({"id": call.get("id") or f"call_{i}", "name": name,
-                          "arguments": arguments or "{}"})
+            call_id = call.get("id")
+            calls.append({"id": call_id if isinstance(call_id, str) and call_id else f"call_{i}",
+                          "name": name, "arguments": arguments or "{}"})
         usage = data.get("usage") or {}
         return ChatResult(
             message=_assistant_message(content, calls),
@@ -881,6 +882,9 @@ class OpenAIChat(_HTTPChat):
     def _add_call_deltas(self, slots, calls, data):
         for call in calls:
             function = call.get("function") or {}
+            if not all(isinstance(v, str) for v in (call.get("id") or "",
+                                                     function.get("name") or "")):
+                raise TypeError("a tool call id or name that is not a string")
             key = call.get("index")
             if key is None:  # Mistral sends whole calls without an index
                 key = ("id", call["id"]) if call.get("id") else ("position", len(slots))
@@ -1007,6 +1011,8 @@ class AnthropicChat(_HTTPChat):
                     raise TypeError("text block without a string")
                 texts.append(block["text"])
             elif kind == "tool_use":
+                if not (isinstance(block["id"], str) and isinstance(block["name"], str)):
+                    raise TypeError("tool_use block without a string id and name")
                 calls.append({"id": block["id"], "name": block["name"],
                               "arguments": json.dumps(block.get("input") or {},
                                                       ensure_ascii=False)})

@@ -616,6 +616,15 @@ def test_calls_from_one_thread_reuse_one_connection(server, stream):
     assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
 
 
+def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
+    # The server sleeps before each chunk; the empty one only delays the chunked terminator.
+    body = openai_sse(delta_chunk(content="x"), delta_chunk(finish="stop"))
+    server.reply(200, chunks=[body, ""], delay=0.3)
+    started = time.monotonic()
+    assert openai_at(server, stream=True)(USER).message == {"role": "assistant", "content": "x"}
+    assert time.monotonic() - started < 0.55
+
+
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
 def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
