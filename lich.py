@@ -3301,27 +3301,26 @@ def _run_interruptibly(work, signal, term):
     busy after the grace period (a blocking HTTP read), raises KeyboardInterrupt.
     """
     outcome = {}
+    done = threading.Event()  # not Thread.join: a join cut by Ctrl-C can misreport is_alive
 
     def target():
         try:
             outcome["value"] = work()
         except BaseException as exc:
             outcome["error"] = exc
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=target, name="lich-run", daemon=True)
-    worker.start()
+    threading.Thread(target=target, name="lich-run", daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.1)
+        while not done.wait(0.1):
+            pass
     except KeyboardInterrupt:
         signal.set()
         term.stop_spinner()
         term.end_answer()
         term.note("interrupted; stopping (Ctrl-C again to quit at once)")
-        deadline = time.monotonic() + _ABORT_GRACE_SECONDS
-        while worker.is_alive() and time.monotonic() < deadline:
-            worker.join(0.05)
-        if worker.is_alive():
+        if not done.wait(_ABORT_GRACE_SECONDS):
             raise KeyboardInterrupt from None
     if "error" in outcome:
         raise outcome["error"]
@@ -3605,7 +3604,7 @@ def _main(args, environ, logger_handler) -> int:
         return _list_sessions(args.session_dir or _default_session_dir(environ), _Terminal())
     cli = _Cli(args, environ)
     logger_handler.term = cli.term
-    history = _load_session(cli.sessions_home, args.resume) if args.resume else []
+    history = [] if args.resume is None else _load_session(cli.sessions_home, args.resume)
     if cli.interactive:
         return cli.repl(history)
     piped = None if sys.stdin.isatty() else sys.stdin.read()

@@ -3808,6 +3808,415 @@ def test_import_does_not_import_requests():
     assert proc.stdout == "False\n", proc.stderr
 
 
+def cli_env(server, tmp_path, **extra):
+    """Environment for a CLI subprocess: the loopback server as the model, sessions in tmp."""
+    env = {"LICH_MODEL": f"openai:gpt-test@{server.url}/v1",
+           "LICH_SESSION_DIR": str(tmp_path / "sessions")}
+    env.update(extra)
+    return env
+
+
+def sessions_in(tmp_path):
+    d = tmp_path / "sessions"
+    return sorted(d.iterdir(), key=lambda p: p.stat().st_mtime_ns) if d.is_dir() else []
+
+
+def stream_reply(*texts):
+    return Reply(200, chunks=[openai_sse(*[delta_chunk(content=t) for t in texts],
+                                         delta_chunk(finish="stop"))])
+
+
+def tool_reply(*calls):
+    return Reply(200, openai_reply(None, *calls, finish="tool_calls"))
+
+
+def queue(server, *replies):
+    for reply in replies:
+        server.replies.append(reply if isinstance(reply, Reply) else Reply(200, reply))
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "a.txt").write_text("hello\n")
+    return root
+
+
+def test_one_shot_prints_only_the_answer(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("It says hello."))
+    proc = run_lich("--no-stream", "--root", str(workspace), "what is in a.txt?",
+                    env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "It says hello.\n", "→ read_file a.txt ✓\n")
+    first = server.requests[0]["json"]
+    assert first["messages"][1] == {"role": "user", "content": "what is in a.txt?"}
+    assert first["messages"][0]["role"] == "system" and str(workspace) in first["messages"][0]["content"]
+    assert [t["function"]["name"] for t in first["tools"]] == ["read_file", "list_files", "search"]
+    assert "stream" not in first and "temperature" not in first
+    [path] = sessions_in(tmp_path)
+    assert [m["role"] for m in lich.read_session_messages(path)] == ["system", "user", "assistant", "tool", "assistant"]
+
+
+def test_one_shot_streams_the_answer(server, tmp_path):
+    queue(server, stream_reply("Hi ", "there"))
+    proc = run_lich("hello", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "Hi there\n", "")
+    assert server.requests[0]["json"]["stream"] is True
+
+
+def test_a_failed_tool_shows_its_reason(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "read_file", '{"path": "../etc/passwd"}')), openai_reply("No."))
+    proc = run_lich("--no-stream", "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
+    assert proc.stderr == "→ read_file ../etc/passwd ✗ path is outside the workspace: ../etc/passwd\n"
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("prompt, piped, expected", [
+    (["summarise"], "line one\nline two\n", "```\nline one\nline two\n```\n\nsummarise"),
+    ([], "just the prompt\n", "just the prompt\n"),
+    (["q"], "has ``` fences\n", "````\nhas ``` fences\n````\n\nq"),
+], ids=["context-then-prompt", "stdin-is-the-prompt", "longer-fence"])
+def test_piped_stdin(server, tmp_path, prompt, piped, expected):
+    queue(server, openai_reply("ok"))
+    proc = run_lich("--no-stream", *prompt, input=piped, env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "ok\n")
+    assert server.requests[0]["json"]["messages"][-1] == {"role": "user", "content": expected}
+
+
+def test_no_prompt_and_empty_stdin_is_a_usage_error(server, tmp_path):
+    proc = run_lich(input="", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
+
+
+def test_json_lines(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("done"))
+    proc = run_lich("--json", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert [e["type"] for e in lines] == ["turn_start", "llm_start", "llm_end", "tool_call_start",
+                                          "tool_call_end", "turn_start", "llm_start", "llm_end",
+                                          "final", "turn_end", "run_end"]
+    call = {"id": "c1", "name": "read_file", "arguments": '{"path": "a.txt"}'}
+    assert lines[4] == {"type": "tool_call_end", "turn": 1, "call": call,
+                        "result": {"ok": True, "output": "     1\thello", "error": None},
+                        "cancelled": False}
+    assert lines[7]["result"] == {"message": {"role": "assistant", "content": "done"},
+                                  "usage": {"input_tokens": 7, "output_tokens": 3},
+                                  "model": "gpt-test-1", "stop_reason": "stop"}
+    [path] = sessions_in(tmp_path)
+    assert lines[-1] == {"type": "run_end", "stopped_reason": "final",
+                         "usage": {"input_tokens": 14, "output_tokens": 6}, "session_path": str(path)}
+    assert "stream" not in server.requests[0]["json"]
+
+
+def test_json_lines_on_a_provider_error(server, tmp_path):
+    queue(server, Reply(400, {"error": {"message": "bad thing", "type": "invalid_request_error",
+                                        "code": None}}))
+    proc = run_lich("--json", "go", env=cli_env(server, tmp_path))
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error"]
+    assert lines[2]["error"] == {"type": "ProviderError", "message": lines[2]["error"]["message"],
+                                 "kind": "bad_request", "status": 400, "retryable": False,
+                                 "retry_after": None}
+    assert "bad thing" in lines[2]["error"]["message"]
+    assert proc.returncode == 1
+    assert proc.stderr == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
+
+
+def test_options_reach_the_request(server, tmp_path):
+    queue(server, openai_reply("ok"))
+    env = cli_env(server, tmp_path, LICH_MODEL="")
+    proc = run_lich("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
+                    "--temperature", "0.25", "--no-stream", "hi", env=env)
+    assert proc.returncode == 0, proc.stderr
+    body = server.requests[0]["json"]
+    assert (body["model"], body["temperature"], body["messages"][0]) == (
+        "my-model", 0.25, {"role": "system", "content": "Be brief."})
+
+
+def test_write_and_shell_tools_are_offered_only_when_allowed(server, tmp_path):
+    names = []
+    for args in ([], ["--allow", "write"], ["--allow", "shell"], ["--allow", "write", "--allow", "shell"],
+                 ["--yolo"]):
+        queue(server, openai_reply("ok"))
+        assert run_lich("--no-stream", *args, "hi", env=cli_env(server, tmp_path)).returncode == 0
+        names.append([t["function"]["name"] for t in server.requests[-1]["json"]["tools"]])
+    base = ["read_file", "list_files", "search"]
+    assert names == [base, base + ["write_file", "edit_file"], base + ["bash"],
+                     base + ["write_file", "edit_file", "bash"], base + ["write_file", "edit_file", "bash"]]
+
+
+def test_one_shot_runs_allowed_tools_without_asking(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
+                             ("c2", "bash", '{"command": "echo shell-ran"}')), openai_reply("done"))
+    proc = run_lich("--yolo", "--no-stream", "--root", str(workspace), "make it", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "done\n")
+    assert proc.stderr == "→ write_file new.txt ✓\n→ bash echo shell-ran ✓\n"
+    assert (workspace / "new.txt").read_text() == "made"
+    tool_messages = server.requests[1]["json"]["messages"][-2:]
+    assert "shell-ran" in tool_messages[1]["content"]
+
+
+def test_max_turns_budget_exits_3_with_the_last_text(server, tmp_path, workspace):
+    call = ("c1", "list_files", "{}")
+    queue(server, Reply(200, openai_reply("still looking", call, finish="tool_calls")),
+          Reply(200, openai_reply("one more look", ("c2", "list_files", "{}"), finish="tool_calls")))
+    proc = run_lich("--no-stream", "--max-turns", "2", "--root", str(workspace), "look",
+                    env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (3, "one more look\n")
+    assert proc.stderr.splitlines() == [
+        "→ list_files ✓", "→ list_files ✗ turn_budget_exhausted",
+        "lich: stopped: the turn budget (2) ran out before a final answer; raise --max-turns or continue with -c"]
+    assert len(server.requests) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-turns", "0", "x"], "argument --max-turns: invalid _positive_int value: '0'"),
+    (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
+    (["--context-budget", "-1", "x"], "argument --context-budget: invalid _non_negative_int value: '-1'"),
+], ids=["max-turns", "allow", "budget"])
+def test_usage_errors_exit_2(server, tmp_path, args, message):
+    proc = run_lich(*args, env=cli_env(server, tmp_path))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines()[-1] == f"lich: error: {message}"
+
+
+def test_no_model_configured_exits_2_naming_the_variables(tmp_path):
+    proc = run_lich("hi")
+    assert (proc.returncode, proc.stdout) == (2, "")
+    for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL"):
+        assert name in proc.stderr
+
+
+@pytest.mark.parametrize("env, model", [
+    ({"OPENAI_API_KEY": "k"}, "gpt-4.1-mini"),
+    ({"ANTHROPIC_API_KEY": "k"}, "claude-sonnet-4-5"),
+    ({"OPENAI_API_KEY": "k", "ANTHROPIC_API_KEY": "k"}, "gpt-4.1-mini"),
+], ids=["openai", "anthropic", "both"])
+def test_default_model_follows_the_keys(server, tmp_path, env, model):
+    base = {"ANTHROPIC_BASE_URL": server.url}
+    if "gpt" in model:
+        base["OPENAI_BASE_URL"] = server.url + "/v1"
+    queue(server, openai_reply("ok") if "gpt" in model else anthropic_reply(text_block("ok")))
+    proc = run_lich("--no-stream", "hi", env={**base, **env})
+    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr
+    assert server.requests[0]["json"]["model"] == model
+
+
+def test_unknown_provider_is_a_usage_error(server, tmp_path):
+    proc = run_lich("-m", "gemini:x", "hi", env=cli_env(server, tmp_path))
+    assert proc.returncode == 2 and proc.stderr.startswith("lich: unknown provider")
+
+
+def test_provider_error_exits_1_without_traceback(server, tmp_path):
+    queue(server, Reply(404, {"error": {"message": "The model does not exist", "type": "invalid_request_error",
+                                        "code": "model_not_found"}}))
+    proc = run_lich("hi", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr == ("lich: error: not_found: openai: HTTP 404 (model_not_found): "
+                           "The model does not exist\n")
+    [path] = sessions_in(tmp_path)
+    assert records(path)[-1] == meta(event="run_error", error="ProviderError: openai: HTTP 404 "
+                                     "(model_not_found): The model does not exist")
+
+
+def test_verbose_adds_debug_logs_usage_and_tracebacks(server, tmp_path):
+    queue(server, openai_reply("ok"))
+    proc = run_lich("-v", "--no-stream", "hi", env=cli_env(server, tmp_path))
+    assert proc.returncode == 0
+    assert "lich: debug: openai: POST " in proc.stderr
+    assert proc.stderr.splitlines()[-1] == "lich: usage: 7 input tokens, 3 output tokens"
+    queue(server, Reply(404, {"error": {"message": "gone", "code": "model_not_found"}}))
+    proc = run_lich("-v", "hi", env=cli_env(server, tmp_path))
+    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("lich: error: not_found: ")
+
+
+def test_quiet_hides_tool_lines(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("ok"))
+    proc = run_lich("-q", "--no-stream", "--root", str(workspace), "hi", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ok\n", "")
+
+
+def test_sessions_options(server, tmp_path):
+    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
+    env = cli_env(server, tmp_path)
+    assert run_lich("--no-stream", "--label", "my run", "hi", env=env).returncode == 0
+    assert run_lich("--no-stream", "--no-session", "hi", env=env).returncode == 0
+    other = tmp_path / "elsewhere"
+    assert run_lich("--no-stream", "--session-dir", str(other), "hi", env=env).returncode == 0
+    [labelled] = sessions_in(tmp_path)
+    assert labelled.name.endswith("-my-run.jsonl")
+    assert len(list(other.iterdir())) == 1
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"XDG_STATE_HOME": "STATE"}, "STATE/lich/sessions"),
+    ({}, "HOME/.local/state/lich/sessions"),
+], ids=["xdg", "home"])
+def test_default_session_dir(server, tmp_path, env, expected):
+    queue(server, openai_reply("ok"))
+    env = {k: str(tmp_path / v) for k, v in env.items()}
+    full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
+            **env}
+    assert run_lich("--no-stream", "hi", env=full).returncode == 0
+    assert len(list((tmp_path / expected).iterdir())) == 1
+
+
+def test_context_budget_compresses_and_zero_turns_it_off(server, tmp_path, workspace):
+    env = cli_env(server, tmp_path)
+    history = tmp_path / "sessions"
+    history.mkdir()
+    lines = [msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)]
+    write_records(history / "20260101T000000Z-1.jsonl", *lines)
+    queue(server, openai_reply("summary"), openai_reply("answer"))
+    proc = run_lich("--no-stream", "--context-budget", "100", "--resume", "20260101T000000Z-1", "go", env=env)
+    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
+    assert server.requests[0]["json"]["messages"][0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT
+    assert proc.stderr == "(history compressed: 7 characters of summary)\n"
+    queue(server, openai_reply("answer"))
+    proc = run_lich("--no-stream", "--context-budget", "0", "--resume", "20260101T000000Z-1", "go", env=env)
+    assert proc.returncode == 0 and len(server.requests) == 3
+    assert len(server.requests[2]["json"]["messages"]) == 14
+
+
+def test_resume_by_id_prefix_latest_and_continue(server, tmp_path):
+    env = cli_env(server, tmp_path)
+    queue(server, openai_reply("first answer"))
+    assert run_lich("--no-stream", "--label", "first", "first question", env=env).returncode == 0
+    [first] = sessions_in(tmp_path)
+    first_id = first.name[:-len(".jsonl")]
+    for ref_args in (["--resume", first_id], ["--resume", first_id[:-4]], ["--resume", "latest"], ["-c"]):
+        resumed = lich.read_session_messages(first if "--resume" in ref_args[:1] and ref_args[1] != "latest"
+                                             else sessions_in(tmp_path)[-1])
+        queue(server, openai_reply("again"))
+        proc = run_lich("--no-stream", *ref_args, "next", env=env)
+        assert (proc.returncode, proc.stdout) == (0, "again\n"), (ref_args, proc.stderr)
+        assert server.requests[-1]["json"]["messages"][1:] == [
+            {"role": m["role"], "content": m["content"]} for m in resumed[1:]] + [
+            {"role": "user", "content": "next"}]
+        # each resumed run records into a new file seeded with that history
+        assert lich.read_session_messages(sessions_in(tmp_path)[-1]) == [
+            *resumed, user("next"), assistant("again")]
+    assert len(sessions_in(tmp_path)) == 5
+    assert len(resumed) == 7  # -c took the run before it, which had resumed the one before
+
+
+@pytest.mark.parametrize("ref", ["nope", "../sessions/x", "/etc/passwd", ""], ids=["unknown", "traversal", "absolute", "empty"])
+def test_resume_unknown_session_exits_2(server, tmp_path, ref):
+    proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"lich: session not found: {ref}\n")
+    assert server.requests == []
+
+
+def test_list_sessions_newest_first(server, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl", msg(user("first  question\nmore")), msg(assistant("a")))
+    write_records(d / "20260102T000000Z-1-x.jsonl", msg(user("second")), msg(assistant("b")),
+                  msg(user("again")), msg(assistant("c")))
+    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
+    os.utime(d / "20260102T000000Z-1-x.jsonl", (1_700_000_100, 1_700_000_100))
+    proc = run_lich("--list-sessions", env=cli_env(server, tmp_path))
+    when = [time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) for t in (1_700_000_100, 1_700_000_000)]
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert proc.stdout == (f"20260102T000000Z-1-x  {when[0]}     4 messages  second\n"
+                           f"20260101T000000Z-1  {when[1]}     2 messages  first question more\n")
+
+
+def test_help_lists_the_options():
+    proc = run_lich("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: lich ")
+    for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
+                   "--session-dir", "--no-session", "--label", "--resume", "--continue", "--list-sessions",
+                   "--allow", "--yolo", "--root", "--json", "--no-stream", "--quiet", "--verbose", "--version"):
+        assert option in proc.stdout
+
+
+def test_main_returns_codes_in_process(capsys):
+    assert lich.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"lich {lich.__version__}\n"
+    assert lich.main(["--max-turns", "x", "hi"]) == 2
+
+
+def wait_for_request(server, count=1, timeout=10):
+    deadline = time.monotonic() + timeout
+    while len(server.requests) < count:
+        assert time.monotonic() < deadline, "no request arrived"
+        time.sleep(0.02)
+
+
+def start_lich(*args, env):
+    full = dict(os.environ)
+    full.update(env)
+    return subprocess.Popen([sys.executable, str(LICH_PY), *args], env=full, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
+def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, tmp_path, stream):
+    import signal as signals
+
+    first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
+    keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
+    server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
+                                delay=0.25, content_type="text/event-stream" if stream else "application/json"))
+    proc = start_lich(*([] if stream else ["--no-stream"]), "slow question", env=cli_env(server, tmp_path))
+    wait_for_request(server)
+    time.sleep(0.3)
+    started = time.monotonic()
+    proc.send_signal(signals.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - started < 5
+    assert "Traceback" not in err
+    [path] = sessions_in(tmp_path)
+    recs = records(path)
+    assert recs[:2] == [meta(event="run_start", input_chars=13, history_size=0), recs[1]]
+    assert recs[2] == msg(user("slow question"))
+    if stream:
+        assert out == "partial \n"
+        assert recs[-1] == meta(event="run_error", error="AbortError: chat stream aborted")
+    assert lich.read_session_messages(path) == [recs[1]["message"]]
+    queue(server, openai_reply("resumed"))
+    proc = run_lich("--no-stream", "-c", "go on", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "resumed\n")
+
+
+SECRET = "sk-MARKER-0123456789-secret"
+
+
+def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
+    env = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET, "OPENAI_BASE_URL": server.url + "/v1",
+           "ANTHROPIC_BASE_URL": server.url, "LICH_SESSION_DIR": str(tmp_path / "sessions")}
+    echo = {"error": {"message": f"Incorrect API key provided: {SECRET}", "type": "invalid_request_error",
+                      "code": "invalid_api_key"}}
+    runs = [
+        ([], [openai_reply("plain")]),
+        (["-v"], [tool_reply(("c1", "list_files", "{}")), openai_reply("verbose")]),
+        (["--json"], [openai_reply("json")]),
+        (["-v"], [Reply(401, echo)]),
+        (["-v", "--json"], [Reply(401, echo)]),
+        (["-v", "-m", "anthropic:claude-x"], [Reply(401, {"type": "error", "error": {
+            "type": "authentication_error", "message": f"invalid x-api-key {SECRET}"}})]),
+        (["-v", "-m", "openai:a,anthropic:b"], [Reply(500, "boom"), Reply(500, "boom"), Reply(500, "boom"),
+                                                Reply(200, anthropic_reply(text_block("router")))]),
+        (["-v", "--list-sessions"], []),
+        (["-v", "-c"], [stream_reply("continued")]),
+    ]
+    outputs = []
+    for args, replies in runs:
+        queue(server, *replies)
+        proc = run_lich(*args, "--root", str(workspace), "hi", env=env)
+        outputs.append(proc.stdout + proc.stderr)
+    assert all(SECRET not in o for o in outputs), [o for o in outputs if SECRET in o]
+    assert "redacted" in outputs[3]
+    for path in sessions_in(tmp_path):
+        assert SECRET not in path.read_text()
+    assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
+
+
 # ============================================================================
 # Hardening
 # ============================================================================
