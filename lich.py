@@ -3193,6 +3193,16 @@ class _Terminal:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
+    def ask(self, question: str) -> None:
+        """Show ``question`` on a line of its own, the cursor after it."""
+        self.stop_spinner()
+        with self._lock:
+            if self._tool_line_open:
+                sys.stderr.write("\n")
+                self._tool_line_open = False
+            sys.stderr.write(question)
+            sys.stderr.flush()
+
     def error(self, text: str) -> None:
         self.end_answer()
         self.line(f"lich: {text}")
@@ -3328,16 +3338,14 @@ def _run_interruptibly(work, signal, term):
 
 
 def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
-    """The ``approve`` function of interactive chat: y / n / a(lways, for this tool)."""
+    """The ``approve`` function of interactive chat: y / n / a (always allow this tool)."""
     import select
 
     def approve(call) -> bool:
         name = call.get("name")
         if name in always:
             return True
-        term.line(f"  {_tool_summary(call)}")
-        sys.stderr.write("  allow? [y]es / [n]o / [a]lways ")
-        sys.stderr.flush()
+        term.ask("  allow? [y]es / [n]o / [a]lways ")
         while not signal.is_set():
             ready, _, _ = select.select([sys.stdin], [], [], 0.1)
             if ready:

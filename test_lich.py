@@ -4217,6 +4217,128 @@ def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
     assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
 
 
+class Pty:
+    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal."""
+
+    def __init__(self, *args, env):
+        import pty
+
+        self.master, slave = pty.openpty()
+        full = dict(os.environ)
+        full.update(env)
+        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave, stdout=slave,
+                                     stderr=slave, env=full, close_fds=True)
+        os.close(slave)
+        self.output = ""
+        import codecs
+
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def expect(self, text, timeout=10):
+        """Read until ``text`` appears; returns everything read up to and including it."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} never came; got {self.output!r}"
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:
+                    data = b""
+                assert data, f"the terminal closed before {text!r}; got {self.output!r}"
+                self.output += self.decoder.decode(data).replace("\r\n", "\n")
+        head, _, self.output = self.output.partition(text)
+        return head + text
+
+    def send(self, line):
+        os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
+
+    def close(self):
+        try:
+            self.proc.wait(timeout=10)
+        finally:
+            os.close(self.master)
+        return self.proc.returncode
+
+
+PROMPT = "› "
+
+
+def test_interactive_chat_resume_clear_sessions_exit(server, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl", msg(user("earlier q")), msg(assistant("earlier a")))
+    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
+    term = Pty(env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("/resume 20260101T000000Z-1")
+    assert "resumed 20260101T000000Z-1: 2 messages" in term.expect(PROMPT)
+    queue(server, stream_reply("Hi ", "again!"))
+    term.send("hello")
+    assert "Hi again!\n" in term.expect(PROMPT)
+    queue(server, stream_reply("Second."))
+    term.send("second")
+    term.expect(PROMPT)
+    assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == [
+        "earlier q", "earlier a", "hello", "Hi again!", "second"]
+    term.send("/clear")
+    assert "new conversation" in term.expect(PROMPT)
+    queue(server, stream_reply("Fresh."))
+    term.send("fresh")
+    term.expect(PROMPT)
+    assert [m["content"] for m in server.requests[2]["json"]["messages"][1:]] == ["fresh"]
+    term.send("/sessions")
+    listing = term.expect(PROMPT)
+    term.send("/help")
+    assert "/resume [ID|latest]" in term.expect(PROMPT)
+    term.send("/resume nope")
+    assert "lich: session not found: nope" in term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    old, resumed, fresh = sessions_in(tmp_path)
+    assert [m["content"] for m in lich.read_session_messages(resumed)][1:] == [
+        "earlier q", "earlier a", "hello", "Hi again!", "second", "Second."]
+    assert [m["content"] for m in lich.read_session_messages(fresh)][1:] == ["fresh", "Fresh."]
+    assert [r["meta"]["event"] for r in records(resumed) if r["kind"] == "meta"] == [
+        "run_start", "run_end", "run_start", "run_end"]
+    for path in (old, resumed, fresh):
+        assert path.name[:-len(".jsonl")] in listing
+
+
+def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, workspace):
+    write = ("write_file", '{"path": "out.txt", "content": "%s"}')
+    queue(server,
+          tool_reply(("c1", write[0], write[1] % "first")),
+          tool_reply(("c2", write[0], write[1] % "second")),
+          tool_reply(("c3", write[0], write[1] % "third"), ("c4", "edit_file",
+                     '{"path": "out.txt", "old_text": "third", "new_text": "fourth"}'), ("c5", write[0], '{"path": "b.txt", "content": "x"}')),
+          stream_reply("All written."))
+    term = Pty("--allow", "write", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("write things")
+    term.expect("allow? [y]es / [n]o / [a]lways ")
+    term.send("n")
+    term.expect("allow? [y]es / [n]o / [a]lways ")
+    assert not (workspace / "out.txt").exists()
+    term.send("y")
+    term.expect("allow? [y]es / [n]o / [a]lways ")
+    assert (workspace / "out.txt").read_text() == "second"
+    term.send("a")  # always for write_file
+    shown = term.expect("allow? [y]es / [n]o / [a]lways ")
+    assert shown.endswith("→ write_file out.txt ✓\n→ edit_file out.txt\n  allow? [y]es / [n]o / [a]lways ")
+    term.send("y")
+    shown = term.expect(PROMPT)
+    assert "allow?" not in shown and "All written." in shown
+    assert (workspace / "out.txt").read_text() == "fourth" and (workspace / "b.txt").read_text() == "x"
+    declined = server.requests[1]["json"]["messages"][-1]
+    assert json.loads(declined["content"])["error"] == "the user declined this call"
+    term.send("\x04")
+    assert term.close() == 0
+
+
 # ============================================================================
 # Hardening
 # ============================================================================
