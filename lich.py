@@ -24,18 +24,24 @@ resumed. No asyncio; ``requests`` is its only dependency, imported when first us
 
 from __future__ import annotations
 
+import sys
+
+__version__ = "0.1.0"
+
+if __name__ == "__main__" and sys.argv[1:] == ["--version"]:
+    # Answered before the imports below: `python lich.py` has no bytecode cache, so every
+    # millisecond of module set-up shows in this command.
+    sys.stdout.write(f"lich {__version__}\n")
+    sys.exit(0)
+
 import functools
 import json
-import logging
 import os
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, TypedDict, runtime_checkable
-
-__version__ = "0.1.0"
 
 __all__ = [
     # errors
@@ -63,7 +69,21 @@ __all__ = [
     "main",
 ]
 
-_log = logging.getLogger("lich")
+
+
+class _LazyLogger:
+    """``logging.getLogger("lich")``, looked up on first use: importing logging costs ~4 ms."""
+
+    def __getattr__(self, name):
+        import logging
+
+        attribute = getattr(logging.getLogger("lich"), name)
+        if callable(attribute):
+            setattr(self, name, attribute)  # bound methods of a logger that lives forever
+        return attribute
+
+
+_log = _LazyLogger()
 
 
 # ============================================================================
@@ -960,15 +980,17 @@ _STOP_REASONS = {
 }
 _OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded",
                              "request_too_large", "string_above_max_length"})
-_OVERFLOW_TEXT = re.compile(
-    r"context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
+# Regular expressions are kept as text and compiled (and cached) by ``re`` on first use:
+# compiling them all at import would cost milliseconds of every ``import lich``.
+_OVERFLOW_TEXT = (
+    r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
     r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
     r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens"
-    r"|reduce the length of the (?:messages|prompt|input)", re.IGNORECASE)
-_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] [^'\")]+")
-_LOOPBACK_HOST = re.compile(r"(?:localhost|.+\.localhost|127(?:\.\d{1,3}){3}|::1)\Z", re.IGNORECASE)
-_HTTP_URL = re.compile(r"https?://[^/?#\s]", re.IGNORECASE)
-_SPEC = re.compile(r"\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z", re.DOTALL)
+    r"|reduce the length of the (?:messages|prompt|input)")
+_ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
+_LOOPBACK_HOST = r"(?i)(?:localhost|.+\.localhost|127(?:\.\d{1,3}){3}|::1)\Z"
+_HTTP_URL = r"(?i)https?://[^/?#\s]"
+_SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
 
 _json_decode = json.JSONDecoder().decode  # for str: json.loads minus its per-call checks
@@ -983,7 +1005,7 @@ def _requests():
 def _is_loopback(url):
     from urllib.parse import urlsplit
 
-    return bool(_LOOPBACK_HOST.match(urlsplit(url).hostname or ""))
+    return bool(re.match(_LOOPBACK_HOST, urlsplit(url).hostname or ""))
 
 
 def _timeouts(timeout):
@@ -1106,7 +1128,7 @@ def _classify_http_error(status, body, headers):
         kind = "overloaded"
     elif 400 <= status < 500:
         overflow = status == 413 or not _OVERFLOW_CODES.isdisjoint(codes) \
-            or _OVERFLOW_TEXT.search(text) is not None
+            or re.search(_OVERFLOW_TEXT, text) is not None
         kind = "overflow" if overflow else "bad_request"
     elif status >= 500:
         kind = "server"
@@ -1236,7 +1258,7 @@ class _HTTPChat:
     def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session):
         self.model = model
         self.base_url = (base_url or os.environ.get(self._url_env) or self._public_url).rstrip("/")
-        if not _HTTP_URL.match(self.base_url):
+        if not re.match(_HTTP_URL, self.base_url):
             raise ValueError(f"base_url must be an http:// or https:// URL, not {self.base_url!r}")
         self.timeout = timeout
         self.stream = stream
@@ -1361,7 +1383,7 @@ class _HTTPChat:
         if isinstance(e, requests.Timeout) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._url}", "timeout")
-        found = _ERRNO_TEXT.search(str(e))
+        found = re.search(_ERRNO_TEXT, str(e))
         reason = found.group(0) if found else _snippet(str(e))
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
@@ -1882,7 +1904,7 @@ def chat_from_spec(spec, **options):
         raise ValueError(f"invalid model spec {spec!r}: expected 'provider:model[@base_url]'")
     chats = []
     for part in parts:
-        found = _SPEC.match(part)
+        found = re.match(_SPEC, part)
         if not found or not found.group(2).strip():
             raise ValueError(f"invalid model spec {part!r}: expected 'provider:model[@base_url]'")
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
@@ -1907,13 +1929,13 @@ def chat_from_spec(spec, **options):
 # ============================================================================
 
 DEFAULT_MAX_OUTPUT_CHARS = 50_000
-_TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+_TOOL_NAME_RE = r"[A-Za-z0-9_-]{1,64}\Z"
 _ECHO_MAX_CHARS = 80  # how much of a rejected value an error message quotes
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:", "params:", "keyword args:",
                  "keyword arguments:")
 _DOC_SECTIONS = _ARGS_HEADERS + ("returns:", "return:", "yields:", "raises:", "example:",
                                  "examples:", "note:", "notes:", "see also:")
-_ARG_DOC_RE = re.compile(r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z")
+_ARG_DOC_RE = r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z"
 
 
 class _ToolFailure(Exception):
@@ -2169,7 +2191,7 @@ def _parse_docstring(doc):
                 break  # the next section
             if entry_indent is None:
                 entry_indent = indent
-            match = _ARG_DOC_RE.match(stripped) if indent <= entry_indent else None
+            match = re.match(_ARG_DOC_RE, stripped) if indent <= entry_indent else None
             if match:
                 current = described[match.group(1)] = [match.group(2)] if match.group(2) else []
             elif current is not None:
@@ -2345,7 +2367,7 @@ class Tools:
             raise TypeError(f"a tool must be callable, not {fn!r}")
         if name is None:
             name = getattr(fn, "__name__", None)
-        if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+        if not isinstance(name, str) or not re.match(_TOOL_NAME_RE, name):
             raise ValueError(f"invalid tool name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
         if name in self._tools:
             raise ValueError(f"a tool named {name!r} is already registered")
@@ -3284,24 +3306,26 @@ def _event_printer(term: _Terminal):
     return on_event
 
 
-class _LogToStderr(logging.Handler):
-    """Shows lich's log records on stderr through the terminal."""
+def _log_to_stderr(term, level):
+    """A logging handler that shows lich's log records on stderr through ``term``."""
+    import logging
 
-    def __init__(self, term, level):
-        super().__init__(level)
-        self.term = term
+    class LogToStderr(logging.Handler):
+        def emit(self, record):
+            try:
+                text = record.getMessage()
+                if record.exc_info and self.level <= logging.DEBUG:
+                    import traceback
 
-    def emit(self, record):
-        try:
-            text = record.getMessage()
-            if record.exc_info and self.level <= logging.DEBUG:
-                import traceback
+                    text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+                prefix = "warning: " if record.levelno >= logging.WARNING else "debug: "
+                self.term.line("lich: " + prefix + text)
+            except Exception:
+                self.handleError(record)
 
-                text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
-            prefix = "warning: " if record.levelno >= logging.WARNING else "debug: "
-            self.term.line("lich: " + prefix + text)
-        except Exception:
-            self.handleError(record)
+    handler = LogToStderr(level)
+    handler.term = term
+    return handler
 
 
 def _run_interruptibly(work, signal, term):
@@ -3566,18 +3590,15 @@ def main(argv=None) -> int:
     answer, 1 a provider or runtime error, 2 a usage error or an unknown session,
     3 the turn budget ran out, 130 interrupted.
     """
-    if argv is None:
-        argv = sys.argv[1:]
-    if list(argv) == ["--version"]:  # the quick path: no parser to build
-        sys.stdout.write(f"lich {__version__}\n")
-        return _EXIT_OK
     try:
         args = _build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    import logging
+
     environ = os.environ
     term = _Terminal(quiet=args.quiet)
-    logger_handler = _LogToStderr(term, logging.DEBUG if args.verbose else logging.WARNING)
+    logger_handler = _log_to_stderr(term, logging.DEBUG if args.verbose else logging.WARNING)
     _log.addHandler(logger_handler)
     previous_level = _log.level
     if args.verbose:
