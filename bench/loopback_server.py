@@ -64,6 +64,7 @@ def stream_events(request):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # as real servers do: no delayed-ACK stalls for either client
     latency = 0.0
 
     def log_message(self, *args):
