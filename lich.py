@@ -3166,19 +3166,20 @@ def _plain(value):
 
 
 class _Terminal:
-    """Everything the CLI shows: the answer on stdout, progress and notes on stderr."""
+    """Everything the CLI shows: the answer on stdout; progress, notes and errors on stderr."""
 
-    def __init__(self, *, quiet=False, json_lines=False, color=False, spinner=False):
+    def __init__(self, *, quiet=False, json_lines=False, color=False):
         self.quiet = quiet
         self.json_lines = json_lines
-        self.color = color
-        self.spinner_enabled = spinner and not quiet and not json_lines
-        self._tool_line_open = False
+        self.color = color  # a terminal that shows colour, so also a spinner
+        self._tool_line_open = False  # "→ tool args" written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
         self._spinner_stop = None
+        self._spinner_thread = None
         self._lock = threading.Lock()
 
-    # stdout
+    # -- stdout: the answer ------------------------------------------------------------
+
     def delta(self, text: str) -> None:
         self.stop_spinner()
         if text:
@@ -3201,29 +3202,20 @@ class _Terminal:
         sys.stdout.write(json.dumps(value, ensure_ascii=False, default=repr) + "\n")
         sys.stdout.flush()
 
-    # stderr
+    # -- stderr: everything else -------------------------------------------------------
+
     def note(self, text: str) -> None:
         if not self.quiet:
             self.line(text)
 
     def line(self, text: str) -> None:
         self.stop_spinner()
-        with self._lock:
-            if self._tool_line_open:
-                sys.stderr.write("\n")
-                self._tool_line_open = False
-            sys.stderr.write(text + "\n")
-            sys.stderr.flush()
+        self._stderr(text + "\n")
 
     def ask(self, question: str) -> None:
         """Show ``question`` on a line of its own, the cursor after it."""
         self.stop_spinner()
-        with self._lock:
-            if self._tool_line_open:
-                sys.stderr.write("\n")
-                self._tool_line_open = False
-            sys.stderr.write(question)
-            sys.stderr.flush()
+        self._stderr(question)
 
     def error(self, text: str) -> None:
         self.end_answer()
@@ -3234,39 +3226,28 @@ class _Terminal:
             return
         self.stop_spinner()
         self.end_answer()
-        with self._lock:
-            sys.stderr.write(self._paint("→ " + _tool_summary(call), "2"))
-            sys.stderr.flush()
-            self._tool_line_open = True
+        self._stderr(self._paint("→ " + _tool_summary(call), "2"), leave_open=True)
 
-    def tool_end(self, call, result, cancelled) -> None:
+    def tool_end(self, call, result) -> None:
         if self.quiet or self.json_lines:
             return
         mark = self._paint("✓", "32") if result.ok else self._paint("✗ " + _short_reason(result), "31")
-        with self._lock:
-            if self._tool_line_open:
-                sys.stderr.write(" " + mark + "\n")
-            else:
-                sys.stderr.write(self._paint("→ " + _tool_summary(call), "2") + " " + mark + "\n")
-            sys.stderr.flush()
-            self._tool_line_open = False
+        if self._tool_line_open:
+            self._stderr(" " + mark + "\n", continues=True)
+        else:  # a skipped call, or its line was ended by a question
+            self._stderr(self._paint("→ " + _tool_summary(call), "2") + " " + mark + "\n")
 
     def start_spinner(self) -> None:
-        if not self.spinner_enabled or self._spinner_stop is not None:
+        if not self.color or self.quiet or self.json_lines or self._spinner_stop is not None:
             return
-        stop = threading.Event()
-        self._spinner_stop = stop
+        stop = self._spinner_stop = threading.Event()
 
         def spin():
-            for i in range(10**9):
-                if stop.wait(_SPINNER_INTERVAL):
-                    break
-                with self._lock:
-                    sys.stderr.write(f"\r{_SPINNER_FRAMES[i % len(_SPINNER_FRAMES)]} thinking")
-                    sys.stderr.flush()
-            with self._lock:
-                sys.stderr.write("\r\033[K")
-                sys.stderr.flush()
+            frame = 0
+            while not stop.wait(_SPINNER_INTERVAL):
+                self._stderr(f"\r{_SPINNER_FRAMES[frame % len(_SPINNER_FRAMES)]} thinking")
+                frame += 1
+            self._stderr("\r\033[K")
 
         self._spinner_thread = threading.Thread(target=spin, daemon=True)
         self._spinner_thread.start()
@@ -3276,6 +3257,15 @@ class _Terminal:
         if stop is not None:
             stop.set()
             self._spinner_thread.join()
+
+    def _stderr(self, text, *, continues=False, leave_open=False):
+        """Write ``text``; an open tool line is ended first unless ``text`` continues it."""
+        with self._lock:
+            if self._tool_line_open and not continues:
+                sys.stderr.write("\n")
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            self._tool_line_open = leave_open
 
     def _paint(self, text, code):
         return f"\033[{code}m{text}\033[0m" if self.color else text
@@ -3297,7 +3287,7 @@ def _event_printer(term: _Terminal):
         elif kind == "tool_call_start":
             term.tool_start(event["call"])
         elif kind == "tool_call_end":
-            term.tool_end(event["call"], event["result"], event["cancelled"])
+            term.tool_end(event["call"], event["result"])
         elif kind == "compress_end":
             term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
         elif kind == "error":
@@ -3414,26 +3404,27 @@ def _load_session(session_dir, ref) -> list:
         raise SessionNotFound(f"session not found: {ref}") from None
 
 
-def _exit_code(run) -> int:
-    return {"final": _EXIT_OK, "budget": _EXIT_BUDGET}.get(run.stopped_reason, _EXIT_INTERRUPTED)
+def _describe_error(exc) -> str:
+    """The one line a user sees for a failed run: the error's kind (or type) and message."""
+    if isinstance(exc, ProviderError):
+        return f"error: {exc.kind}: {exc}"
+    return f"error: {type(exc).__name__}: {exc}"
 
 
 class _Cli:
-    """One invocation of the command line, its options resolved."""
+    """One invocation of the command line, its options resolved into a chat, tools and a terminal."""
 
-    def __init__(self, args, environ):
+    def __init__(self, args, environ, term: _Terminal):
         self.args = args
+        self.term = term
         self.interactive = args.prompt is None and sys.stdin.isatty()
         self.streaming = not (args.no_stream or args.json)
-        color = sys.stderr.isatty() and not environ.get("NO_COLOR")
-        self.term = _Terminal(quiet=args.quiet, json_lines=args.json, color=color, spinner=color)
         self.sessions_home = args.session_dir or _default_session_dir(environ)
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
         self.signal = threading.Event()
-        self.always_allowed = set()
         allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
-        approve = (_ask_approval(self.term, self.signal, self.always_allowed)
+        approve = (_ask_approval(term, self.signal, set())
                    if self.interactive and not args.yolo else None)
         root = os.path.abspath(args.root)
         if not os.path.isdir(root):
@@ -3445,7 +3436,7 @@ class _Cli:
                               else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names))
         options = {"stream": self.streaming}
         if self.streaming:
-            options["on_delta"] = self.term.delta
+            options["on_delta"] = term.delta
         if args.base_url:
             options["base_url"] = args.base_url
         try:
@@ -3453,26 +3444,32 @@ class _Cli:
         except (ValueError, TypeError) as exc:
             raise _UsageError(str(exc)) from None
         self.emitter = AgentEmitter()
-        self.emitter.on_any(_event_printer(self.term))
+        self.emitter.on_any(_event_printer(term))
 
     def run(self, prompt, history, session=None):
-        """One run_agent turn, interruptible; returns the AgentRunResult."""
+        """One run_agent turn that Ctrl-C can stop; returns the AgentRunResult."""
         self.signal.clear()
         args = self.args
-        budget = args.context_budget or None
 
         def work():
             return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
-                             session=session, session_dir=None if session else self.session_dir,
-                             label=args.label, emitter=self.emitter, max_turns=args.max_turns,
+                             session=session, session_dir=self.session_dir, label=args.label,
+                             emitter=self.emitter, max_turns=args.max_turns,
                              system_prompt=self.system_prompt, temperature=args.temperature,
-                             context_budget_tokens=budget, signal=self.signal)
+                             context_budget_tokens=args.context_budget or None,
+                             signal=self.signal)
 
         return _run_interruptibly(work, self.signal, self.term)
 
-    def finish(self, run) -> int:
-        """Show a finished one-shot run; returns the exit code."""
+    def one_shot(self, prompt, history) -> int:
+        """Run ``prompt`` once and show the outcome; returns the exit code."""
         term = self.term
+        try:
+            run = self.run(prompt, history)
+        except (KeyboardInterrupt, AbortError):
+            term.end_answer()
+            term.note("lich: stopped: interrupted")
+            return _EXIT_INTERRUPTED
         if self.args.json:
             term.json_line({"type": "run_end", "stopped_reason": run.stopped_reason,
                             "usage": run.usage_total, "session_path": run.session_path})
@@ -3487,23 +3484,14 @@ class _Cli:
         if run.stopped_reason == "budget":
             term.note(f"lich: stopped: the turn budget ({self.args.max_turns}) ran out before "
                       "a final answer; raise --max-turns or continue with -c")
-        elif run.stopped_reason == "aborted":
+            return _EXIT_BUDGET
+        if run.stopped_reason == "aborted":
             term.note("lich: stopped: interrupted")
-        return _exit_code(run)
-
-    def one_shot(self, prompt, history) -> int:
-        try:
-            run = self.run(prompt, history)
-        except KeyboardInterrupt:
-            self.term.end_answer()
             return _EXIT_INTERRUPTED
-        except AbortError:
-            self.term.end_answer()
-            self.term.note("lich: stopped: interrupted")
-            return _EXIT_INTERRUPTED
-        return self.finish(run)
+        return _EXIT_OK
 
     def repl(self, history) -> int:
+        """The interactive chat: one session file per launch, shared by its turns."""
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
@@ -3520,61 +3508,68 @@ class _Cli:
                 except EOFError:
                     sys.stderr.write("\n")
                     return _EXIT_OK
-                if not line:
-                    continue
+                if line in ("/exit", "/quit"):
+                    return _EXIT_OK
                 if line.startswith("/"):
-                    command, _, rest = line.partition(" ")
-                    if command in ("/exit", "/quit"):
-                        return _EXIT_OK
-                    if command == "/help":
-                        term.line(_REPL_HELP)
-                    elif command == "/sessions":
-                        _list_sessions(self.sessions_home, term)
-                    elif command == "/clear":
-                        _close(session)
-                        history, session = [], None
-                        term.note("new conversation")
-                    elif command == "/resume":
-                        ref = rest.strip() or "latest"
-                        try:
-                            history = _load_session(self.sessions_home, ref)
-                        except SessionNotFound as exc:
-                            term.error(str(exc))
-                            continue
-                        _close(session)
-                        session = None
-                        term.note(f"resumed {ref}: {len(history)} messages")
-                    else:
-                        term.error(f"unknown command {command}; /help lists them")
+                    history, session = self._command(line, history, session)
                     continue
-                if session is None and self.session_dir is not None:
-                    try:
-                        session = open_session(self.session_dir, self.args.label)
-                    except OSError as exc:
-                        term.error(f"warning: session recording is off: {exc.strerror or exc}")
-                        self.session_dir = None
-                try:
-                    run = self.run(line, history, session)
-                except KeyboardInterrupt:
-                    term.end_answer()
-                    term.note("interrupted")
-                    continue
-                except ProviderError as exc:
-                    term.error(f"error: {exc.kind}: {exc}")
-                    continue
-                except AbortError:
-                    term.end_answer()
-                    term.note("interrupted")
-                    continue
-                history = run.messages
-                if self.streaming:
-                    term.end_answer()
-                else:
-                    term.answer((run.final or {}).get("content") or "")
-                if run.stopped_reason == "budget":
-                    term.note(f"stopped: the turn budget ({self.args.max_turns}) ran out")
+                if line:
+                    history, session = self._turn(line, history, session)
         finally:
             _close(session)
+
+    def _command(self, line, history, session):
+        """A REPL command; returns the (history, session) to go on with."""
+        term = self.term
+        command, _, rest = line.partition(" ")
+        if command == "/help":
+            term.line(_REPL_HELP)
+        elif command == "/sessions":
+            _list_sessions(self.sessions_home, term)
+        elif command == "/clear":
+            _close(session)
+            term.note("new conversation")
+            return [], None
+        elif command == "/resume":
+            ref = rest.strip() or "latest"
+            try:
+                resumed = _load_session(self.sessions_home, ref)
+            except SessionNotFound as exc:
+                term.error(str(exc))
+                return history, session
+            _close(session)
+            term.note(f"resumed {ref}: {len(resumed)} messages")
+            return resumed, None
+        else:
+            term.error(f"unknown command {command}; /help lists them")
+        return history, session
+
+    def _turn(self, prompt, history, session):
+        """One chat turn of the REPL; returns the (history, session) to go on with."""
+        term = self.term
+        if session is None and self.session_dir is not None:
+            try:
+                session = open_session(self.session_dir, self.args.label)
+            except OSError as exc:
+                term.error(f"warning: session recording is off: {exc.strerror or exc}")
+                self.session_dir = None
+        try:
+            run = self.run(prompt, history, session)
+        except (KeyboardInterrupt, AbortError):
+            term.end_answer()
+            term.note("interrupted")
+            return history, session
+        except Exception as exc:
+            _log.debug("the turn failed", exc_info=True)
+            term.error(_describe_error(exc))
+            return history, session
+        if self.streaming:
+            term.end_answer()
+        else:
+            term.answer((run.final or {}).get("content") or "")
+        if run.stopped_reason == "budget":
+            term.note(f"stopped: the turn budget ({self.args.max_turns}) ran out")
+        return run.messages, session
 
 
 def _close(session):
@@ -3596,53 +3591,38 @@ def main(argv=None) -> int:
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
     import logging
 
-    environ = os.environ
-    term = _Terminal(quiet=args.quiet)
-    logger_handler = _log_to_stderr(term, logging.DEBUG if args.verbose else logging.WARNING)
-    _log.addHandler(logger_handler)
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    term = _Terminal(quiet=args.quiet, json_lines=args.json, color=color)
+    handler = _log_to_stderr(term, logging.DEBUG if args.verbose else logging.WARNING)
     previous_level = _log.level
+    _log.addHandler(handler)
     if args.verbose:
         _log.setLevel(logging.DEBUG)
     try:
-        return _main(args, environ, logger_handler)
-    except _UsageError as exc:
-        term.error(str(exc))
-        return _EXIT_USAGE
-    except SessionNotFound as exc:
+        return _run_cli(args, os.environ, term)
+    except (_UsageError, SessionNotFound) as exc:
         term.error(str(exc))
         return _EXIT_USAGE
     except KeyboardInterrupt:
         return _EXIT_INTERRUPTED
-    except ProviderError as exc:
-        if args.verbose:
-            _log.debug("provider error", exc_info=True)
-        term.error(f"error: {exc.kind}: {exc}")
-        return _EXIT_ERROR
     except Exception as exc:
-        if args.verbose:
-            _log.debug("runtime error", exc_info=True)
-        term.error(f"error: {type(exc).__name__}: {exc}")
+        _log.debug("the run failed", exc_info=True)
+        term.error(_describe_error(exc))
         return _EXIT_ERROR
     finally:
-        _log.removeHandler(logger_handler)
+        _log.removeHandler(handler)
         _log.setLevel(previous_level)
 
 
-def _main(args, environ, logger_handler) -> int:
+def _run_cli(args, environ, term) -> int:
     if args.list_sessions:
-        return _list_sessions(args.session_dir or _default_session_dir(environ), _Terminal())
-    cli = _Cli(args, environ)
-    logger_handler.term = cli.term
+        return _list_sessions(args.session_dir or _default_session_dir(environ), term)
+    cli = _Cli(args, environ, term)
     history = [] if args.resume is None else _load_session(cli.sessions_home, args.resume)
     if cli.interactive:
         return cli.repl(history)
     piped = None if sys.stdin.isatty() else sys.stdin.read()
-    prompt = _prompt_with_stdin(args.prompt, piped)
-    try:
-        return cli.one_shot(prompt, history)
-    except ProviderError:
-        cli.term.end_answer()
-        raise
+    return cli.one_shot(_prompt_with_stdin(args.prompt, piped), history)
 
 
 if __name__ == "__main__":
