@@ -545,8 +545,8 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     on the last allowed turn are not run (``"budget"``). A chat failure emits ``error``
     and propagates; a tool failure is a tool message the model reads.
 
-    ``messages`` is not changed; the outcome's ``messages`` is the working history,
-    after compression when ``context_budget_tokens`` is set.
+    ``messages`` is not changed; the outcome's ``messages`` is (a plain-list copy of) the
+    working history, after compression when ``context_budget_tokens`` is set.
     """
     _check_max_turns(max_turns)
     history = _History(seed_system_prompt(messages, system_prompt))
@@ -556,7 +556,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         _emit(emitter, {"type": "turn_start", "turn": turn})
         if signal is not None and signal.is_set():
             _emit(emitter, {"type": "error", "error": AbortError(_ABORT_MESSAGE)})
-            return LoopOutcome(history, None, None, turn - 1, "aborted")
+            return LoopOutcome(list(history), None, None, turn - 1, "aborted")
         compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
                            compress_threshold=compress_threshold, signal=signal, emitter=emitter)
         result = call_chat(chat, history, turn=turn, tools=specs, temperature=temperature,
@@ -567,7 +567,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         if not calls:
             _emit(emitter, {"type": "final", "message": message, "result": result})
             _emit(emitter, {"type": "turn_end", "turn": turn})
-            return LoopOutcome(history, message, result, turn, "final")
+            return LoopOutcome(list(history), message, result, turn, "final")
         if turn == max_turns:
             for call in calls:
                 _skip_tool_call(call, history, turn=turn, error="turn_budget_exhausted",
@@ -576,14 +576,14 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         run_tool_calls(tools, calls, history, turn=turn, signal=signal, emitter=emitter)
     _emit(emitter, {"type": "budget_exhausted", "turns_used": max_turns})
     _emit(emitter, {"type": "turn_end", "turn": max_turns})
-    return LoopOutcome(history, None, result, max_turns, "budget")
+    return LoopOutcome(list(history), None, result, max_turns, "budget")
 
 
 # ============================================================================
 # Sessions
 # ============================================================================
 
-SESSION_SUFFIX = ".jsonl"
+_SESSION_SUFFIX = ".jsonl"
 _MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _LABEL_MAX_CHARS = 64
 _SESSION_NAME_ATTEMPTS = 1000
@@ -619,12 +619,15 @@ class SessionHandle:
 
     def __init__(self, path: str, fd: int):
         self.path = path
-        self.id = os.path.basename(path)[:-len(SESSION_SUFFIX)]
+        self.id = os.path.basename(path)[:-len(_SESSION_SUFFIX)]
         self._fd = fd
         self._size = os.fstat(fd).st_size
         self._torn = False  # a failed write could not be cut back: start the next on a new line
         self._lock = threading.Lock()
         self._history_recorded = False  # run_agent has written a seeded history here
+        import weakref
+
+        self._close_fd = weakref.finalize(self, os.close, fd)  # a handle nobody closed
 
     def append_message(self, message: dict) -> None:
         """Append a ``{"kind": "message"}`` record."""
@@ -638,7 +641,7 @@ class SessionHandle:
         """Close the file; appending afterwards raises ValueError."""
         with self._lock:
             if self._fd is not None:
-                os.close(self._fd)
+                self._close_fd()
                 self._fd = None
 
     def __enter__(self):
@@ -649,6 +652,12 @@ class SessionHandle:
 
     def __repr__(self):
         return f"SessionHandle(id={self.id!r})"
+
+    def _claim_history(self) -> bool:
+        """True for the first run_agent to record into this handle: it writes the whole history."""
+        with self._lock:
+            first, self._history_recorded = not self._history_recorded, True
+            return first
 
     def _append(self, line: bytes) -> None:
         with self._lock:
@@ -680,7 +689,7 @@ def _clean_label(label) -> str:
 
 def _session_stems(session_dir: str, stamp: str) -> list:
     """The ``<stamp>-<counter>`` parts of the session names that use ``stamp``."""
-    pattern = re.compile(re.escape(stamp) + r"-(\d+)(?:-[^/]*)?" + re.escape(SESSION_SUFFIX))
+    pattern = re.compile(re.escape(stamp) + r"-(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX))
     stems = []
     for name in os.listdir(session_dir):
         match = pattern.fullmatch(name)
@@ -699,7 +708,7 @@ def open_session(session_dir, label=None) -> SessionHandle:
     os.makedirs(session_dir, mode=0o700, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     label = _clean_label(label)
-    suffix = (f"-{label}" if label else "") + SESSION_SUFFIX
+    suffix = (f"-{label}" if label else "") + _SESSION_SUFFIX
     counter = max(_session_stems(session_dir, stamp), default=0) + 1
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
     for _ in range(_SESSION_NAME_ATTEMPTS):
@@ -816,10 +825,9 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
         if handle is not None:
             recorder.meta({"event": "run_start", "input_chars": len(prompt),
                            "history_size": len(previous)})
-            fresh = owned or not handle._history_recorded
+            fresh = handle._claim_history() or owned
             for message in seeded if fresh else _seeding_additions(previous, seeded):
                 recorder.message(message)
-            handle._history_recorded = True
         emitter = emitter if emitter is not None else AgentEmitter()
         unsubscribe = emitter.on_any(recorder.on_event)
         try:
@@ -936,7 +944,7 @@ def resolve_session(session_dir, ref) -> str:
     session_dir = os.fspath(session_dir)
     try:
         with os.scandir(session_dir) as entries:
-            sessions = [e for e in entries if e.name.endswith(SESSION_SUFFIX) and e.is_file()]
+            sessions = [e for e in entries if e.name.endswith(_SESSION_SUFFIX) and e.is_file()]
     except OSError:
         sessions = []
     if ref == "latest":
@@ -945,8 +953,8 @@ def resolve_session(session_dir, ref) -> str:
         newest = max(sessions, key=lambda e: (e.stat().st_mtime_ns, e.name))
         return os.path.join(session_dir, newest.name)
     names = [e.name for e in sessions]
-    if ref + SESSION_SUFFIX in names:
-        return os.path.join(session_dir, ref + SESSION_SUFFIX)
+    if ref + _SESSION_SUFFIX in names:
+        return os.path.join(session_dir, ref + _SESSION_SUFFIX)
     matches = [name for name in names if name.startswith(ref)]
     if len(matches) == 1:
         return os.path.join(session_dir, matches[0])
@@ -968,6 +976,9 @@ _ANTHROPIC_MAX_TOKENS = 4096       # the Messages API requires an output cap on 
 _ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError message
 _SNIPPET_MAX_CHARS = 200           # body excerpt quoted when a response is not what we expect
 _SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event; a longer one is a broken stream
+_BODY_MAX_BYTES = 64 << 20         # a whole (non-streamed) answer; a longer one is not an answer
+_ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
+_BODY_READ_BYTES = 64 << 10        # read size for whole bodies
 _STREAM_READ_BYTES = 1024          # read size for a stream without chunked encoding
 _STREAM_DRAIN_MAX_BYTES = 64 << 10  # read after the end marker so the connection can be reused
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
@@ -988,7 +999,6 @@ _OVERFLOW_TEXT = (
     r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens"
     r"|reduce the length of the (?:messages|prompt|input)")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
-_LOOPBACK_HOST = r"(?i)(?:localhost|.+\.localhost|127(?:\.\d{1,3}){3}|::1)\Z"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
@@ -1000,12 +1010,6 @@ def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
     import requests
     return requests
-
-
-def _is_loopback(url):
-    from urllib.parse import urlsplit
-
-    return bool(re.match(_LOOPBACK_HOST, urlsplit(url).hostname or ""))
 
 
 def _timeouts(timeout):
@@ -1208,6 +1212,17 @@ def _sse_events(chunks, signal):
         yield event, data
 
 
+def _read_body(response, limit):
+    """At most ``limit`` bytes of the body (all of it when shorter)."""
+    parts, size = [], 0
+    for chunk in response.iter_content(_BODY_READ_BYTES):
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)[:limit]
+
+
 def _ack_now(response):
     """Acknowledge the response headers at once instead of after the delayed-ACK timer.
 
@@ -1263,7 +1278,11 @@ class _HTTPChat:
         self.timeout = timeout
         self.stream = stream
         self.on_delta = on_delta
-        self._api_key = api_key or os.environ.get(self._key_env) or None
+        key = (api_key or os.environ.get(self._key_env) or "").strip()
+        if any(ord(c) < 32 or ord(c) == 127 for c in key):
+            raise ValueError(f"the {self._provider} API key contains a control character: "
+                             f"check {self._key_env} or api_key")
+        self._api_key = key or None
         self._session = session
         self._local = threading.local()
         self._url = self.base_url + self._path
@@ -1316,11 +1335,13 @@ class _HTTPChat:
         if 200 <= status < 300:
             return response
         try:
-            content = response.content
+            content = _read_body(response, _ERROR_BODY_MAX_BYTES)
         except requests.RequestException:
             content = b""
         finally:
             response.close()
+        if self._api_key:  # some servers echo the key back: remove it before any cut
+            content = self._redact(content.decode("utf-8", "replace")).encode()
         message, kind, retryable, retry_after = _classify_http_error(
             status, content, response.headers)
         raise self._error(message, kind, status=status, retryable=retryable,
@@ -1328,9 +1349,11 @@ class _HTTPChat:
 
     def _result(self, response):
         try:
-            content = response.content
+            content = _read_body(response, _BODY_MAX_BYTES + 1)
         except _requests().RequestException as e:
             raise self._transport_error(e, streaming=False) from e
+        if len(content) > _BODY_MAX_BYTES:
+            raise self._invalid(f"body larger than {_BODY_MAX_BYTES} bytes", content[:100])
         try:
             data = json.loads(content)
         except ValueError:
@@ -1351,30 +1374,50 @@ class _HTTPChat:
             return result
         size = None if getattr(response.raw, "chunked", False) else _STREAM_READ_BYTES
         chunks = response.iter_content(size)
+        shown = False
+
+        def on_delta(text):
+            nonlocal shown
+            shown = True
+            self.on_delta(text)
+
         try:
-            result = self._from_wire_stream(_sse_events(chunks, signal), self.on_delta)
-            if _body_end_arrived(response):
-                drained = 0
-                for chunk in chunks:  # the chunked terminator: the connection can be reused
-                    drained += len(chunk)
-                    if drained > _STREAM_DRAIN_MAX_BYTES:
-                        break
-        except requests.RequestException as e:
-            raise self._transport_error(e, streaming=True) from e
-        except _OversizedEvent as e:
-            raise self._error(f"invalid response: {e}", "invalid_response") from e
+            try:
+                result = self._from_wire_stream(_sse_events(chunks, signal),
+                                                on_delta if self.on_delta is not None else None)
+                if _body_end_arrived(response):
+                    drained = 0
+                    for chunk in chunks:  # the chunked terminator: the connection can be reused
+                        drained += len(chunk)
+                        if drained > _STREAM_DRAIN_MAX_BYTES:
+                            break
+            except requests.RequestException as e:
+                raise self._transport_error(e, streaming=True) from e
+            except _OversizedEvent as e:
+                raise self._error(f"invalid response: {e}", "invalid_response") from e
+        except ProviderError as e:
+            e._after_output = shown  # retrying would show that text twice: see run_with_retries
+            raise
         return result
 
     # -- errors -------------------------------------------------------------------------
 
     def _error(self, message, kind, **fields):
-        message = f"{self._provider}: {message}"
-        if self._api_key and self._api_key in message:
-            message = message.replace(self._api_key, "[redacted]")
-        return ProviderError(message, kind, provider=self._provider, **fields)
+        return ProviderError(self._redact(f"{self._provider}: {message}"), kind,
+                             provider=self._provider, **fields)
+
+    def _redact(self, text):
+        """``text`` without the API key, as is or escaped; before any cut, so no piece is left."""
+        key = self._api_key
+        if key:
+            for form in (key, repr(key)[1:-1]):
+                text = text.replace(form, "[redacted]")
+        return text
 
     def _invalid(self, reason, body):
-        return self._error(f"invalid response: {reason}: {_snippet(body)!r}", "invalid_response")
+        text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
+        return self._error(f"invalid response: {reason}: {_snippet(self._redact(text))!r}",
+                           "invalid_response")
 
     def _transport_error(self, e, *, streaming):
         requests = _requests()
@@ -1383,8 +1426,9 @@ class _HTTPChat:
         if isinstance(e, requests.Timeout) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._url}", "timeout")
-        found = re.search(_ERRNO_TEXT, str(e))
-        reason = found.group(0) if found else _snippet(str(e))
+        text = self._redact(str(e))
+        found = re.search(_ERRNO_TEXT, text)
+        reason = found.group(0) if found else _snippet(text)
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
         return self._error(f"cannot reach {self._url}: {reason}", "network")
@@ -1634,7 +1678,7 @@ class AnthropicChat(_HTTPChat):
         self.max_tokens = max_tokens
 
     def _key_required(self):
-        return not _is_loopback(self.base_url)
+        return True  # Anthropic's API always wants one (API.md), local proxies included
 
     def _wire_headers(self):
         headers = {"Content-Type": "application/json", "anthropic-version": _ANTHROPIC_VERSION}
@@ -1816,9 +1860,18 @@ def _backoff_delay(attempt, base_delay, max_delay):
     return cap * (0.5 + random.random() / 2)
 
 
+def _after_output(error) -> bool:
+    """Whether ``error`` broke off a stream that had already shown text."""
+    return getattr(error, "_after_output", False)
+
+
 def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
                      max_retry_after=_MAX_RETRY_AFTER, signal=None):
-    """Call ``fn()``, retrying retryable ProviderErrors with backoff; waits end on ``signal``."""
+    """Call ``fn()``, retrying retryable ProviderErrors with backoff; waits end on ``signal``.
+
+    A stream that broke off after it had shown text through ``on_delta`` is not retried:
+    the new answer would repeat that text.
+    """
     attempt = 0
     while True:
         if signal is not None and signal.is_set():
@@ -1826,7 +1879,7 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
         try:
             return fn()
         except ProviderError as e:
-            if not e.retryable or attempt >= retries:
+            if not e.retryable or attempt >= retries or _after_output(e):
                 raise
             if e.retry_after is not None and e.retry_after > max_retry_after:
                 raise
@@ -1846,7 +1899,8 @@ class Router:
     """A ChatFn that tries each ChatFn in turn, each through ``run_with_retries``.
 
     It moves on after any ProviderError except ``bad_request`` and ``overflow`` (which the
-    next provider would refuse too), stops at once when the signal is set, and raises the
+    next provider would refuse too) or a stream that broke off after showing text (the
+    next answer would repeat it), stops at once when the signal is set, and raises the
     last error when every provider failed.
     """
 
@@ -1880,7 +1934,7 @@ class Router:
                     max_retry_after=self.max_delay if more else _MAX_RETRY_AFTER,
                     signal=signal)
             except ProviderError as e:
-                if e.kind in self._FINAL_KINDS:
+                if e.kind in self._FINAL_KINDS or _after_output(e):
                     raise
                 last = e
                 if more:
@@ -3376,7 +3430,7 @@ def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
 def _list_sessions(session_dir, term: _Terminal) -> int:
     try:
         with os.scandir(session_dir) as entries:
-            found = [e for e in entries if e.name.endswith(SESSION_SUFFIX) and e.is_file()]
+            found = [e for e in entries if e.name.endswith(_SESSION_SUFFIX) and e.is_file()]
     except OSError:
         found = []
     found.sort(key=lambda e: (e.stat().st_mtime_ns, e.name), reverse=True)
@@ -3390,7 +3444,7 @@ def _list_sessions(session_dir, term: _Terminal) -> int:
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         first = " ".join(first.split())[:_TOOL_SUMMARY_CHARS]
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.stat().st_mtime))
-        sys.stdout.write(f"{entry.name[:-len(SESSION_SUFFIX)]}  {when}  {len(messages):>4} messages"
+        sys.stdout.write(f"{entry.name[:-len(_SESSION_SUFFIX)]}  {when}  {len(messages):>4} messages"
                          f"  {first}\n")
     if len(found) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(found) - _LIST_SESSIONS_LIMIT} older sessions")
