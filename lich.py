@@ -60,7 +60,7 @@ __all__ = [
     "format_tool_result_content", "tool_message_from_result",
     # sessions
     "SessionHandle", "AgentRunResult", "open_session", "run_agent",
-    "read_session_messages", "resolve_session",
+    "read_session_messages", "list_sessions", "resolve_session",
     # providers
     "OpenAIChat", "AnthropicChat", "run_with_retries", "Router", "chat_from_spec",
     # tools
@@ -933,6 +933,24 @@ def read_session_messages(path) -> list:
     return _repair_history(messages)
 
 
+def list_sessions(session_dir) -> list:
+    """The paths of the session files in ``session_dir``, newest (by modification time) first."""
+    session_dir = os.fspath(session_dir)
+    found = []
+    try:
+        with os.scandir(session_dir) as entries:
+            for entry in entries:
+                try:
+                    if entry.name.endswith(_SESSION_SUFFIX) and entry.is_file():
+                        found.append((entry.stat().st_mtime_ns, entry.name))
+                except OSError:  # removed meanwhile
+                    continue
+    except OSError:
+        return []
+    found.sort(reverse=True)
+    return [os.path.join(session_dir, name) for _, name in found]
+
+
 def resolve_session(session_dir, ref) -> str:
     """The path of the session ``ref`` names: "latest", an exact id, or a unique id prefix.
 
@@ -941,23 +959,17 @@ def resolve_session(session_dir, ref) -> str:
     if (not isinstance(ref, str) or not ref or "/" in ref or os.sep in ref or "\\" in ref
             or ".." in ref or "\0" in ref):
         raise SessionNotFound(f"session not found: {ref}")
-    session_dir = os.fspath(session_dir)
-    try:
-        with os.scandir(session_dir) as entries:
-            sessions = [e for e in entries if e.name.endswith(_SESSION_SUFFIX) and e.is_file()]
-    except OSError:
-        sessions = []
+    paths = list_sessions(session_dir)
     if ref == "latest":
-        if not sessions:
+        if not paths:
             raise SessionNotFound(f"session not found: {ref}")
-        newest = max(sessions, key=lambda e: (e.stat().st_mtime_ns, e.name))
-        return os.path.join(session_dir, newest.name)
-    names = [e.name for e in sessions]
+        return paths[0]
+    names = {os.path.basename(path): path for path in paths}
     if ref + _SESSION_SUFFIX in names:
-        return os.path.join(session_dir, ref + _SESSION_SUFFIX)
-    matches = [name for name in names if name.startswith(ref)]
+        return names[ref + _SESSION_SUFFIX]
+    matches = [path for name, path in names.items() if name.startswith(ref)]
     if len(matches) == 1:
-        return os.path.join(session_dir, matches[0])
+        return matches[0]
     if matches:
         raise SessionNotFound(f"ambiguous session id: {ref}")
     raise SessionNotFound(f"session not found: {ref}")
@@ -3069,10 +3081,10 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
 # ============================================================================
 
 
-DEFAULT_MAX_TURNS = 30
-DEFAULT_CONTEXT_BUDGET = 100_000
-DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
-DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
+_DEFAULT_MAX_TURNS = 30
+_DEFAULT_CONTEXT_BUDGET = 100_000
+_DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
+_DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
 _LIST_SESSIONS_LIMIT = 20
 _ABORT_GRACE_SECONDS = 1.0
 _TOOL_SUMMARY_CHARS = 60
@@ -3112,11 +3124,11 @@ def _build_parser():
         "failover (default: $LICH_MODEL, else by the API key that is set)")
     add("--base-url", metavar="URL", help="the provider's base URL")
     add("-s", "--system", metavar="TEXT", help="the system prompt")
-    add("--max-turns", type=_positive_int, default=DEFAULT_MAX_TURNS, metavar="N",
-        help=f"model calls per run (default {DEFAULT_MAX_TURNS})")
-    add("--context-budget", type=_non_negative_int, default=DEFAULT_CONTEXT_BUDGET,
+    add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
+        help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
+    add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
         metavar="TOKENS", help=f"compress history above this estimate (default "
-        f"{DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+        f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
     add("--temperature", type=float, metavar="T", help="sampling temperature")
     add("--session-dir", metavar="DIR", help="where sessions are recorded (default "
         "$LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
@@ -3140,16 +3152,22 @@ def _build_parser():
 
 
 def _positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
+    return _int_at_least(text, 1)
 
 
 def _non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text, low):
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}")
     return value
 
 
@@ -3164,9 +3182,9 @@ def _default_model(environ) -> str:
     if environ.get("LICH_MODEL"):
         return environ["LICH_MODEL"]
     if environ.get("OPENAI_API_KEY") or environ.get("OPENAI_BASE_URL"):
-        return DEFAULT_OPENAI_MODEL
+        return _DEFAULT_OPENAI_MODEL
     if environ.get("ANTHROPIC_API_KEY"):
-        return DEFAULT_ANTHROPIC_MODEL
+        return _DEFAULT_ANTHROPIC_MODEL
     raise _UsageError(_NO_MODEL_HELP)
 
 
@@ -3226,6 +3244,7 @@ class _Terminal:
         self.quiet = quiet
         self.json_lines = json_lines
         self.color = color  # a terminal that shows colour, so also a spinner
+        self.hide_deltas = False  # set while the chat streams something that is not the answer
         self._tool_line_open = False  # "→ tool args" written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
         self._spinner_stop = None
@@ -3235,6 +3254,8 @@ class _Terminal:
     # -- stdout: the answer ------------------------------------------------------------
 
     def delta(self, text: str) -> None:
+        if self.hide_deltas:
+            return
         self.stop_spinner()
         if text:
             sys.stdout.write(text)
@@ -3325,11 +3346,21 @@ class _Terminal:
         return f"\033[{code}m{text}\033[0m" if self.color else text
 
 
-def _event_printer(term: _Terminal):
-    """The emitter handler that shows the loop's progress."""
+class _Progress:
+    """Shows one run's events on the terminal, and sums its usage as it goes."""
 
-    def on_event(event):
-        kind = event["type"]
+    def __init__(self, term: _Terminal):
+        self.term = term
+        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.muted = False  # the run was given up on (Ctrl-C) but its thread goes on
+
+    def __call__(self, event):
+        if self.muted:
+            return
+        term, kind = self.term, event["type"]
+        if kind == "llm_end":
+            for key in self.usage:
+                self.usage[key] += event["result"].usage.get(key, 0)
         if term.json_lines:
             term.json_line({k: _plain(v) for k, v in event.items()})
         elif kind == "llm_start":
@@ -3342,12 +3373,13 @@ def _event_printer(term: _Terminal):
             term.tool_start(event["call"])
         elif kind == "tool_call_end":
             term.tool_end(event["call"], event["result"])
+        elif kind == "compress_start":
+            term.hide_deltas = True  # the summarizer's words are not the answer
         elif kind == "compress_end":
+            term.hide_deltas = False
             term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
         elif kind == "error":
             term.stop_spinner()
-
-    return on_event
 
 
 def _log_to_stderr(term, level):
@@ -3405,7 +3437,7 @@ def _run_interruptibly(work, signal, term):
     return outcome["value"]
 
 
-def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
+def _ask_approval(term: _Terminal, current_signal, always: set):
     """The ``approve`` function of interactive chat: y / n / a (always allow this tool)."""
     import select
 
@@ -3413,6 +3445,7 @@ def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
         name = call.get("name")
         if name in always:
             return True
+        signal = current_signal()  # the signal of the run that asks
         term.ask("  allow? [y]es / [n]o / [a]lways ")
         while not signal.is_set():
             ready, _, _ = select.select([sys.stdin], [], [], 0.1)
@@ -3428,26 +3461,21 @@ def _ask_approval(term: _Terminal, signal: threading.Event, always: set):
 
 
 def _list_sessions(session_dir, term: _Terminal) -> int:
-    try:
-        with os.scandir(session_dir) as entries:
-            found = [e for e in entries if e.name.endswith(_SESSION_SUFFIX) and e.is_file()]
-    except OSError:
-        found = []
-    found.sort(key=lambda e: (e.stat().st_mtime_ns, e.name), reverse=True)
-    if not found:
+    paths = list_sessions(session_dir)
+    if not paths:
         term.note("no sessions yet")
-    for entry in found[:_LIST_SESSIONS_LIMIT]:
+    for path in paths[:_LIST_SESSIONS_LIMIT]:
         try:
-            messages = read_session_messages(entry.path)
-        except OSError:
+            messages = read_session_messages(path)
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(path)))
+        except OSError:  # removed meanwhile
             continue
         first = next((m["content"] for m in messages if m["role"] == "user"), "")
         first = " ".join(first.split())[:_TOOL_SUMMARY_CHARS]
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.stat().st_mtime))
-        sys.stdout.write(f"{entry.name[:-len(_SESSION_SUFFIX)]}  {when}  {len(messages):>4} messages"
-                         f"  {first}\n")
-    if len(found) > _LIST_SESSIONS_LIMIT:
-        term.note(f"... {len(found) - _LIST_SESSIONS_LIMIT} older sessions")
+        session_id = os.path.splitext(os.path.basename(path))[0]
+        sys.stdout.write(f"{session_id}  {when}  {len(messages):>4} messages  {first}\n")
+    if len(paths) > _LIST_SESSIONS_LIMIT:
+        term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
     return _EXIT_OK
 
 
@@ -3476,9 +3504,10 @@ class _Cli:
         self.sessions_home = args.session_dir or _default_session_dir(environ)
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
-        self.signal = threading.Event()
+        self.signal = threading.Event()  # the current run's: every run gets a fresh one
+        self.progress = _Progress(term)  # the current run's
         allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
-        approve = (_ask_approval(term, self.signal, set())
+        approve = (_ask_approval(term, lambda: self.signal, set())
                    if self.interactive and not args.yolo else None)
         root = os.path.abspath(args.root)
         if not os.path.isdir(root):
@@ -3494,55 +3523,89 @@ class _Cli:
         if args.base_url:
             options["base_url"] = args.base_url
         try:
-            self.chat = chat_from_spec(self.model, **options)
+            chat = chat_from_spec(self.model, **options)
         except (ValueError, TypeError) as exc:
             raise _UsageError(str(exc)) from None
-        self.emitter = AgentEmitter()
-        self.emitter.on_any(_event_printer(term))
+        # retries live below the loop: a single provider gets them through a Router too
+        self.chat = chat if isinstance(chat, Router) else Router([chat])
 
-    def run(self, prompt, history, session=None):
-        """One run_agent turn that Ctrl-C can stop; returns the AgentRunResult."""
-        self.signal.clear()
+    def run(self, prompt, history, session):
+        """One run_agent turn that Ctrl-C can stop; returns the AgentRunResult.
+
+        Each run has its own signal and progress view: a run given up on (a second
+        Ctrl-C, or one it did not honour in time) keeps its signal set and shows nothing
+        more, even while its thread finishes the request it was blocked in.
+        """
+        signal = self.signal = threading.Event()
+        progress = self.progress = _Progress(self.term)
+        emitter = AgentEmitter()
+        emitter.on_any(progress)
         args = self.args
 
         def work():
             return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
-                             session=session, session_dir=self.session_dir, label=args.label,
-                             emitter=self.emitter, max_turns=args.max_turns,
+                             session=session, emitter=emitter, max_turns=args.max_turns,
                              system_prompt=self.system_prompt, temperature=args.temperature,
-                             context_budget_tokens=args.context_budget or None,
-                             signal=self.signal)
+                             context_budget_tokens=args.context_budget or None, signal=signal)
 
-        return _run_interruptibly(work, self.signal, self.term)
+        try:
+            return _run_interruptibly(work, signal, self.term)
+        except KeyboardInterrupt:
+            progress.muted = True
+            raise
+
+    def open_session(self):
+        """A new session file for the next run, or None when recording is off or impossible."""
+        if self.session_dir is None:
+            return None
+        try:
+            return open_session(self.session_dir, self.args.label)
+        except OSError as exc:
+            self.term.error(f"warning: session recording is off: cannot create a session file: "
+                            f"{exc.strerror or exc}")
+            self.session_dir = None
+            return None
 
     def one_shot(self, prompt, history) -> int:
         """Run ``prompt`` once and show the outcome; returns the exit code."""
-        term = self.term
+        term, args = self.term, self.args
+        session = self.open_session()
+        path = session.path if session is not None else None
         try:
-            run = self.run(prompt, history)
-        except (KeyboardInterrupt, AbortError):
+            run = self.run(prompt, history, session)
+        except (KeyboardInterrupt, AbortError):  # a given-up run may still write: no close
             term.end_answer()
+            self._json_run_end("aborted", path)
             term.note("lich: stopped: interrupted")
             return _EXIT_INTERRUPTED
-        if self.args.json:
-            term.json_line({"type": "run_end", "stopped_reason": run.stopped_reason,
-                            "usage": run.usage_total, "session_path": run.session_path})
+        except Exception:
+            self._json_run_end("error", path)
+            _close(session)
+            raise
+        _close(session)
+        if args.json:
+            self._json_run_end(run.stopped_reason, path)
         elif self.streaming:
             term.end_answer()
         else:
             last = run.final or (run.result.message if run.result else None)
             term.answer((last or {}).get("content") or "")
-        if self.args.verbose:
+        if args.verbose:
             term.line(f"lich: usage: {run.usage_total['input_tokens']} input tokens, "
                       f"{run.usage_total['output_tokens']} output tokens")
         if run.stopped_reason == "budget":
-            term.note(f"lich: stopped: the turn budget ({self.args.max_turns}) ran out before "
+            term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before "
                       "a final answer; raise --max-turns or continue with -c")
             return _EXIT_BUDGET
         if run.stopped_reason == "aborted":
             term.note("lich: stopped: interrupted")
             return _EXIT_INTERRUPTED
         return _EXIT_OK
+
+    def _json_run_end(self, stopped_reason, session_path):
+        if self.args.json:
+            self.term.json_line({"type": "run_end", "stopped_reason": stopped_reason,
+                                 "usage": self.progress.usage, "session_path": session_path})
 
     def repl(self, history) -> int:
         """The interactive chat: one session file per launch, shared by its turns."""
@@ -3601,20 +3664,22 @@ class _Cli:
     def _turn(self, prompt, history, session):
         """One chat turn of the REPL; returns the (history, session) to go on with."""
         term = self.term
-        if session is None and self.session_dir is not None:
-            try:
-                session = open_session(self.session_dir, self.args.label)
-            except OSError as exc:
-                term.error(f"warning: session recording is off: {exc.strerror or exc}")
-                self.session_dir = None
+        if session is None:
+            session = self.open_session()
         try:
             run = self.run(prompt, history, session)
-        except (KeyboardInterrupt, AbortError):
+        except KeyboardInterrupt:  # given up on: its thread may still write to that session
+            term.end_answer()
+            term.note("interrupted")
+            return history, None
+        except AbortError:
             term.end_answer()
             term.note("interrupted")
             return history, session
         except Exception as exc:
-            _log.debug("the turn failed", exc_info=True)
+            import logging
+
+            logging.getLogger("lich").debug("the turn failed", exc_info=True)
             term.error(_describe_error(exc))
             return history, session
         if self.streaming:
@@ -3648,10 +3713,11 @@ def main(argv=None) -> int:
     color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
     term = _Terminal(quiet=args.quiet, json_lines=args.json, color=color)
     handler = _log_to_stderr(term, logging.DEBUG if args.verbose else logging.WARNING)
-    previous_level = _log.level
-    _log.addHandler(handler)
+    logger = logging.getLogger("lich")
+    previous_level = logger.level
+    logger.addHandler(handler)
     if args.verbose:
-        _log.setLevel(logging.DEBUG)
+        logger.setLevel(logging.DEBUG)
     try:
         return _run_cli(args, os.environ, term)
     except (_UsageError, SessionNotFound) as exc:
@@ -3660,12 +3726,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return _EXIT_INTERRUPTED
     except Exception as exc:
-        _log.debug("the run failed", exc_info=True)
+        logger.debug("the run failed", exc_info=True)
         term.error(_describe_error(exc))
         return _EXIT_ERROR
     finally:
-        _log.removeHandler(handler)
-        _log.setLevel(previous_level)
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
 
 
 def _run_cli(args, environ, term) -> int:

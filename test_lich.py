@@ -3974,7 +3974,10 @@ def test_json_lines_on_a_provider_error(server, tmp_path):
                                         "code": None}}))
     proc = run_lich("--json", "go", env=cli_env(server, tmp_path))
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error"]
+    assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error", "run_end"]
+    [path] = sessions_in(tmp_path)
+    assert lines[3] == {"type": "run_end", "stopped_reason": "error",
+                        "usage": {"input_tokens": 0, "output_tokens": 0}, "session_path": str(path)}
     assert lines[2]["error"] == {"type": "ProviderError", "message": lines[2]["error"]["message"],
                                  "kind": "bad_request", "status": 400, "retryable": False,
                                  "retry_after": None}
@@ -4031,9 +4034,9 @@ def test_max_turns_budget_exits_3_with_the_last_text(server, tmp_path, workspace
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-turns", "0", "x"], "argument --max-turns: invalid _positive_int value: '0'"),
+    (["--max-turns", "0", "x"], "argument --max-turns: expected a whole number >= 1, got '0'"),
     (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
-    (["--context-budget", "-1", "x"], "argument --context-budget: invalid _non_negative_int value: '-1'"),
+    (["--context-budget", "-1", "x"], "argument --context-budget: expected a whole number >= 0, got '-1'"),
 ], ids=["max-turns", "allow", "budget"])
 def test_usage_errors_exit_2(server, tmp_path, args, message):
     proc = run_lich(*args, env=cli_env(server, tmp_path))
@@ -4395,6 +4398,91 @@ def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, worksp
     declined = server.requests[1]["json"]["messages"][-1]
     assert json.loads(declined["content"])["error"] == "the user declined this call"
     term.send("\x04")
+    assert term.close() == 0
+
+
+def test_streamed_compression_summary_is_not_shown_as_the_answer(server, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl",
+                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
+    queue(server, stream_reply("SUMMARY ", "TEXT"), stream_reply("the ", "answer"))
+    proc = run_lich("--context-budget", "100", "--resume", "20260101T000000Z-1", "go",
+                    env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "the answer\n")
+    assert proc.stderr == "(history compressed: 12 characters of summary)\n"
+
+
+def test_one_provider_is_retried(server, tmp_path):
+    queue(server, Reply(500, "upstream hiccup"), openai_reply("second time lucky"))
+    proc = run_lich("--no-stream", "hi", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout, len(server.requests)) == (0, "second time lucky\n", 2)
+
+
+def test_ctrl_c_kills_a_running_shell_tool(server, tmp_path, workspace):
+    import signal as signals
+
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
+    proc = start_lich("--yolo", "--no-stream", "--root", str(workspace), "run it",
+                      env=cli_env(server, tmp_path))
+    pid_file = workspace / "pid"
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    shell = int(pid_file.read_text())
+    proc.send_signal(signals.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert err.splitlines()[0].startswith("→ bash echo $$ > pid; sleep 30 & wait")
+    assert "✗ " in err and "aborted" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(shell, 0)
+    [path] = sessions_in(tmp_path)
+    history = lich.read_session_messages(path)
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool"]
+    assert history[-1]["is_error"] is True
+
+
+def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
+    import signal as signals
+
+    # the first answer takes 2.5 s and asks for a write: Ctrl-C gives up on it after 1 s
+    slow = Reply(200, chunks=["", json.dumps(openai_reply(
+        None, ("c1", "write_file", '{"path": "late.txt", "content": "no"}'), finish="tool_calls"))],
+        delay=1.25, content_type="application/json")
+    queue(server, slow, stream_reply("Fresh answer."))
+    term = Pty("--yolo", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("slow one")
+    wait_for_request(server)
+    term.proc.send_signal(signals.SIGINT)
+    assert "interrupted" in term.expect(PROMPT)
+    term.send("next one")
+    assert "Fresh answer.\n" in term.expect(PROMPT)
+    time.sleep(2.0)  # the given-up run gets its answer now
+    term.send("/exit")
+    assert term.close() == 0
+    assert not (workspace / "late.txt").exists()
+    assert len(server.requests) == 2
+    assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["next one"]
+    histories = sorted((lich.read_session_messages(p) for p in sessions_in(tmp_path)), key=len)
+    assert [[(m["role"], m["content"]) for m in h[1:]] for h in histories] == [
+        [("user", "next one"), ("assistant", "Fresh answer.")],
+        [("user", "slow one"), ("assistant", ""),
+         ("tool", '{"ok": false, "output": "", "error": "aborted"}')]]
+    assert "→ write_file" not in term.output
+
+
+def test_the_spinner_runs_while_waiting_on_a_terminal(server, tmp_path):
+    queue(server, Reply(200, chunks=["", openai_sse(delta_chunk(content="done"), delta_chunk(finish="stop"))],
+                        delay=0.4))
+    term = Pty(env=cli_env(server, tmp_path))
+    term.expect(PROMPT)
+    term.send("hi")
+    shown = term.expect(PROMPT)
+    assert "⠋ thinking" in shown and "\x1b[K" in shown and "done" in shown
+    term.send("/exit")
     assert term.close() == 0
 
 
