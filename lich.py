@@ -2520,6 +2520,7 @@ _READ_DEFAULT_LIMIT = 2000      # lines read_file returns unless asked for fewer
 _LINE_MAX_CHARS = 2000          # read_file and search cut longer lines
 _READ_MAX_CHARS = 40_000        # read_file stops here and says where to go on
 _BINARY_SNIFF_BYTES = 8192      # a NUL byte in this much of a file makes it binary
+_FILE_READ_BYTES = 65_536       # one read of the rest of a line too long to keep
 _LIST_MAX_FILES = 500           # list_files names at most this many files
 _SEARCH_MAX_MATCHES = 200       # search shows at most this many matching lines
 _SEARCH_LINE_CHARS = 500        # search cuts the lines it shows to this
@@ -2565,7 +2566,7 @@ def _read_lines(f, max_chars):
         text = decoder.decode(raw)
         more = 0
         while True:
-            chunk = f.readline(_SHELL_READ_BYTES)
+            chunk = f.readline(_FILE_READ_BYTES)
             ended = chunk.endswith(b"\n") or not chunk
             more += len(decoder.decode(chunk.rstrip(b"\r\n") if ended else chunk, final=ended))
             if ended:
