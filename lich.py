@@ -40,7 +40,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
@@ -459,9 +459,46 @@ def seed_system_prompt(messages, system_prompt) -> list:
     return seeded
 
 
+def _unique_call_ids(calls, used) -> list:
+    """``calls`` with every id that is empty, not a string, or already in ``used`` or earlier in
+    ``calls`` replaced by a fresh one (in a copy); the ids end up in ``used``.
+
+    Providers refuse a history whose tool call ids repeat (Anthropic: "tool_use ids must be
+    unique"), and some models and servers repeat them or leave them out.
+    """
+    fixed = None
+    taken = None  # the ids of ``calls`` as given: a fresh id must not take one of them
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict):
+            continue
+        call_id = call.get("id")
+        if isinstance(call_id, str) and call_id and call_id not in used:
+            used.add(call_id)
+            continue
+        if taken is None:
+            taken = {c.get("id") for c in calls if isinstance(c, dict)}
+        base = call_id if isinstance(call_id, str) and call_id else "call"
+        n = 2
+        while f"{base}_{n}" in used or f"{base}_{n}" in taken:
+            n += 1
+        fixed = fixed or list(calls)
+        fixed[i] = {**call, "id": f"{base}_{n}"}
+        used.add(f"{base}_{n}")
+    return calls if fixed is None else fixed
+
+
+def _call_ids(messages) -> set:
+    return {call.get("id") for m in messages if m.get("role") == "assistant"
+            for call in m.get("tool_calls") or () if isinstance(call, dict)}
+
+
 def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=None,
               signal=None, emitter=None) -> ChatResult:
-    """One chat call framed by ``llm_start`` and ``llm_end``; a failure emits ``error`` and re-raises."""
+    """One chat call framed by ``llm_start`` and ``llm_end``; a failure emits ``error`` and re-raises.
+
+    A tool call id that is empty or repeats one of the answer or of ``history`` is replaced
+    by a fresh one before ``llm_end``, so the history stays one a provider accepts.
+    """
     _emit(emitter, {"type": "llm_start", "turn": turn})
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
@@ -470,6 +507,12 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
+    message = getattr(result, "message", None)
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if calls and isinstance(calls, list):
+        unique = _unique_call_ids(calls, _call_ids(history))
+        if unique is not calls:
+            result = replace(result, message={**message, "tool_calls": unique})
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
     return result
 
@@ -499,6 +542,10 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error=f"TypeError: the tool runner returned "
                                           f"{type(result).__name__}, not a ToolResult")
+    for value in (result.output, result.error):
+        if value is not None and not isinstance(value, str):  # no session or provider takes it
+            return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult "
+                                              f"holding {type(value).__name__}, not str")
     return result
 
 
@@ -873,13 +920,15 @@ def _repair_history(messages: list) -> list:
 
     A tool message is kept only when it follows (with only tool messages between) the
     assistant message that asked for it; a call left unanswered gets an "interrupted"
-    tool message after the answers that were recorded.
+    tool message after the answers that were recorded. A call id that is empty or used
+    before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
     repaired = []
-    pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
+    pending = []  # [call, answered, recorded id] of the last assistant's calls
+    used = set()
 
     def close_pending():
-        repaired.extend(_interrupted_tool_message(call) for call, answered in pending
+        repaired.extend(_interrupted_tool_message(call) for call, answered, _ in pending
                         if not answered)
         pending.clear()
 
@@ -887,15 +936,21 @@ def _repair_history(messages: list) -> list:
         role = message["role"]
         if role == "tool":
             for entry in pending:
-                if not entry[1] and entry[0]["id"] == message["tool_call_id"]:
+                if not entry[1] and entry[2] == message["tool_call_id"]:
                     entry[1] = True
+                    if entry[0]["id"] != entry[2]:
+                        message = {**message, "tool_call_id": entry[0]["id"]}
                     repaired.append(message)
                     break
             continue
         close_pending()
-        repaired.append(message)
         if role == "assistant" and message.get("tool_calls"):
-            pending.extend([call, False] for call in message["tool_calls"])
+            recorded = message["tool_calls"]
+            calls = _unique_call_ids(recorded, used)
+            if calls is not recorded:
+                message = {**message, "tool_calls": calls}
+            pending.extend([call, False, old["id"]] for call, old in zip(calls, recorded))
+        repaired.append(message)
     close_pending()
     while repaired and repaired[-1]["role"] == "user":
         repaired.pop()
@@ -990,6 +1045,7 @@ _OVERFLOW_TEXT = (
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
 _LOOPBACK_HOST = r"(?i)(?:localhost|.+\.localhost|127(?:\.\d{1,3}){3}|::1)\Z"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
+_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
 
@@ -1264,6 +1320,10 @@ class _HTTPChat:
         self.stream = stream
         self.on_delta = on_delta
         self._api_key = api_key or os.environ.get(self._key_env) or None
+        # A key with a line break, space or non-ASCII character cannot go into a header:
+        # refused before requests sees it, whose error would quote the header, key and all.
+        self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN,
+                                                                          self._api_key)
         self._session = session
         self._local = threading.local()
         self._url = self.base_url + self._path
@@ -1281,6 +1341,10 @@ class _HTTPChat:
         if self._api_key is None and self._key_required():
             raise self._error(f"no API key for {self.base_url}: set {self._key_env} "
                               f"(or pass api_key=...)", "auth")
+        if self._key_unsendable:
+            raise self._error(f"the API key holds a space, a control or a non-ASCII character, "
+                              f"which an HTTP header cannot carry: check {self._key_env} (or "
+                              f"api_key=...) for stray characters", "auth")
         body = self._to_wire(messages, tools, temperature, max_tokens)
         response = self._send(body)
         try:
@@ -3124,9 +3188,8 @@ def _prompt_with_stdin(prompt, piped) -> str:
         return prompt
     if prompt is None:
         return piped
-    fence = "```"
-    while fence in piped:
-        fence += "`"
+    longest = max(map(len, re.findall("`+", piped)), default=0)  # one pass: stdin can be huge
+    fence = "`" * max(3, longest + 1)
     return f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\n{prompt}"
 
 
