@@ -1130,7 +1130,7 @@ def _error_from_wire(body):
     raw = body.decode("utf-8", "replace").strip() if body else ""
     try:
         data = json.loads(raw) if raw[:1] in ("{", "[") else None
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     text, codes = _error_fields(data)
     if not text:
@@ -1200,7 +1200,7 @@ def _tool_input(arguments):
         return {}
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if isinstance(value, dict):
         return value
@@ -1397,7 +1397,7 @@ class _HTTPChat:
             raise self._transport_error(e, streaming=False) from e
         try:
             data = json.loads(content)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deeply: a hostile body
             raise self._invalid("body is not JSON", content) from None
         try:
             return self._from_wire(data)
@@ -1598,7 +1598,7 @@ class OpenAIChat(_HTTPChat):
                 break
             try:
                 chunk = _json_decode(data.decode())
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise self._invalid("SSE data is not JSON", data) from None
             if event == b"error" or not isinstance(chunk, dict) or chunk.get("error"):
                 if isinstance(chunk, dict):
@@ -1801,7 +1801,7 @@ class AnthropicChat(_HTTPChat):
         for event, data in events:
             try:
                 payload = _json_decode(data.decode())
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise self._invalid("SSE data is not JSON", data) from None
             if not isinstance(payload, dict):
                 raise self._invalid("SSE data is not a JSON object", data)
@@ -3197,7 +3197,7 @@ def _tool_summary(call) -> str:
     """A few words saying what a tool call does: its first string argument."""
     try:
         args = json.loads(call.get("arguments") or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         args = None
     text = ""
     if isinstance(args, dict):

@@ -4534,21 +4534,25 @@ def openai_calls_reply(*calls, content=None):
     return body
 
 
-def assert_openai_wire_is_acceptable(messages):
-    """What a strict provider checks: each tool result answers the assistant message before it,
-    each call is answered once, ids are non-empty and unique in the whole request."""
-    seen = set()
-    pending = []
+def wire_problem(messages):
+    """Why a strict provider would refuse these Chat Completions messages, or None: a tool result
+    that answers no call of the assistant message before it, a call left unanswered, a tool
+    call id that is empty or repeats."""
+    seen, pending = set(), []
     for m in messages:
         if m["role"] == "tool":
-            assert m["tool_call_id"] in pending, m
+            if m["tool_call_id"] not in pending:
+                return f"tool message {m['tool_call_id']!r} answers no pending call"
             pending.remove(m["tool_call_id"])
             continue
-        assert not pending, f"unanswered {pending}"
+        if pending:
+            return f"calls {pending} unanswered before a {m['role']} message"
         ids = [c["id"] for c in m.get("tool_calls") or []]
-        assert all(ids) and not seen & set(ids) and len(set(ids)) == len(ids), ids
+        if not all(ids) or seen & set(ids) or len(set(ids)) != len(ids):
+            return f"empty or repeated tool call ids {ids}"
         seen.update(ids)
         pending = ids
+    return f"calls {pending} unanswered" if pending else None
 
 
 # ---- model misbehaviour ---------------------------------------------------------------
@@ -4586,7 +4590,7 @@ def test_misbehaving_tool_calls_through_openai_are_answered_and_recorded(server,
         meta(event="run_end", stopped_reason="final", usage={"input_tokens": 14, "output_tokens": 6})]
     assert lich.read_session_messages(run.session_path) == run.messages
     assert_history_is_paired(run.messages)
-    assert_openai_wire_is_acceptable(server.requests[1]["json"]["messages"])
+    assert wire_problem(server.requests[1]["json"]["messages"]) is None
 
 
 def test_a_server_that_never_sends_call_ids_gets_unique_ones_across_turns(server, tmp_path):
@@ -4597,7 +4601,7 @@ def test_a_server_that_never_sends_call_ids_gets_unique_ones_across_turns(server
         [], ["call_0"], "call_0", ["call_0_2", "call_1"], "call_0_2", "call_1", []]
     assert lich.read_session_messages(run.session_path) == run.messages
     for request in server.requests[1:]:
-        assert_openai_wire_is_acceptable(request["json"]["messages"])
+        assert wire_problem(request["json"]["messages"]) is None
 
 
 def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tmp_path):
@@ -4624,7 +4628,8 @@ def anthropic_tool_use_reply(*blocks):
 def test_misbehaving_tool_use_through_anthropic_is_answered_and_recorded(server, tmp_path):
     queue(server, anthropic_tool_use_reply(
         text_block("Let me see."), tool_use_block("t1", "echo", {"text": "a"}), tool_use_block("t1", "echo", [1]),
-        tool_use_block("", "echo", "hello"), tool_use_block("t2", "nope", None)), anthropic_reply(text_block("done")))
+        tool_use_block("", "echo", "hello"), tool_use_block("t2", "nope", None)),
+        anthropic_reply(text_block("done")))
     run = lich.run_agent("go", chat=anthropic_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
     assert run.messages[1] == assistant("Let me see.", ("t1", "echo", '{"text": "a"}'), ("t1_2", "echo", "[1]"),
                                         ("call_2", "echo", '"hello"'), ("t2", "nope", "{}"))
@@ -4875,14 +4880,16 @@ def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server,
 def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, tmp_path, workspace):
     turns = 12
     calls = [(f"c{i}", "read_file", '{"path": "a.txt"}') for i in range(turns)]
-    queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls], openai_reply("All read."))
+    queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls],
+          openai_reply("All read."))
     limit = 4000
     proc = run_lich_via(LIMIT_FILE_SIZE, str(limit), str(LICH_PY), "-q", "--no-stream", "-s", "sys",
                         "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
     assert (proc.returncode, proc.stdout) == (0, "All read.\n"), proc.stderr
     [path] = sessions_in(tmp_path)
     session_id = path.name[:-len(".jsonl")]
-    assert proc.stderr == f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] File too large\n"
+    assert proc.stderr == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
+                           f"File too large\n")
     recorded = records(path)  # every line whole
     expected = [meta(event="run_start", input_chars=7, history_size=0), msg({"role": "system", "content": "sys"}),
                 msg(user("read it"))]
@@ -4934,7 +4941,7 @@ def test_hostile_session_files_read_leniently_and_resume(server, tmp_path):
     path = write_records(
         d / "20260101T000000Z-1.jsonl",
         msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
-        json.dumps({"kind": "message", "message": {"role": "user", "content": "nested", "x": json.loads(deep(500))}}),
+        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
         "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
         msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
         msg(assistant("", ("c1", "echo", "{}"))))
@@ -4947,7 +4954,7 @@ def test_hostile_session_files_read_leniently_and_resume(server, tmp_path):
     assert (proc.returncode, proc.stdout) == (0, "resumed\n"), proc.stderr[-2000:]
     sent = server.requests[0]["json"]["messages"]
     assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
-    assert_openai_wire_is_acceptable(sent)
+    assert wire_problem(sent) is None
     listing = run_lich("--list-sessions", env=cli_env(server, tmp_path))
     assert listing.returncode == 0 and listing.stdout.count("\n") == 2
 
@@ -4973,6 +4980,44 @@ def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
     [path] = sessions_in(tmp_path)
     assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
 
+
+
+DEEP = deep(100_000)
+
+
+@pytest.mark.parametrize("at, stream, reply, kind, message", [
+    ("openai", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"openai: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", True, Reply(200, chunks=[sse((None, DEEP))]), "invalid_response",
+     f"openai: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"anthropic: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", True, Reply(200, chunks=[sse(("message_start", DEEP))]), "invalid_response",
+     f"anthropic: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", False, Reply(500, DEEP, content_type="application/json"), "server",
+     f"openai: HTTP 500: {DEEP[:2000]}..."),
+], ids=["openai-body", "openai-stream", "anthropic-body", "anthropic-stream", "error-body"])
+def test_deeply_nested_json_from_a_provider_is_a_classified_error(server, at, stream, reply, kind, message):
+    server.replies.append(reply)
+    with pytest.raises(lich.ProviderError) as info:
+        (openai_at if at == "openai" else anthropic_at)(server, stream=stream)(USER)
+    assert (info.value.kind, str(info.value)) == (kind, message)
+
+
+def test_deeply_nested_tool_arguments_go_back_to_anthropic(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    chat = ScriptedChat(assistant("", ("t1", "echo", DEEP)), lambda messages: anthropic_at(server)(messages))
+    run = lich.run_agent("go", chat=chat, tools=EchoTools(), max_turns=3)
+    assert (run.stopped_reason, run.final) == ("final", assistant("ok"))
+    assert server.requests[0]["json"]["messages"][1]["content"] == [
+        {"type": "tool_use", "id": "t1", "name": "echo", "input": {"_raw_arguments": DEEP}}]
+
+
+def test_deeply_nested_tool_arguments_on_the_command_line(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
+    proc = run_lich("--no-stream", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "ok\n")
+    assert proc.stderr == "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n"
 
 def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
     _make_links(ws, tmp_path)
@@ -5019,7 +5064,7 @@ def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(ser
     echo = f"your key {SECRET} is wrong"
     runs = [
         (["--no-stream"], {}, [Reply(200, f"<html>{echo}</html>", content_type="application/json")]),
-        ([], {}, [Reply(200, chunks=[sse((None, {"error": {"message": echo, "type": "invalid_request_error"}}))])]),
+        ([], {}, [Reply(200, chunks=[sse((None, {"error": {"message": echo, "type": "server_error"}}))])]),
         (["--json"], {}, [Reply(429, openai_error(echo), headers={"Retry-After": "1"})]),
         (["--no-stream"], {}, [Reply(200, {"choices": [{"message": {"content": 5}}], "note": echo})]),
         (["-m", "anthropic:c"], {}, [Reply(200, chunks=[anthropic_sse(
@@ -5088,7 +5133,8 @@ def test_provider_errors_and_reprs_never_carry_the_key(server):
             try:
                 chat(USER)
             except lich.ProviderError as exc:
-                texts += [str(exc), repr(exc), "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))]
+                shown = traceback.format_exception(type(exc), exc, exc.__traceback__)
+                texts += [str(exc), repr(exc), "".join(shown)]
     assert len(texts) == 5 + 3 * len(chats) * len(faults)
     assert [t for t in texts if SECRET in t] == []
 
@@ -5163,7 +5209,8 @@ def test_8_threads_share_one_session_handle_through_run_agent(tmp_path):
         mine = [m for m in messages if f"t{n}r" in json.dumps(m)]
         assert mine == history
     assert len(messages) == sum(map(len, histories.values()))
-    assert sorted(r["meta"]["event"] for r in recorded if r["kind"] == "meta") == ["run_end"] * 24 + ["run_start"] * 24
+    metas = sorted(r["meta"]["event"] for r in recorded if r["kind"] == "meta")
+    assert metas == ["run_end"] * 24 + ["run_start"] * 24
     assert_history_is_paired(lich.read_session_messages(handle.path))
 
 
@@ -5189,27 +5236,6 @@ CRASH_SCRIPT = {
 }
 
 
-def wire_problem(messages):
-    """Why a strict provider would refuse these Chat Completions messages, or None."""
-    seen, pending, previous = set(), [], None
-    for m in messages:
-        if m["role"] == "tool":
-            if m["tool_call_id"] not in pending:
-                return f"tool message {m['tool_call_id']!r} answers no pending call"
-            pending.remove(m["tool_call_id"])
-            continue
-        if pending:
-            return f"calls {pending} unanswered before a {m['role']} message"
-        if m["role"] == previous == "user":
-            return "two user messages in a row"
-        ids = [c["id"] for c in m.get("tool_calls") or []]
-        if not all(ids) or seen & set(ids) or len(set(ids)) != len(ids):
-            return f"empty or repeated tool call ids {ids}"
-        seen.update(ids)
-        pending, previous = ids, m["role"]
-    return f"calls {pending} unanswered" if pending else None
-
-
 def crash_model(request):
     """The loopback server's responder for the crash test: the script, over SSE or JSON."""
     body = request["json"]
@@ -5219,10 +5245,16 @@ def crash_model(request):
     problem = wire_problem(messages)
     if problem:
         return Reply(400, openai_error(problem))
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    turn = sum(m["role"] == "assistant" for m in messages[last_user:])
-    texts, calls = CRASH_SCRIPT[messages[last_user]["content"]][turn]
-    prompt = messages[last_user]["content"].replace(" ", "")
+    if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
+        prompt, turn, (texts, calls) = "summary", 0, (["Built ", "notes."], [])
+    else:
+        if messages[-1]["role"] == "user":
+            prompt, turn = messages[-1]["content"], 0
+        else:  # the ids of the calls just answered say where the script is, compressed or not
+            asked = next(m for m in reversed(messages) if m["role"] == "assistant")
+            prompt, step, _ = asked["tool_calls"][0]["id"].split("-")
+            turn = int(step) + 1
+        texts, calls = CRASH_SCRIPT[prompt][turn]
     wired = [(f"{prompt}-{turn}-{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
     if not body.get("stream"):
         return Reply(200, openai_reply("".join(texts), *wired, finish="tool_calls" if calls else "stop"))
@@ -5278,7 +5310,8 @@ def agent(point, folder):
         emitter = lich.AgentEmitter()
         emitter.on_any(lambda event: tick("event", event))  # before the recorder: kills before its record
         run = lich.run_agent(prompt, chat=chat, tools=tools, history=history, session=handle,
-                             emitter=emitter, max_turns=5, system_prompt=SYSTEM)
+                             emitter=emitter, max_turns=5, system_prompt=SYSTEM,
+                             context_budget_tokens=150)
         history = run.messages
     handle.close()
     with open(os.path.join(folder, "counts"), "w") as f:
@@ -5346,7 +5379,7 @@ for i in range(config["max_points"]):
         ended = fork(agent, None, folder, kill_after=point[1])
     else:
         ended = fork(agent, point, folder)
-    sessions = os.listdir(os.path.join(folder, "sessions")) if os.path.isdir(os.path.join(folder, "sessions")) else []
+    sessions = os.listdir(folder + "/sessions") if os.path.isdir(folder + "/sessions") else []
     entry = {"folder": folder, "point": point, "ended": ended, "session": None, "resumed": None}
     if ended == "SIGKILL" and sessions:
         entry["session"] = os.path.join(folder, "sessions", sessions[0])
@@ -5381,7 +5414,7 @@ def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(serv
     assert tail == b"" and reference[-1] == meta(event="run_end", stopped_reason="final",
                                                  usage={"input_tokens": 0, "output_tokens": 0})
     system = {"role": "system", "content": "You are scripted."}
-    killed_after = set()
+    killed_at = set()  # the types of the events a kill came with: after every record before them
     for entry in outcome["report"]:
         kind, n = entry["point"]
         if entry["ended"] != "SIGKILL":  # a timer that went off after the run: nothing to check
@@ -5398,7 +5431,7 @@ def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(serv
             assert path.read_bytes() == (Path(entry["folder"]) / "snapshot").read_bytes(), entry
             assert tail == b"", entry
             if kind == "event":
-                killed_after.add(outcome["reference"]["events"][n - 1])
+                killed_at.add(outcome["reference"]["events"][n - 1])
         assert recorded == reference[:len(recorded)], entry
         history = lich.read_session_messages(path)
         assert_history_is_paired(history)
@@ -5406,9 +5439,11 @@ def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(serv
         assert entry["resumed"] == 0, (entry, (Path(entry["folder"]) / "resume.err").read_text()[-2000:])
         assert (Path(entry["folder"]) / "resume.out").read_text() == "Resumed.\n"
         [resumed] = [p for p in path.parent.iterdir() if p != path]
-        assert lich.read_session_messages(resumed) == (history or [system]) + [user("go on"), assistant("Resumed.")]
+        assert lich.read_session_messages(resumed) == [*(history or [system]), user("go on"),
+                                                       assistant("Resumed.")]
     kills = [e for e in outcome["report"] if e["ended"] == "SIGKILL"]
     assert len(kills) >= 100, len(kills)
     assert {e["point"][0] for e in kills} == {"event", "delta", "part", "timer"}
-    assert killed_after == {"turn_start", "llm_start", "llm_end", "tool_call_start", "tool_call_end", "final",
-                            "turn_end"}
+    assert killed_at == {"turn_start", "compress_start", "compress_end", "llm_start", "llm_end",
+                            "tool_call_start", "tool_call_end", "final", "turn_end"}
+    assert meta(event="compress", summary_chars=len("Built notes.")) in reference
