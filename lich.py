@@ -488,7 +488,7 @@ def _unique_call_ids(calls, used) -> list:
 
 
 def _call_ids(messages) -> set:
-    return {call.get("id") for m in messages if m.get("role") == "assistant"
+    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
             for call in m.get("tool_calls") or () if isinstance(call, dict)}
 
 
@@ -3180,6 +3180,12 @@ def _default_model(environ) -> str:
     raise _UsageError(_NO_MODEL_HELP)
 
 
+def _read_piped() -> str:
+    """Piped stdin as text; bytes that are not UTF-8 are replaced, as in the shell tool's output."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+
+
 def _prompt_with_stdin(prompt, piped) -> str:
     """The prompt, with piped text before it as context in a fenced block."""
     if piped is None or not piped.strip():
@@ -3699,7 +3705,7 @@ def _main(args, environ, logger_handler) -> int:
     history = [] if args.resume is None else _load_session(cli.sessions_home, args.resume)
     if cli.interactive:
         return cli.repl(history)
-    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    piped = None if sys.stdin.isatty() else _read_piped()
     prompt = _prompt_with_stdin(args.prompt, piped)
     try:
         return cli.one_shot(prompt, history)

@@ -4982,6 +4982,17 @@ def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
 
 
 
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
+def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
+    queue(server, openai_reply("ok"))
+    env = {**os.environ, **cli_env(server, tmp_path), "PYTHONIOENCODING": encoding}
+    proc = subprocess.run([sys.executable, str(LICH_PY), "--no-stream", "summarise"], env=env, timeout=60,
+                          input=b"caf\xe9 \xff\xfe\nend\n", capture_output=True, check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"ok\n", b"")
+    piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
+    assert server.requests[0]["json"]["messages"][-1] == user(piped)
+
 DEEP = deep(100_000)
 
 
