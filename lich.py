@@ -1302,6 +1302,16 @@ def _body_end_arrived(response):
         sock.settimeout(timeout)
 
 
+def _wire_json(body) -> bytes:
+    """``body`` as UTF-8 JSON, each lone surrogate (a file name that is not UTF-8, say) made
+    U+FFFD: providers refuse a request that escapes one ("no low surrogate in string")."""
+    text = json.dumps(body, ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return re.sub("[\ud800-\udfff]", "\ufffd", text).encode()
+
+
 class _HTTPChat:
     """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors."""
 
@@ -1371,7 +1381,7 @@ class _HTTPChat:
         try:
             # stream=True even for a plain answer: control returns after the headers
             response = self._http().post(
-                self._url, data=json.dumps(body).encode(),
+                self._url, data=_wire_json(body),
                 headers=self._headers, timeout=self._timeouts, stream=True)
         except requests.RequestException as e:
             raise self._transport_error(e, streaming=False) from e

@@ -4993,6 +4993,27 @@ def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
     piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
     assert server.requests[0]["json"]["messages"][-1] == user(piped)
 
+
+def strict_json(body):
+    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
+    text = body.decode("utf-8")
+    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
+    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
+    chat = openai_at(server) if at == "openai" else anthropic_at(server)
+    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
+    queue(server, done)
+    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
+    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
+    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
+    assert lich.read_session_messages(run.session_path) == run.messages
+    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
+    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
 DEEP = deep(100_000)
 
 
