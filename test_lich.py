@@ -4981,8 +4981,6 @@ def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
     assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
 
 
-
-
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
 def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
     queue(server, openai_reply("ok"))
@@ -5013,6 +5011,7 @@ def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server,
     assert lich.read_session_messages(run.session_path) == run.messages
     sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
     assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
 
 DEEP = deep(100_000)
 
@@ -5050,6 +5049,7 @@ def test_deeply_nested_tool_arguments_on_the_command_line(server, tmp_path, work
     proc = run_lich("--no-stream", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
     assert (proc.returncode, proc.stdout) == (0, "ok\n")
     assert proc.stderr == "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n"
+
 
 def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
     _make_links(ws, tmp_path)
