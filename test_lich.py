@@ -165,20 +165,26 @@ class LoopbackServer:
         handler.end_headers()
         handler.wfile.flush()
         try:
+            end = b"" if reply.reset_after is not None else b"0\r\n\r\n"
             for i, chunk in enumerate(reply.chunks):
                 if reply.reset_after is not None and i >= reply.reset_after:
                     _reset(handler)
                     return
                 if reply.delay:
                     time.sleep(reply.delay)
-                if chunk:
-                    handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                last = i == len(reply.chunks) - 1
+                if chunk or (last and end):
+                    # the terminator goes out with the last chunk, as one write: when it comes
+                    # is then not left to the scheduling of this thread against the client's
+                    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk else b""
+                    handler.wfile.write(framed + (end if last else b""))
                     handler.wfile.flush()
             if reply.reset_after is not None:
                 _reset(handler)
                 return
-            handler.wfile.write(b"0\r\n\r\n")
-            handler.wfile.flush()
+            if not reply.chunks:
+                handler.wfile.write(end)
+                handler.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True
 
