@@ -459,9 +459,10 @@ def seed_system_prompt(messages, system_prompt) -> list:
     return seeded
 
 
-def _unique_call_ids(calls, used) -> list:
+def _unique_call_ids(calls, used, counters) -> list:
     """``calls`` with every id that is empty, not a string, or already in ``used`` or earlier in
-    ``calls`` replaced by a fresh one (in a copy); the ids end up in ``used``.
+    ``calls`` replaced by a fresh one (in a copy); the ids end up in ``used``. ``counters``
+    holds the next suffix to try per id, so that many repeats cost linear time.
 
     Providers refuse a history whose tool call ids repeat (Anthropic: "tool_use ids must be
     unique"), and some models and servers repeat them or leave them out.
@@ -478,9 +479,10 @@ def _unique_call_ids(calls, used) -> list:
         if taken is None:
             taken = {c.get("id") for c in calls if isinstance(c, dict)}
         base = call_id if isinstance(call_id, str) and call_id else "call"
-        n = 2
+        n = counters.get(base, 2)
         while f"{base}_{n}" in used or f"{base}_{n}" in taken:
             n += 1
+        counters[base] = n + 1
         fixed = fixed or list(calls)
         fixed[i] = {**call, "id": f"{base}_{n}"}
         used.add(f"{base}_{n}")
@@ -510,7 +512,7 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
     message = getattr(result, "message", None)
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if calls and isinstance(calls, list):
-        unique = _unique_call_ids(calls, _call_ids(history))
+        unique = _unique_call_ids(calls, _call_ids(history), {})
         if unique is not calls:
             result = replace(result, message={**message, "tool_calls": unique})
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
@@ -923,33 +925,39 @@ def _repair_history(messages: list) -> list:
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
+    from collections import deque
+
     repaired = []
-    pending = []  # [call, answered, recorded id] of the last assistant's calls
-    used = set()
+    pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
+    waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
+    used, counters = set(), {}
 
     def close_pending():
-        repaired.extend(_interrupted_tool_message(call) for call, answered, _ in pending
+        repaired.extend(_interrupted_tool_message(call) for call, answered in pending
                         if not answered)
         pending.clear()
+        waiting.clear()
 
     for message in messages:
         role = message["role"]
         if role == "tool":
-            for entry in pending:
-                if not entry[1] and entry[2] == message["tool_call_id"]:
-                    entry[1] = True
-                    if entry[0]["id"] != entry[2]:
-                        message = {**message, "tool_call_id": entry[0]["id"]}
-                    repaired.append(message)
-                    break
+            entries = waiting.get(message["tool_call_id"])
+            if entries:
+                entry = entries.popleft()
+                entry[1] = True
+                if entry[0]["id"] != message["tool_call_id"]:
+                    message = {**message, "tool_call_id": entry[0]["id"]}
+                repaired.append(message)
             continue
         close_pending()
         if role == "assistant" and message.get("tool_calls"):
             recorded = message["tool_calls"]
-            calls = _unique_call_ids(recorded, used)
+            calls = _unique_call_ids(recorded, used, counters)
             if calls is not recorded:
                 message = {**message, "tool_calls": calls}
-            pending.extend([call, False, old["id"]] for call, old in zip(calls, recorded))
+            for call, old in zip(calls, recorded):
+                pending.append([call, False])
+                waiting.setdefault(old["id"], deque()).append(pending[-1])
         repaired.append(message)
     close_pending()
     while repaired and repaired[-1]["role"] == "user":

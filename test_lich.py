@@ -4627,6 +4627,19 @@ def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tm
     assert lich.read_session_messages(again) == history
 
 
+
+def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
+    count = 30_000  # quadratic work would take minutes here
+    path = write_records(tmp_path / "hostile.jsonl", msg(user("q")),
+                         msg(assistant("", *[("", "echo", "{}")] * count)),
+                         *[msg(tool_msg("", str(i))) for i in range(count)])
+    history = finishes(lambda: lich.read_session_messages(path), timeout=60)
+    assert [m["tool_call_id"] for m in history[2:]] == [f"call_{i}" for i in range(2, count + 2)]
+    assert [m["content"] for m in history[2:]] == [str(i) for i in range(count)]
+    chat = ScriptedChat(assistant("", *[("dup", "echo", "{}")] * count))
+    run = finishes(lambda: lich.run_conversation(chat, EchoTools(), [user("q")], max_turns=1), timeout=60)
+    assert [c["id"] for c in run.messages[1]["tool_calls"]] == ["dup"] + [f"dup_{i}" for i in range(2, count + 1)]
+
 def anthropic_tool_use_reply(*blocks):
     return anthropic_reply(*blocks, stop="tool_use")
 
