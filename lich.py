@@ -40,7 +40,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
@@ -459,9 +459,48 @@ def seed_system_prompt(messages, system_prompt) -> list:
     return seeded
 
 
+def _unique_call_ids(calls, used, counters) -> list:
+    """``calls`` with every id that is empty, not a string, or already in ``used`` or earlier in
+    ``calls`` replaced by a fresh one (in a copy); the ids end up in ``used``. ``counters``
+    holds the next suffix to try per id, so that many repeats cost linear time.
+
+    Providers refuse a history whose tool call ids repeat (Anthropic: "tool_use ids must be
+    unique"), and some models and servers repeat them or leave them out.
+    """
+    fixed = None
+    taken = None  # the ids of ``calls`` as given: a fresh id must not take one of them
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict):
+            continue
+        call_id = call.get("id")
+        if isinstance(call_id, str) and call_id and call_id not in used:
+            used.add(call_id)
+            continue
+        if taken is None:
+            taken = {c.get("id") for c in calls if isinstance(c, dict)}
+        base = call_id if isinstance(call_id, str) and call_id else "call"
+        n = counters.get(base, 2)
+        while f"{base}_{n}" in used or f"{base}_{n}" in taken:
+            n += 1
+        counters[base] = n + 1
+        fixed = fixed or list(calls)
+        fixed[i] = {**call, "id": f"{base}_{n}"}
+        used.add(f"{base}_{n}")
+    return calls if fixed is None else fixed
+
+
+def _call_ids(messages) -> set:
+    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
+            for call in m.get("tool_calls") or () if isinstance(call, dict)}
+
+
 def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=None,
               signal=None, emitter=None) -> ChatResult:
-    """One chat call framed by ``llm_start`` and ``llm_end``; a failure emits ``error`` and re-raises."""
+    """One chat call framed by ``llm_start`` and ``llm_end``; a failure emits ``error`` and re-raises.
+
+    A tool call id that is empty or repeats one of the answer or of ``history`` is replaced
+    by a fresh one before ``llm_end``, so the history stays one a provider accepts.
+    """
     _emit(emitter, {"type": "llm_start", "turn": turn})
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
@@ -470,6 +509,12 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
+    message = getattr(result, "message", None)
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if calls and isinstance(calls, list):
+        unique = _unique_call_ids(calls, _call_ids(history), {})
+        if unique is not calls:
+            result = replace(result, message={**message, "tool_calls": unique})
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
     return result
 
@@ -499,6 +544,10 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error=f"TypeError: the tool runner returned "
                                           f"{type(result).__name__}, not a ToolResult")
+    for value in (result.output, result.error):
+        if value is not None and not isinstance(value, str):  # no session or provider takes it
+            return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult "
+                                              f"holding {type(value).__name__}, not str")
     return result
 
 
@@ -881,29 +930,43 @@ def _repair_history(messages: list) -> list:
 
     A tool message is kept only when it follows (with only tool messages between) the
     assistant message that asked for it; a call left unanswered gets an "interrupted"
-    tool message after the answers that were recorded.
+    tool message after the answers that were recorded. A call id that is empty or used
+    before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
+    from collections import deque
+
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
+    waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
+    used, counters = set(), {}
 
     def close_pending():
         repaired.extend(_interrupted_tool_message(call) for call, answered in pending
                         if not answered)
         pending.clear()
+        waiting.clear()
 
     for message in messages:
         role = message["role"]
         if role == "tool":
-            for entry in pending:
-                if not entry[1] and entry[0]["id"] == message["tool_call_id"]:
-                    entry[1] = True
-                    repaired.append(message)
-                    break
+            entries = waiting.get(message["tool_call_id"])
+            if entries:
+                entry = entries.popleft()
+                entry[1] = True
+                if entry[0]["id"] != message["tool_call_id"]:
+                    message = {**message, "tool_call_id": entry[0]["id"]}
+                repaired.append(message)
             continue
         close_pending()
-        repaired.append(message)
         if role == "assistant" and message.get("tool_calls"):
-            pending.extend([call, False] for call in message["tool_calls"])
+            recorded = message["tool_calls"]
+            calls = _unique_call_ids(recorded, used, counters)
+            if calls is not recorded:
+                message = {**message, "tool_calls": calls}
+            for call, old in zip(calls, recorded):
+                pending.append([call, False])
+                waiting.setdefault(old["id"], deque()).append(pending[-1])
+        repaired.append(message)
     close_pending()
     while repaired and repaired[-1]["role"] == "user":
         repaired.pop()
@@ -1012,6 +1075,7 @@ _OVERFLOW_TEXT = (
     r"|reduce the length of the (?:messages|prompt|input)")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
+_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
 
@@ -1090,7 +1154,7 @@ def _error_from_wire(body):
     raw = body.decode("utf-8", "replace").strip() if body else ""
     try:
         data = json.loads(raw) if raw[:1] in ("{", "[") else None
-    except ValueError:
+    except (ValueError, RecursionError):
         data = None
     text, codes = _error_fields(data)
     if not text:
@@ -1160,7 +1224,7 @@ def _tool_input(arguments):
         return {}
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if isinstance(value, dict):
         return value
@@ -1273,6 +1337,16 @@ def _body_end_arrived(response):
         sock.settimeout(timeout)
 
 
+def _wire_json(body) -> bytes:
+    """``body`` as UTF-8 JSON, each lone surrogate (a file name that is not UTF-8, say) made
+    U+FFFD: providers refuse a request that escapes one ("no low surrogate in string")."""
+    text = json.dumps(body, ensure_ascii=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return re.sub("[\ud800-\udfff]", "\ufffd", text).encode()
+
+
 class _HTTPChat:
     """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors."""
 
@@ -1290,11 +1364,12 @@ class _HTTPChat:
         self.timeout = timeout
         self.stream = stream
         self.on_delta = on_delta
-        key = (api_key or os.environ.get(self._key_env) or "").strip()
-        if any(ord(c) < 32 or ord(c) == 127 for c in key):
-            raise ValueError(f"the {self._provider} API key contains a control character: "
-                             f"check {self._key_env} or api_key")
-        self._api_key = key or None
+        # Surrounding whitespace is a copy-paste accident (a CRLF .env file): dropped. A key
+        # still holding a space, control or non-ASCII character cannot go into a header: it
+        # is refused before requests sees it, whose error would quote the header, key and all.
+        self._api_key = (api_key or os.environ.get(self._key_env) or "").strip() or None
+        self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN,
+                                                                          self._api_key)
         self._session = session
         self._local = threading.local()
         self._url = self.base_url + self._path
@@ -1312,6 +1387,10 @@ class _HTTPChat:
         if self._api_key is None and self._key_required():
             raise self._error(f"no API key for {self.base_url}: set {self._key_env} "
                               f"(or pass api_key=...)", "auth")
+        if self._key_unsendable:
+            raise self._error(f"the API key holds a space, a control or a non-ASCII character, "
+                              f"which an HTTP header cannot carry: check {self._key_env} (or "
+                              f"api_key=...) for stray characters", "auth")
         body = self._to_wire(messages, tools, temperature, max_tokens)
         response = self._send(body)
         try:
@@ -1338,7 +1417,7 @@ class _HTTPChat:
         try:
             # stream=True even for a plain answer: control returns after the headers
             response = self._http().post(
-                self._url, data=json.dumps(body).encode(),
+                self._url, data=_wire_json(body),
                 headers=self._headers, timeout=self._timeouts, stream=True)
         except requests.RequestException as e:
             raise self._transport_error(e, streaming=False) from e
@@ -1368,7 +1447,7 @@ class _HTTPChat:
             raise self._invalid(f"body larger than {_BODY_MAX_BYTES} bytes", content[:100])
         try:
             data = json.loads(content)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deeply: a hostile body
             raise self._invalid("body is not JSON", content) from None
         try:
             return self._from_wire(data)
@@ -1590,7 +1669,7 @@ class OpenAIChat(_HTTPChat):
                 break
             try:
                 chunk = _json_decode(data.decode())
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise self._invalid("SSE data is not JSON", data) from None
             if event == b"error" or not isinstance(chunk, dict) or chunk.get("error"):
                 if isinstance(chunk, dict):
@@ -1793,7 +1872,7 @@ class AnthropicChat(_HTTPChat):
         for event, data in events:
             try:
                 payload = _json_decode(data.decode())
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise self._invalid("SSE data is not JSON", data) from None
             if not isinstance(payload, dict):
                 raise self._invalid("SSE data is not a JSON object", data)
@@ -3189,6 +3268,12 @@ def _default_model(environ) -> str:
     raise _UsageError(_NO_MODEL_HELP)
 
 
+def _read_piped() -> str:
+    """Piped stdin as text; bytes that are not UTF-8 are replaced, as in the shell tool's output."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+
+
 def _prompt_with_stdin(prompt, piped) -> str:
     """The prompt, with piped text before it as context in a fenced block."""
     if piped is None or not piped.strip():
@@ -3197,9 +3282,8 @@ def _prompt_with_stdin(prompt, piped) -> str:
         return prompt
     if prompt is None:
         return piped
-    fence = "```"
-    while fence in piped:
-        fence += "`"
+    longest = max(map(len, re.findall("`+", piped)), default=0)  # one pass: stdin can be huge
+    fence = "`" * max(3, longest + 1)
     return f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\n{prompt}"
 
 
@@ -3207,7 +3291,7 @@ def _tool_summary(call) -> str:
     """A few words saying what a tool call does: its first string argument."""
     try:
         args = json.loads(call.get("arguments") or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         args = None
     text = ""
     if isinstance(args, dict):
@@ -3742,7 +3826,7 @@ def _run_cli(args, environ, term) -> int:
     history = [] if args.resume is None else _load_session(cli.sessions_home, args.resume)
     if cli.interactive:
         return cli.repl(history)
-    piped = None if sys.stdin.isatty() else sys.stdin.read()
+    piped = None if sys.stdin.isatty() else _read_piped()
     return cli.one_shot(_prompt_with_stdin(args.prompt, piped), history)
 
 

@@ -1191,8 +1191,9 @@ def test_read_session_messages_repairs_before_the_next_message_and_drops_orphans
         msg(assistant("", ("e1", "echo", "{}"))), msg(user("trailing")))
     history = lich.read_session_messages(path)
     interrupted = tool_msg("d1", INTERRUPTED, is_error=True)
-    assert history == [user("q"), assistant("", ("c1", "echo", "{}"), ("c1", "echo", "{}")),
-                       tool_msg("c1", "first"), tool_msg("c1", "second"), user("next"),
+    # the repeated id is renamed (providers refuse repeated ids), in its tool message too
+    assert history == [user("q"), assistant("", ("c1", "echo", "{}"), ("c1_2", "echo", "{}")),
+                       tool_msg("c1", "first"), tool_msg("c1_2", "second"), user("next"),
                        assistant("", ("d1", "echo", "{}")), interrupted, assistant("end"),
                        assistant("", ("e1", "echo", "{}")),
                        tool_msg("e1", INTERRUPTED, is_error=True)]
@@ -1981,10 +1982,10 @@ def test_keys_are_stripped_of_surrounding_whitespace(server, padded):
 
 
 def test_a_key_with_a_control_character_inside_is_refused_without_echoing_it(server):
-    with pytest.raises(ValueError) as info:
-        openai_at(server, api_key=KEY[:5] + "\x00" + KEY[5:])
-    assert str(info.value) == ("the openai API key contains a control character: check "
-                               "OPENAI_API_KEY or api_key")
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, api_key=KEY[:5] + "\x00" + KEY[5:])(USER)
+    assert (info.value.kind, server.requests) == ("auth", [])
+    assert "sk-test" not in str(info.value) and "OPENAI_API_KEY" in str(info.value)
 
 
 def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
@@ -4548,8 +4549,10 @@ def check_event_order(events, max_turns, outcome=None, error=None):
 
 
 def assert_history_is_paired(messages):
-    """Every tool message follows its assistant call; every call has exactly one tool message."""
+    """Every tool message follows its assistant call; every call has exactly one tool message;
+    call ids are non-empty and never repeat (Anthropic refuses repeated ids)."""
     pending = None
+    seen = set()
     for message in messages:
         if message["role"] == "tool":
             assert pending, f"tool message without its call: {message}"
@@ -4557,11 +4560,17 @@ def assert_history_is_paired(messages):
             continue
         assert not pending, f"unanswered tool calls before {message}"
         pending = [c["id"] for c in message.get("tool_calls") or []]
+        assert all(isinstance(i, str) and i and i not in seen for i in pending), pending
+        assert len(set(pending)) == len(pending), pending
+        seen.update(pending)
     assert not pending
 
 
-def random_run(rng):
-    """A scripted run of random shape; returns (events, max_turns, outcome, error)."""
+def random_run(rng, session_dir=None):
+    """A scripted run of random shape; returns (events, max_turns, outcome, error).
+
+    With ``session_dir`` the run goes through run_agent (prompt "go") and is recorded there.
+    """
     signal = threading.Event()
     max_turns = rng.randint(1, 6)
     error = lich.ProviderError("random failure", "server")
@@ -4592,8 +4601,13 @@ def random_run(rng):
     if rng.random() < 0.05:
         signal.set()
     try:
-        outcome = lich.run_conversation(chat, tools, messages, max_turns=max_turns,
-                                        context_budget_tokens=budget, signal=signal, emitter=emitter)
+        if session_dir is None:
+            outcome = lich.run_conversation(chat, tools, messages, max_turns=max_turns,
+                                            context_budget_tokens=budget, signal=signal, emitter=emitter)
+        else:
+            outcome = lich.run_agent("go", chat=chat, tools=tools, history=messages, max_turns=max_turns,
+                                     context_budget_tokens=budget, signal=signal, emitter=emitter,
+                                     session_dir=session_dir)
     except lich.ProviderError as exc:
         assert exc is error
         return events, max_turns, None, error
@@ -4612,3 +4626,1020 @@ def test_event_ordering_holds_for_random_runs():
         seen.update("cancelled" for e in events if e.get("cancelled"))
     assert seen == {"final", "budget", "aborted", "raised", "compress_start", "compress_end",
                     "cancelled"}
+
+
+def test_random_runs_record_sessions_that_replay_their_whole_transcript(tmp_path):
+    import random
+
+    rng = random.Random(20261201)
+    endings = set()
+    for i in range(150):
+        events, max_turns, outcome, error = random_run(rng, session_dir=tmp_path / str(i))
+        ended = check_event_order(events, max_turns, outcome, error)[0]
+        endings.add(ended)
+        [path] = (tmp_path / str(i)).iterdir()
+        recorded = records(path)
+        seeded = recorded[0]["meta"]["history_size"] + 1
+        happened = []
+        for event in events:
+            if event["type"] == "llm_end":
+                happened.append(event["result"].message)
+            elif event["type"] == "tool_call_end":
+                happened.append(lich.tool_message_from_result(event["call"], event["result"]))
+        transcript = [r["message"] for r in recorded[1:1 + seeded]] + happened
+        assert [r["message"] for r in recorded if r["kind"] == "message"] == transcript
+        last = recorded[-1]["meta"]
+        assert last == ({"event": "run_error", "error": "ProviderError: random failure"} if ended == "raised" else
+                        {"event": "run_end", "stopped_reason": ended, "usage": outcome.usage_total})
+        while transcript and transcript[-1]["role"] == "user":
+            transcript.pop()
+        assert lich.read_session_messages(path) == transcript
+        assert_history_is_paired(transcript)
+    assert endings == {"final", "budget", "aborted", "raised"}
+
+
+def echo_tools():
+    tools = lich.Tools()
+
+    @tools.tool
+    def echo(text: str = "") -> str:
+        """Echo the text."""
+        return "echo:" + text
+
+    return tools
+
+
+def wire_call(call_id, name="echo", arguments='{"text": "x"}'):
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id is not None:
+        call["id"] = call_id
+    return call
+
+
+def openai_calls_reply(*calls, content=None):
+    """A Chat Completions body whose tool calls are given in their wire form, as they are."""
+    body = openai_reply(content, finish="tool_calls")
+    body["choices"][0]["message"]["tool_calls"] = list(calls)
+    return body
+
+
+def wire_problem(messages):
+    """Why a strict provider would refuse these Chat Completions messages, or None: a tool result
+    that answers no call of the assistant message before it, a call left unanswered, a tool
+    call id that is empty or repeats."""
+    seen, pending = set(), []
+    for m in messages:
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in pending:
+                return f"tool message {m['tool_call_id']!r} answers no pending call"
+            pending.remove(m["tool_call_id"])
+            continue
+        if pending:
+            return f"calls {pending} unanswered before a {m['role']} message"
+        ids = [c["id"] for c in m.get("tool_calls") or []]
+        if not all(ids) or seen & set(ids) or len(set(ids)) != len(ids):
+            return f"empty or repeated tool call ids {ids}"
+        seen.update(ids)
+        pending = ids
+    return f"calls {pending} unanswered" if pending else None
+
+
+# ---- model misbehaviour ---------------------------------------------------------------
+
+NOT_JSON = ("the arguments of echo are not valid JSON (Expecting ',' delimiter: line 1 column 13 "
+            "(char 12)); send one JSON object")
+
+
+@pytest.mark.parametrize("calls, answers", [
+    ([wire_call("a", arguments='{"text": "x"')], [("a", NOT_JSON)]),
+    ([wire_call("a", name="nope")], [("a", 'unknown tool "nope"; the available tools are: echo')]),
+    ([wire_call("dup"), wire_call("dup"), wire_call("dup_2")],
+     [("dup", "echo:x"), ("dup_3", "echo:x"), ("dup_2", "echo:x")]),
+    ([wire_call(""), wire_call(None), wire_call("call_1")],
+     [("call_0", "echo:x"), ("call_1", "echo:x"), ("call_1_2", "echo:x")]),
+    ([wire_call("a", arguments="[1, 2]")],
+     [("a", "the arguments of echo must be a JSON object, not an array")]),
+    ([wire_call("a", arguments='"x"')], [("a", "the arguments of echo must be a JSON object, not a string")]),
+    ([wire_call("a", arguments={"text": "decoded"})], [("a", "echo:decoded")]),
+    ([wire_call("a", arguments="")], [("a", "echo:")]),
+    ([wire_call(f"c{i}", arguments=json.dumps({"text": str(i)})) for i in range(100)],
+     [(f"c{i}", f"echo:{i}") for i in range(100)]),
+], ids=["invalid-json", "unknown-tool", "duplicate-ids", "empty-and-missing-ids", "list-arguments",
+        "string-arguments", "decoded-arguments", "empty-arguments", "100-calls"])
+def test_misbehaving_tool_calls_through_openai_are_answered_and_recorded(server, tmp_path, calls, answers):
+    queue(server, openai_calls_reply(*calls), openai_reply("done"))
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    asked = run.messages[1]
+    told = [(m["tool_call_id"], m["content"] if not m["is_error"] else json.loads(m["content"])["error"])
+            for m in run.messages[2:-1]]
+    assert (run.stopped_reason, told, run.messages[-1]) == ("final", answers, assistant("done"))
+    assert [c["id"] for c in asked["tool_calls"]] == [i for i, _ in answers]
+    assert records(run.session_path) == [
+        meta(event="run_start", input_chars=2, history_size=0), *[msg(m) for m in run.messages],
+        meta(event="run_end", stopped_reason="final", usage={"input_tokens": 14, "output_tokens": 6})]
+    assert lich.read_session_messages(run.session_path) == run.messages
+    assert_history_is_paired(run.messages)
+    assert wire_problem(server.requests[1]["json"]["messages"]) is None
+
+
+def test_a_server_that_never_sends_call_ids_gets_unique_ones_across_turns(server, tmp_path):
+    queue(server, openai_calls_reply(wire_call(None)), openai_calls_reply(wire_call(None), wire_call(None)),
+          openai_reply("done"))
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=5, session_dir=tmp_path)
+    assert [m.get("tool_call_id") or [c["id"] for c in m.get("tool_calls") or []] for m in run.messages] == [
+        [], ["call_0"], "call_0", ["call_0_2", "call_1"], "call_0_2", "call_1", []]
+    assert lich.read_session_messages(run.session_path) == run.messages
+    for request in server.requests[1:]:
+        assert wire_problem(request["json"]["messages"]) is None
+
+
+def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tmp_path):
+    path = write_records(
+        tmp_path / "old.jsonl", msg(user("q")), msg(assistant("", ("", "echo", "{}"), ("a", "echo", "{}"))),
+        msg(tool_msg("", "first")), msg(tool_msg("a", "second")), msg(assistant("", ("a", "echo", "{}"))),
+        msg(tool_msg("a", "third")), msg(assistant("", ("a", "echo", "{}"), ("a_2", "echo", "{}"))),
+        msg(tool_msg("a", "fourth")))
+    history = lich.read_session_messages(path)
+    assert history == [
+        user("q"), assistant("", ("call_2", "echo", "{}"), ("a", "echo", "{}")),
+        tool_msg("call_2", "first"), tool_msg("a", "second"), assistant("", ("a_2", "echo", "{}")),
+        tool_msg("a_2", "third"), assistant("", ("a_3", "echo", "{}"), ("a_2_2", "echo", "{}")),
+        tool_msg("a_3", "fourth"), tool_msg("a_2_2", INTERRUPTED, is_error=True)]
+    assert_history_is_paired(history)
+    again = write_records(tmp_path / "again.jsonl", *[msg(m) for m in history])
+    assert lich.read_session_messages(again) == history
+
+
+
+def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
+    count = 30_000  # quadratic work would take minutes here
+    path = write_records(tmp_path / "hostile.jsonl", msg(user("q")),
+                         msg(assistant("", *[("", "echo", "{}")] * count)),
+                         *[msg(tool_msg("", str(i))) for i in range(count)])
+    history = finishes(lambda: lich.read_session_messages(path), timeout=60)
+    assert [m["tool_call_id"] for m in history[2:]] == [f"call_{i}" for i in range(2, count + 2)]
+    assert [m["content"] for m in history[2:]] == [str(i) for i in range(count)]
+    chat = ScriptedChat(assistant("", *[("dup", "echo", "{}")] * count))
+    run = finishes(lambda: lich.run_conversation(chat, EchoTools(), [user("q")], max_turns=1), timeout=60)
+    assert [c["id"] for c in run.messages[1]["tool_calls"]] == ["dup"] + [f"dup_{i}" for i in range(2, count + 1)]
+
+def anthropic_tool_use_reply(*blocks):
+    return anthropic_reply(*blocks, stop="tool_use")
+
+
+def test_misbehaving_tool_use_through_anthropic_is_answered_and_recorded(server, tmp_path):
+    queue(server, anthropic_tool_use_reply(
+        text_block("Let me see."), tool_use_block("t1", "echo", {"text": "a"}), tool_use_block("t1", "echo", [1]),
+        tool_use_block("", "echo", "hello"), tool_use_block("t2", "nope", None)),
+        anthropic_reply(text_block("done")))
+    run = lich.run_agent("go", chat=anthropic_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert run.messages[1] == assistant("Let me see.", ("t1", "echo", '{"text": "a"}'), ("t1_2", "echo", "[1]"),
+                                        ("call_2", "echo", '"hello"'), ("t2", "nope", "{}"))
+    assert [m["content"] for m in run.messages[2:-1]] == [
+        "echo:a", *[json.dumps({"ok": False, "output": "", "error": e}) for e in (
+            "the arguments of echo must be a JSON object, not an array",
+            "the arguments of echo must be a JSON object, not a string",
+            'unknown tool "nope"; the available tools are: echo')]]
+    assert (run.stopped_reason, lich.read_session_messages(run.session_path)) == ("final", run.messages)
+    wire = server.requests[1]["json"]["messages"]
+    uses = [b for b in wire[1]["content"] if b["type"] == "tool_use"]
+    results = [b["tool_use_id"] for b in wire[2]["content"]]
+    assert [b["id"] for b in uses] == results == ["t1", "t1_2", "call_2", "t2"]
+    assert [b["input"] for b in uses] == [{"text": "a"}, {"_raw_arguments": "[1]"},
+                                          {"_raw_arguments": '"hello"'}, {}]
+
+
+@pytest.mark.parametrize("body, final", [
+    (openai_calls_reply(content="answer"), assistant("answer")),
+    (openai_reply(None), assistant("")),
+], ids=["content-and-empty-tool-calls", "null-content"])
+def test_an_answer_without_tool_calls_is_final_through_openai(server, tmp_path, body, final):
+    queue(server, body)
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (run.stopped_reason, run.final, run.turns_used) == ("final", final, 1)
+    assert records(run.session_path)[2:] == [msg(final), meta(event="run_end", stopped_reason="final",
+                                                              usage={"input_tokens": 7, "output_tokens": 3})]
+
+
+@pytest.mark.parametrize("body, error", [
+    ({"id": "x", "object": "chat.completion", "model": "m"},
+     "KeyError: 'choices'"),
+    ({"choices": []}, "IndexError: list index out of range"),
+    ({"choices": [{"message": None}]}, "AttributeError: 'NoneType' object has no attribute 'get'"),
+    ({"choices": [{"message": {"content": 5}}]}, "TypeError: message content is a int"),
+], ids=["missing-choices", "empty-choices", "null-message", "number-content"])
+def test_an_answer_of_the_wrong_shape_ends_the_run_recorded(server, tmp_path, body, error):
+    queue(server, openai_calls_reply(wire_call("a")), body)
+    with pytest.raises(lich.ProviderError) as info:
+        lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
+    assert str(info.value) == (f"openai: invalid response: unexpected JSON shape ({error}): "
+                               f"{json.dumps(body)!r}")
+    [path] = tmp_path.iterdir()
+    assert records(path) == [
+        meta(event="run_start", input_chars=2, history_size=0), msg(user("go")),
+        msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x")),
+        meta(event="run_error", error=f"ProviderError: {info.value}")]
+    assert lich.read_session_messages(path) == [user("go"), assistant("", ("a", "echo", '{"text": "x"}')),
+                                                tool_msg("a", "echo:x")]
+
+
+# ---- provider faults, end to end ------------------------------------------------------
+
+FIRST_TURN = [msg(user("go")), msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x"))]
+OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delta_chunk(content="covered"),
+                                                 delta_chunk(finish="stop"))])
+
+
+@pytest.mark.parametrize("provider, faults, ending", [
+    ("openai-stream", [Reply(200, reset_after=0), OPENAI_STREAM_OK], "recovered"),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="par"), done=False), "x" * 50],
+                             reset_after=1)],
+     ("invalid_response", ("openai: stream broke off before its end: (\"Connection broken: ConnectionResetError"
+                           "(104, 'Connection reset by peer')\", ConnectionResetError(104, 'Connection reset by "
+                           "peer'))"))),
+    ("openai", [Reply(200, b"", content_type="application/json")],
+     ("invalid_response", "openai: invalid response: body is not JSON: ''")),
+    ("openai", [Reply(200, json.dumps(openai_reply("cut"))[:40], content_type="application/json")],
+     ("invalid_response", "openai: invalid response: body is not JSON: "
+                          + repr(json.dumps(openai_reply("cut"))[:40]))),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="no end"), done=False)])],
+     ("invalid_response", "openai: invalid response: stream ended before [DONE]")),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="slow")), ""], delay=0.6),
+                       OPENAI_STREAM_OK], "recovered"),
+    ("openai", [Reply(429, openai_error("slow down"), headers={"Retry-After": "1"}), openai_reply("recovered")],
+     "recovered"),
+    ("openai", [Reply(500, "oops"), openai_reply("recovered")], "recovered"),
+    ("openai", [Reply(500, "oops"), Reply(500, "oops again")],
+     ("server", "openai: HTTP 500: oops again")),
+    ("anthropic", [Reply(529, anthropic_error("overloaded_error", "Overloaded")),
+                   anthropic_reply(text_block("recovered"))], "recovered"),
+], ids=["reset-before-headers", "reset-mid-stream", "empty-body", "truncated-json", "no-end-marker",
+        "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
+def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_kept(
+        server, tmp_path, provider, faults, ending):
+    if provider == "anthropic":
+        chat = anthropic_at(server, timeout=0.3)
+        first = anthropic_tool_use_reply(tool_use_block("a", "echo", {"text": "x"}))
+    else:
+        chat = openai_at(server, stream=provider.endswith("stream"), timeout=0.3)
+        first = openai_calls_reply(wire_call("a"))
+    queue(server, first, *faults)
+    retrying = lich.Router([chat], retries=1, base_delay=0.01, max_delay=0.05)
+    start = meta(event="run_start", input_chars=2, history_size=0)
+    if ending == "recovered":
+        run = lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+        assert (run.stopped_reason, run.final) == ("final", assistant("recovered"))
+        assert records(run.session_path)[:-1] == [start, *FIRST_TURN, msg(assistant("recovered"))]
+        assert len(server.requests) == 3
+        return
+    with pytest.raises(lich.ProviderError) as info:
+        lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (info.value.kind, str(info.value)) == ending
+    [path] = tmp_path.iterdir()
+    assert records(path) == [start, *FIRST_TURN, meta(event="run_error", error=f"ProviderError: {ending[1]}")]
+    assert lich.read_session_messages(path) == [m["message"] for m in FIRST_TURN]
+
+
+# ---- tool faults ----------------------------------------------------------------------
+
+
+def failed(error, output=""):
+    return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
+
+
+def test_tool_faults_become_results_and_the_run_goes_on(tmp_path, ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+
+    @tools.tool
+    def explode() -> str:
+        """Raise."""
+        raise RuntimeError("kaboom")
+
+    @tools.tool
+    def leave() -> str:
+        """Exit the interpreter."""
+        sys.exit(3)
+
+    @tools.tool
+    def cyclic() -> dict:
+        """Return what JSON cannot encode."""
+        loop = {}
+        loop["self"] = loop
+        return loop
+
+    @tools.tool
+    def raw() -> str:
+        """Return bytes where text belongs."""
+        return lich.ToolResult(ok=True, output=b"\xff\xfe")
+
+    calls = [("c1", "explode", "{}"), ("c2", "leave", "{}"), ("c3", "cyclic", "{}"), ("c4", "raw", "{}"),
+             ("c5", "bash", '{"command": "echo started; exec sleep 60"}'),
+             ("c6", "bash", json.dumps({"command": "printf 'bad \\377\\376 bytes\\n'"})),
+             ("c7", "bash", '{"command": "echo fine"}')]
+    chat = ScriptedChat(assistant("", *calls), assistant("done"))
+    started = time.monotonic()
+    run = lich.run_agent("go", chat=chat, tools=tools, max_turns=3, session_dir=tmp_path)
+    assert time.monotonic() - started < 20
+    assert (run.stopped_reason, run.final) == ("final", assistant("done"))
+    assert [(m["content"], m["is_error"]) for m in run.messages[2:-1]] == [
+        (failed("RuntimeError: kaboom"), True),
+        (failed("SystemExit: 3"), True),
+        ("{'self': {...}}", False),
+        (failed("TypeError: the tool runner returned a ToolResult holding bytes, not str"), True),
+        (failed("the command timed out after 0.5 seconds and was killed", "started\n"), True),
+        ("bad \ufffd\ufffd bytes\n[exit code 0]", False),
+        ("fine\n[exit code 0]", False)]
+    assert chat.calls[1]["messages"] == run.messages[:-1]
+    assert records(run.session_path)[1:-1] == [msg(m) for m in run.messages]
+
+
+SHELL_FLOOD = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+
+def peak_kib():
+    # VmHWM: this process's own peak; ru_maxrss can carry the parent's across fork and exec
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak // 1024 if sys.platform == "darwin" else peak
+
+def chat(messages, **options):
+    if len(messages) == 1:
+        command = "head -c 50000000 /dev/zero | tr '\\\\0' a"
+        call = {"id": "c1", "name": "bash", "arguments": json.dumps({"command": command})}
+        return lich.ChatResult({"role": "assistant", "content": "", "tool_calls": [call]})
+    return lich.ChatResult({"role": "assistant", "content": "done"})
+
+before = peak_kib()
+run = lich.run_agent("flood", chat=chat, tools=lich.coding_tools(sys.argv[2], allow_shell=True),
+                     max_turns=2, session_dir=sys.argv[3])
+growth = peak_kib() - before
+blob = b"x" * (60 << 20)  # the control: buffering the output would have shown like this
+control = peak_kib() - before
+print(json.dumps({"growth": growth, "control": control, "tool": run.messages[2]["content"],
+                  "stopped": run.stopped_reason}))
+"""
+
+
+def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
+    proc = subprocess.run([sys.executable, "-c", SHELL_FLOOD, str(HERE), str(ws), str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["growth"] < 100 << 10, report["control"] >= 50 << 10) == (True, True), report
+    assert (report["stopped"], report["tool"]) == (
+        "final", "a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000 + "\n[exit code 0]")
+
+
+# ---- disk faults ----------------------------------------------------------------------
+
+DROP_DAC = """
+import ctypes, os, sys
+prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
+for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: root obeys file modes after exec
+    if prctl is None or prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        sys.exit(99)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+LIMIT_FILE_SIZE = """
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def run_lich_via(wrapper, *args, env):
+    """``python lich.py ARGS`` started through a small Python ``wrapper`` that execs it."""
+    full = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", wrapper, *args], env=full, capture_output=True,
+                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+
+
+def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server, tmp_path):
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    sessions.chmod(0o500)
+    queue(server, openai_reply("answer"))
+    args = [str(LICH_PY), "--no-stream", "hi"]
+    if os.geteuid() == 0:
+        proc = run_lich_via(DROP_DAC, *args, env=cli_env(server, tmp_path))
+        if proc.returncode == 99:
+            pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    else:
+        proc = run_lich(*args[1:], env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
+    assert proc.stderr == ("lich: warning: session recording is off: cannot create a session file: "
+                           "Permission denied\n")
+    assert list(sessions.iterdir()) == []
+
+
+def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, tmp_path, workspace):
+    turns = 12
+    calls = [(f"c{i}", "read_file", '{"path": "a.txt"}') for i in range(turns)]
+    queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls],
+          openai_reply("All read."))
+    limit = 4000
+    proc = run_lich_via(LIMIT_FILE_SIZE, str(limit), str(LICH_PY), "-q", "--no-stream", "-s", "sys",
+                        "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "All read.\n"), proc.stderr
+    [path] = sessions_in(tmp_path)
+    session_id = path.name[:-len(".jsonl")]
+    assert proc.stderr == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
+                           f"File too large\n")
+    recorded = records(path)  # every line whole
+    expected = [meta(event="run_start", input_chars=7, history_size=0), msg({"role": "system", "content": "sys"}),
+                msg(user("read it"))]
+    for call in calls:
+        expected += [msg(assistant("x" * 300, call)), msg(tool_msg(call[0], "     1\thello", name="read_file"))]
+    assert 3 < len(recorded) < len(expected) and recorded == expected[:len(recorded)]
+    assert len(path.read_bytes()) <= limit
+    history = lich.read_session_messages(path)
+    assert_history_is_paired(history)
+    assert history[-1]["role"] != "user"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is Linux-only")
+def test_a_session_device_that_is_full_warns_once_and_the_run_goes_on(tmp_path, caplog):
+    handle = lich.SessionHandle(str(tmp_path / "full.jsonl"), os.open("/dev/full", os.O_WRONLY))
+    script = [assistant("", (f"c{i}", "echo", "{}")) for i in range(5)] + [assistant("done")]
+    with caplog.at_level("WARNING", logger="lich"):
+        run = lich.run_agent("go", chat=ScriptedChat(*script), tools=EchoTools(), max_turns=10, session=handle)
+    handle.close()
+    assert (run.stopped_reason, run.turns_used, run.final) == ("final", 6, assistant("done"))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "session recording stopped: full: OSError: [Errno 28] No space left on device")]
+
+
+# ---- hostile input --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ref", ["../sessions/20260101T000000Z-1", "a\0b", "x" * 10_000, "latest\n"],
+                         ids=["traversal", "nul", "10000-chars", "newline"])
+def test_hostile_session_refs_on_the_command_line(server, tmp_path, monkeypatch, capsys, ref):
+    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
+    monkeypatch.setenv("LICH_MODEL", f"openai:m@{server.url}/v1")
+    if "\0" in ref:  # no argv can carry a NUL: in process
+        code, err = lich.main(["--resume", ref, "hi"]), capsys.readouterr().err
+    else:
+        proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
+        code, err = proc.returncode, proc.stderr
+    assert (code, err) == (2, f"lich: session not found: {ref}\n")
+    assert server.requests == [] and len(sessions_in(tmp_path)) == 1
+
+
+def deep(depth):
+    return "[" * depth + "]" * depth
+
+
+def test_hostile_session_files_read_leniently_and_resume(server, tmp_path):
+    big = "b" * 10_000_000
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = write_records(
+        d / "20260101T000000Z-1.jsonl",
+        msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
+        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
+        "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
+        msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
+        msg(assistant("", ("c1", "echo", "{}"))))
+    history = lich.read_session_messages(path)
+    assert history == [user(big), {"role": "user", "content": "nested", "x": json.loads(deep(500))},
+                       assistant("crlf"), assistant("", ("c1", "echo", "{}")),
+                       tool_msg("c1", INTERRUPTED, is_error=True)]
+    queue(server, openai_reply("resumed"))
+    proc = run_lich("--no-stream", "--resume", "20260101T000000Z-1", "go on", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "resumed\n"), proc.stderr[-2000:]
+    sent = server.requests[0]["json"]["messages"]
+    assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
+    assert wire_problem(sent) is None
+    listing = run_lich("--list-sessions", env=cli_env(server, tmp_path))
+    assert listing.returncode == 0 and listing.stdout.count("\n") == 2
+
+
+def test_a_10_mb_prompt_through_run_agent(tmp_path):
+    prompt = "p" * 10_000_000
+    chat = ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("read"))
+    run = lich.run_agent(prompt, chat=chat, tools=EchoTools(), max_turns=3, session_dir=tmp_path,
+                         context_budget_tokens=1000)
+    assert (run.stopped_reason, run.messages[0], len(chat.calls)) == ("final", user(prompt), 2)
+    assert records(run.session_path)[0] == meta(event="run_start", input_chars=10_000_000, history_size=0)
+    assert lich.read_session_messages(run.session_path) == run.messages
+
+
+def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
+    piped = ("log line\n" * 1_000_000) + "`" * 1_000_000 + "\nend\n"
+    queue(server, openai_reply("summarised"))
+    proc = run_lich("--no-stream", "summarise", input=piped, env=cli_env(server, tmp_path), timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "summarised\n"), proc.stderr[-2000:]
+    fence = "`" * 1_000_001
+    expected = f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\nsummarise"
+    assert server.requests[0]["json"]["messages"][-1] == user(expected)
+    [path] = sessions_in(tmp_path)
+    assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
+def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
+    queue(server, openai_reply("ok"))
+    env = {**os.environ, **cli_env(server, tmp_path), "PYTHONIOENCODING": encoding}
+    proc = subprocess.run([sys.executable, str(LICH_PY), "--no-stream", "summarise"], env=env, timeout=60,
+                          input=b"caf\xe9 \xff\xfe\nend\n", capture_output=True, check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"ok\n", b"")
+    piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
+    assert server.requests[0]["json"]["messages"][-1] == user(piped)
+
+
+def strict_json(body):
+    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
+    text = body.decode("utf-8")
+    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
+    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
+    chat = openai_at(server) if at == "openai" else anthropic_at(server)
+    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
+    queue(server, done)
+    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
+    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
+    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
+    assert lich.read_session_messages(run.session_path) == run.messages
+    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
+    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
+
+DEEP = deep(100_000)
+
+
+@pytest.mark.parametrize("at, stream, reply, kind, message", [
+    ("openai", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"openai: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", True, Reply(200, chunks=[sse((None, DEEP))]), "invalid_response",
+     f"openai: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"anthropic: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", True, Reply(200, chunks=[sse(("message_start", DEEP))]), "invalid_response",
+     f"anthropic: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", False, Reply(500, DEEP, content_type="application/json"), "server",
+     f"openai: HTTP 500: {DEEP[:2000]}..."),
+], ids=["openai-body", "openai-stream", "anthropic-body", "anthropic-stream", "error-body"])
+def test_deeply_nested_json_from_a_provider_is_a_classified_error(server, at, stream, reply, kind, message):
+    server.replies.append(reply)
+    with pytest.raises(lich.ProviderError) as info:
+        (openai_at if at == "openai" else anthropic_at)(server, stream=stream)(USER)
+    assert (info.value.kind, str(info.value)) == (kind, message)
+
+
+def test_deeply_nested_tool_arguments_go_back_to_anthropic(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    chat = ScriptedChat(assistant("", ("t1", "echo", DEEP)), lambda messages: anthropic_at(server)(messages))
+    run = lich.run_agent("go", chat=chat, tools=EchoTools(), max_turns=3)
+    assert (run.stopped_reason, run.final) == ("final", assistant("ok"))
+    assert server.requests[0]["json"]["messages"][1]["content"] == [
+        {"type": "tool_use", "id": "t1", "name": "echo", "input": {"_raw_arguments": DEEP}}]
+
+
+def test_deeply_nested_tool_arguments_on_the_command_line(server, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
+    proc = run_lich("--no-stream", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
+    assert (proc.returncode, proc.stdout) == (0, "ok\n")
+    assert proc.stderr == "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n"
+
+
+def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
+    _make_links(ws, tmp_path)
+    os.mkfifo(ws / "pipe")
+    os.symlink("pipe", ws / "pipe_link")
+    os.symlink(".", ws / "self")
+    (ws / "sub").mkdir()
+    os.symlink("..", ws / "sub" / "up")
+    tools = lich.coding_tools(ws, allow_write=True)
+    calls = [("read_file", {"path": p}) for p in ("loop_a", "pipe", "pipe_link", "zero", "self/self/inside.txt")]
+    calls += [("write_file", {"path": p, "content": "x"}) for p in ("pipe", "loop_a", "zero")]
+    calls += [("edit_file", {"path": p, "old_text": "a", "new_text": "b"}) for p in ("pipe_link", "zero")]
+    calls += [("list_files", {}), ("search", {"pattern": "inside"}), ("search", {"pattern": "x", "path": "pipe"})]
+    script = [assistant("", *[(f"c{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]),
+              assistant("done")]
+    run = finishes(lambda: lich.run_agent("poke", chat=ScriptedChat(*script), tools=tools, max_turns=2,
+                                          session_dir=tmp_path / "s"), timeout=30)
+    answers = [json.loads(m["content"])["error"] if m["is_error"] else m["content"] for m in run.messages[2:-1]]
+    assert answers == [
+        "too many levels of symbolic links: loop_a",
+        "path is not a regular file: pipe",
+        "path is not a regular file: pipe_link",
+        "path is outside the workspace: zero",
+        "     1\tinside",
+        "path is not a regular file: pipe",
+        "too many levels of symbolic links: loop_a",
+        "path is outside the workspace: zero",
+        "path is not a regular file: pipe_link",
+        "path is outside the workspace: zero",
+        "alias.txt\ninside.txt",
+        "alias.txt:1: inside\ninside.txt:1: inside",
+        "path is not a regular file or a directory: pipe",
+    ]
+    assert run.stopped_reason == "final" and not (ws / "pipe").is_file()
+
+
+# ---- secrets --------------------------------------------------------------------------
+
+
+def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(server, tmp_path, workspace):
+    keys = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET}
+    env = {**keys, "OPENAI_BASE_URL": server.url + "/v1", "ANTHROPIC_BASE_URL": server.url,
+           "LICH_SESSION_DIR": str(tmp_path / "sessions"), "NO_COLOR": "1"}
+    echo = f"your key {SECRET} is wrong"
+    runs = [
+        (["--no-stream"], {}, [Reply(200, f"<html>{echo}</html>", content_type="application/json")]),
+        ([], {}, [Reply(200, chunks=[sse((None, {"error": {"message": echo, "type": "server_error"}}))])]),
+        (["--json"], {}, [Reply(429, openai_error(echo), headers={"Retry-After": "1"})]),
+        (["--no-stream"], {}, [Reply(200, {"choices": [{"message": {"content": 5}}], "note": echo})]),
+        (["-m", "anthropic:c"], {}, [Reply(200, chunks=[anthropic_sse(
+            message_start(), {"type": "error", "error": {"type": "overloaded_error", "message": echo}})])]),
+        ([], {"OPENAI_BASE_URL": f"http://127.0.0.1:{free_port()}/v1"}, []),
+        ([], {"OPENAI_API_KEY": SECRET + "\r"}, [openai_reply("stripped")]),
+        (["-m", "anthropic:c"], {"ANTHROPIC_API_KEY": SECRET + "\n"}, [anthropic_reply(text_block("ok"))]),
+        (["--json"], {"OPENAI_API_KEY": " " + SECRET}, [openai_reply("ok")]),
+        ([], {"OPENAI_API_KEY": SECRET + "é"}, []),
+        (["--yolo"], {}, [tool_reply(("c1", "bash", '{"command": "exit 3"}')), openai_reply("ok")]),
+        (["-c"], {}, [stream_reply("resumed")]),
+        (["--resume", "nope"], {}, []),
+        (["--list-sessions"], {}, []),
+    ]
+    outputs, codes = [], []
+    for args, extra, replies in runs:
+        queue(server, *replies)
+        proc = run_lich("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
+        outputs.append(proc.stdout + proc.stderr)
+        codes.append(proc.returncode)
+    assert codes == [1] * 6 + [0, 0, 0, 1] + [0, 0, 2, 0]
+    assert [o for o in outputs if SECRET in o] == []
+    assert "[redacted]" in outputs[0] and "[redacted]" in outputs[1]
+    assert outputs[9].endswith("lich: error: auth: openai: the API key holds a space, a control or a non-ASCII "
+                               "character, which an HTTP header cannot carry: check OPENAI_API_KEY (or "
+                               "api_key=...) for stray characters\n")
+    for path in sessions_in(tmp_path):
+        assert SECRET not in path.read_text()
+    assert all(r["headers"].get("authorization", f"Bearer {SECRET}") == f"Bearer {SECRET}"
+               and r["headers"].get("x-api-key", SECRET) == SECRET for r in server.requests)
+
+
+def test_api_key_marker_appears_nowhere_in_interactive_chat(server, tmp_path, workspace):
+    env = {**cli_env(server, tmp_path), "OPENAI_API_KEY": SECRET, "NO_COLOR": "1"}
+    term = Pty("-v", "--root", str(workspace), env=env)
+    term.expect(PROMPT)
+    queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), stream_reply("It says hello."))
+    term.send("read a.txt")
+    term.expect(PROMPT)
+    queue(server, Reply(401, openai_error(f"Incorrect API key provided: {SECRET}", code="invalid_api_key")))
+    term.send("again")
+    shown = term.expect(PROMPT)
+    assert "lich: error: auth: openai: HTTP 401 (invalid_api_key): Incorrect API key provided: [redacted]" in shown
+    term.send("/sessions")
+    term.expect(PROMPT)
+    term.send("/resume latest")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert SECRET not in term.output and SECRET not in "".join(p.read_text() for p in sessions_in(tmp_path))
+    assert [r["headers"]["authorization"] for r in server.requests] == [f"Bearer {SECRET}"] * 3
+
+
+def test_provider_errors_and_reprs_never_carry_the_key(server):
+    import traceback
+
+    chats = [openai_at(server, api_key=SECRET), anthropic_at(server, api_key=SECRET),
+             openai_at(server, api_key=SECRET, stream=True), lich.OpenAIChat("m", api_key=SECRET + "\r\n"),
+             lich.chat_from_spec(f"openai:a@{server.url}/v1,anthropic:b@{server.url}", api_key=SECRET,
+                                 base_delay=0.001)]
+    faults = [Reply(401, openai_error(SECRET)), Reply(200, f"{SECRET}", content_type="application/json"),
+              Reply(200, chunks=[sse((None, {"error": {"message": SECRET}}))]), Reply(500, SECRET * 3)]
+    texts = [repr(chat) for chat in chats]
+    for chat in chats:
+        for fault in faults:
+            server.replies[:] = [fault, fault, fault, fault, fault, fault]
+            try:
+                chat(USER)
+            except lich.ProviderError as exc:
+                shown = traceback.format_exception(type(exc), exc, exc.__traceback__)
+                texts += [str(exc), repr(exc), "".join(shown)]
+    assert len(texts) == 5 + 3 * len(chats) * len(faults)
+    assert [t for t in texts if SECRET in t] == []
+
+
+# ---- concurrency ----------------------------------------------------------------------
+
+
+def run_threads(count, target):
+    """Run ``target(n)`` in ``count`` threads released together; returns their results by n."""
+    barrier, results, errors = threading.Barrier(count), {}, []
+
+    def body(n):
+        try:
+            barrier.wait()
+            results[n] = target(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == count
+    return results
+
+
+def tagged_script(tag):
+    return [assistant(f"{tag} asks", (f"{tag}-c1", "echo", "{}"), (f"{tag}-c2", "echo", "{}")),
+            assistant(f"{tag} done")]
+
+
+def tagged_messages(tag, prompt):
+    return [user(prompt), *tagged_script(tag)[:1], tool_msg(f"{tag}-c1", "echo:{}"),
+            tool_msg(f"{tag}-c2", "echo:{}"), tagged_script(tag)[1]]
+
+
+def test_50_threads_run_agent_into_their_own_sessions(tmp_path):
+    def agent(n):
+        return lich.run_agent(f"task {n}", chat=ScriptedChat(*tagged_script(f"t{n}")), tools=EchoTools(),
+                              max_turns=3, session_dir=tmp_path, label=f"t{n % 3}")
+
+    runs = run_threads(50, agent)
+    assert len({run.session_path for run in runs.values()}) == 50 == len(list(tmp_path.iterdir()))
+    for n, run in runs.items():
+        expected = tagged_messages(f"t{n}", f"task {n}")
+        assert run.messages == expected
+        assert records(run.session_path) == [
+            meta(event="run_start", input_chars=len(f"task {n}"), history_size=0), *map(msg, expected),
+            meta(event="run_end", stopped_reason="final", usage={"input_tokens": 20, "output_tokens": 4})]
+        assert lich.read_session_messages(run.session_path) == expected
+
+
+def test_8_threads_share_one_session_handle_through_run_agent(tmp_path):
+    handle = lich.open_session(tmp_path)
+
+    def agent(n):
+        history = []
+        for r in range(3):
+            tag = f"t{n}r{r}"
+            run = lich.run_agent(f"task {tag}", chat=ScriptedChat(*tagged_script(tag)), tools=EchoTools(),
+                                 history=history, max_turns=3, session=handle)
+            assert run.messages == history + tagged_messages(tag, f"task {tag}")
+            history = run.messages
+        return history
+
+    histories = run_threads(8, agent)
+    handle.close()
+    recorded = records(handle.path)  # every line whole: none torn or interleaved
+    messages = [r["message"] for r in recorded if r["kind"] == "message"]
+    for n, history in histories.items():
+        mine = [m for m in messages if f"t{n}r" in json.dumps(m)]
+        assert mine == history
+    assert len(messages) == sum(map(len, histories.values()))
+    metas = sorted(r["meta"]["event"] for r in recorded if r["kind"] == "meta")
+    assert metas == ["run_end"] * 24 + ["run_start"] * 24
+    assert_history_is_paired(lich.read_session_messages(handle.path))
+
+
+# ---- crash safety ---------------------------------------------------------------------
+
+# The scripted model of the crash test: per prompt, one (text pieces, tool calls) per turn.
+CRASH_SCRIPT = {
+    "build": [
+        (["Planning ", "the ", "build."], [("write_file", {"path": "notes.txt", "content": "v1\n"}),
+                                           ("write_parts", {"name": "parts.txt", "parts": 3}),
+                                           ("bash", {"command": "printf beta > b.txt; echo built"})]),
+        (["Checking."], [("read_file", {"path": "notes.txt"}),
+                         ("edit_file", {"path": "notes.txt", "old_text": "v1", "new_text": "v2"}),
+                         ("list_files", {}), ("write_parts", {"name": "more.txt", "parts": 2})]),
+        (["All ", "built ", "and ", "checked."], []),
+    ],
+    "check": [
+        (["Looking ", "again."], [("search", {"pattern": "v2"}), ("bash", {"command": "cat b.txt"}),
+                                  ("write_parts", {"name": "last.txt", "parts": 2})]),
+        (["Still ", "fine."], []),
+    ],
+    "go on": [(["Resumed."], [])],
+}
+
+
+def crash_model(request):
+    """The loopback server's responder for the crash test: the script, over SSE or JSON."""
+    body = request["json"]
+    if body is None:  # the client was killed while it sent the request
+        return Reply(400, openai_error("incomplete request"))
+    messages = body["messages"]
+    problem = wire_problem(messages)
+    if problem:
+        return Reply(400, openai_error(problem))
+    if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
+        prompt, turn, (texts, calls) = "summary", 0, (["Built ", "notes."], [])
+    else:
+        if messages[-1]["role"] == "user":
+            prompt, turn = messages[-1]["content"], 0
+        else:  # the ids of the calls just answered say where the script is, compressed or not
+            asked = next(m for m in reversed(messages) if m["role"] == "assistant")
+            prompt, step, _ = asked["tool_calls"][0]["id"].split("-")
+            turn = int(step) + 1
+        texts, calls = CRASH_SCRIPT[prompt][turn]
+    wired = [(f"{prompt}-{turn}-{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
+    if not body.get("stream"):
+        return Reply(200, openai_reply("".join(texts), *wired, finish="tool_calls" if calls else "stop"))
+    chunks = [delta_chunk(content=t) for t in texts]
+    chunks += [delta_chunk(tool_calls=[call_delta(i, a[:5], id=c, name=n)]) for i, (c, n, a) in enumerate(wired)]
+    chunks += [delta_chunk(tool_calls=[call_delta(i, a[5:])]) for i, (c, n, a) in enumerate(wired)]
+    chunks.append(delta_chunk(finish="tool_calls" if calls else "stop"))
+    return Reply(200, chunks=[openai_sse(c, done=False) for c in chunks] + [sse((None, "[DONE]"))])
+
+
+CRASH_DRIVER = r'''
+import json, os, random, shutil, signal, sys, time
+config = json.loads(sys.argv[1])
+sys.path.insert(0, config["lich"])
+import lich
+import requests  # noqa: F401  imported once, before the forks
+
+SYSTEM = "You are scripted."
+
+
+def agent(point, folder):
+    """Two recorded runs into one session; SIGKILLs itself when ``point`` comes."""
+    ws = os.path.join(folder, "ws")
+    os.makedirs(ws)
+    handle = lich.open_session(os.path.join(folder, "sessions"))
+    counts = {"event": 0, "delta": 0, "part": 0}
+    kinds = []  # the type of each event, in order
+
+    def tick(kind, event=None):
+        counts[kind] += 1
+        if event is not None:
+            kinds.append(event["type"])
+        if point is not None and point == [kind, counts[kind]]:
+            shutil.copyfile(handle.path, os.path.join(folder, "snapshot"))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tools = lich.coding_tools(ws, allow_write=True, allow_shell=True)
+
+    @tools.tool
+    def write_parts(name: str, parts: int) -> str:
+        """Write a file of the workspace line by line."""
+        with open(os.path.join(ws, name), "w") as f:
+            for i in range(parts):
+                f.write(f"part {i}\n")
+                f.flush()
+                tick("part")
+        return f"wrote {parts} parts to {name}"
+
+    chat = lich.OpenAIChat("scripted", base_url=config["url"] + "/v1", stream=True, timeout=30,
+                           on_delta=lambda text: tick("delta"))
+    history = []
+    for prompt in ("build", "check"):
+        emitter = lich.AgentEmitter()
+        emitter.on_any(lambda event: tick("event", event))  # before the recorder: kills before its record
+        run = lich.run_agent(prompt, chat=chat, tools=tools, history=history, session=handle,
+                             emitter=emitter, max_turns=5, system_prompt=SYSTEM,
+                             context_budget_tokens=150)
+        history = run.messages
+    handle.close()
+    with open(os.path.join(folder, "counts"), "w") as f:
+        json.dump({"counts": counts, "events": kinds}, f)
+
+
+def resume(folder, name):
+    """``lich --resume <the killed session> "go on"``, the command line in this process."""
+    for fd, part in ((1, "out"), (2, "err")):
+        os.dup2(os.open(os.path.join(folder, "resume." + part), os.O_WRONLY | os.O_CREAT, 0o600), fd)
+    return lich.main(["--no-stream", "--resume", name, "--session-dir",
+                      os.path.join(folder, "sessions"), "--root", os.path.join(folder, "ws"), "-m",
+                      "openai:scripted@" + config["url"] + "/v1", "-s", SYSTEM, "go on"])
+
+
+def fork(work, *args, kill_after=None):
+    """Run ``work(*args)`` in a child process; returns how it ended: an exit code or "SIGKILL"."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = work(*args) or 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    if kill_after is not None:
+        time.sleep(kill_after)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return os.WEXITSTATUS(status)
+
+
+root = config["root"]
+durations = []
+for name in ("reference", "warm1", "warm2"):  # a run takes longest cold: time the warm ones too
+    started = time.monotonic()
+    assert fork(agent, None, os.path.join(root, name)) == 0
+    durations.append(time.monotonic() - started)
+duration = min(durations)
+with open(os.path.join(root, "reference", "counts")) as f:
+    reference = json.load(f)
+rng = random.Random(config["seed"])
+points = [[kind, n] for kind, total in reference["counts"].items() for n in range(1, total + 1)]
+rng.shuffle(points)
+report = []
+kills = 0
+for i in range(config["max_points"]):
+    if i < len(points):
+        point = points[i]
+    elif kills < config["kills"]:  # then kills at random moments, until there were enough
+        point = ["timer", round(rng.uniform(0, duration), 4)]
+    else:
+        break
+    folder = os.path.join(root, f"kill{i:03d}")
+    if point[0] == "timer":
+        ended = fork(agent, None, folder, kill_after=point[1])
+    else:
+        ended = fork(agent, point, folder)
+    sessions = os.listdir(folder + "/sessions") if os.path.isdir(folder + "/sessions") else []
+    entry = {"folder": folder, "point": point, "ended": ended, "session": None, "resumed": None}
+    if ended == "SIGKILL" and sessions:
+        entry["session"] = os.path.join(folder, "sessions", sessions[0])
+        entry["resumed"] = fork(resume, folder, sessions[0][:-len(".jsonl")])
+    report.append(entry)
+    kills += ended == "SIGKILL"
+print(json.dumps({"reference": reference, "duration": duration, "report": report}))
+'''
+
+
+def session_lines(path):
+    """(records of the whole lines with "ts" removed, the bytes after the last newline)."""
+    *lines, tail = Path(path).read_bytes().split(b"\n")
+    out = []
+    for line in lines:
+        record = json.loads(line)
+        assert TS.fullmatch(record.pop("ts")), line
+        out.append(record)
+    return out, tail
+
+
+def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(server, tmp_path):
+    server.responder = crash_model
+    config = {"lich": str(HERE), "url": server.url, "root": str(tmp_path), "seed": 20261130, "kills": 110,
+              "max_points": 400}
+    proc = subprocess.run([sys.executable, "-c", CRASH_DRIVER, json.dumps(config)], capture_output=True,
+                          text=True, timeout=300, check=False, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = json.loads(proc.stdout)
+    [reference_path] = (tmp_path / "reference" / "sessions").iterdir()
+    reference, tail = session_lines(reference_path)
+    assert tail == b"" and reference[-1] == meta(event="run_end", stopped_reason="final",
+                                                 usage={"input_tokens": 0, "output_tokens": 0})
+    system = {"role": "system", "content": "You are scripted."}
+    killed_at = set()  # the types of the events a kill came with: after every record before them
+    for entry in outcome["report"]:
+        kind, n = entry["point"]
+        if entry["ended"] != "SIGKILL":  # a timer that went off after the run: nothing to check
+            assert (kind, entry["ended"]) == ("timer", 0), entry
+            continue
+        if entry["session"] is None:  # killed before it opened its session file
+            assert kind == "timer", entry
+            continue
+        path = Path(entry["session"])
+        recorded, tail = session_lines(path)
+        if kind == "timer":  # a kill mid-write may leave a torn last line, and only that
+            assert reference_path.read_bytes().split(b"\n")[len(recorded)].startswith(tail), entry
+        else:
+            assert path.read_bytes() == (Path(entry["folder"]) / "snapshot").read_bytes(), entry
+            assert tail == b"", entry
+            if kind == "event":
+                killed_at.add(outcome["reference"]["events"][n - 1])
+        assert recorded == reference[:len(recorded)], entry
+        history = lich.read_session_messages(path)
+        assert_history_is_paired(history)
+        assert history == [] or history[-1]["role"] != "user", entry
+        assert entry["resumed"] == 0, (entry, (Path(entry["folder"]) / "resume.err").read_text()[-2000:])
+        assert (Path(entry["folder"]) / "resume.out").read_text() == "Resumed.\n"
+        [resumed] = [p for p in path.parent.iterdir() if p != path]
+        assert lich.read_session_messages(resumed) == [*(history or [system]), user("go on"),
+                                                       assistant("Resumed.")]
+    kills = [e for e in outcome["report"] if e["ended"] == "SIGKILL"]
+    assert len(kills) >= 100, len(kills)
+    assert {e["point"][0] for e in kills} == {"event", "delta", "part", "timer"}
+    assert killed_at == {"turn_start", "compress_start", "compress_end", "llm_start", "llm_end",
+                            "tool_call_start", "tool_call_end", "final", "turn_end"}
+    assert meta(event="compress", summary_chars=len("Built notes.")) in reference
