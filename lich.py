@@ -305,41 +305,55 @@ def estimate_messages_tokens(messages) -> int:
     return sum(map(_estimate_message_tokens, messages))
 
 
-class _History(list):
-    """The loop's working history: a list that keeps its token estimate up to date.
+def _call_ids(messages) -> set:
+    """The ids of the tool calls of the assistant messages in ``messages``."""
+    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
+            for call in m.get("tool_calls") or () if isinstance(call, dict)}
 
-    The loop only appends to it or rewrites it wholesale (compression), so appends add
-    to a running total and any other change drops the total until it is next needed.
-    Messages are values: a message changed in place after it was added is not re-counted.
+
+class _History(list):
+    """The loop's working history: a list that keeps what it derives from its messages current.
+
+    The loop only appends to it or rewrites it wholesale (compression), so appends update
+    the token estimate and the set of tool call ids, and any other change drops both until
+    they are next needed. Messages are values: one changed in place after it was added is
+    not read again.
     """
 
-    __slots__ = ("_tokens",)
+    __slots__ = ("_call_ids", "_tokens")
 
     def __init__(self, messages=()):
         super().__init__(messages)
         self._tokens = None
+        self._call_ids = None
 
     def estimated_tokens(self) -> int:
         if self._tokens is None:
             self._tokens = sum(map(_estimate_message_tokens, self))
         return self._tokens
 
+    def call_ids(self) -> set:
+        """The tool call ids in the history (the set itself: read it, do not change it)."""
+        if self._call_ids is None:
+            self._call_ids = _call_ids(self)
+        return self._call_ids
+
     def append(self, message):
         super().append(message)
         if self._tokens is not None:
             self._tokens += _estimate_message_tokens(message)
+        if self._call_ids is not None and message.get("tool_calls"):
+            self._call_ids |= _call_ids((message,))
 
     def extend(self, messages):
-        messages = list(messages)
-        super().extend(messages)
-        if self._tokens is not None:
-            self._tokens += sum(map(_estimate_message_tokens, messages))
+        for message in messages:
+            self.append(message)
 
     def _changed(name):
         method = getattr(list, name)
 
         def changed(self, *args):
-            self._tokens = None
+            self._tokens = self._call_ids = None
             return method(self, *args)
 
         changed.__name__ = name
@@ -460,38 +474,34 @@ def seed_system_prompt(messages, system_prompt) -> list:
 
 
 def _unique_call_ids(calls, used, counters) -> list:
-    """``calls`` with every id that is empty, not a string, or already in ``used`` or earlier in
-    ``calls`` replaced by a fresh one (in a copy); the ids end up in ``used``. ``counters``
-    holds the next suffix to try per id, so that many repeats cost linear time.
+    """``calls`` with every id that is empty, not a string, in ``used`` or earlier in ``calls``
+    replaced by a fresh one (in a copy). ``used`` is only read; ``counters`` holds the next
+    suffix to try per id, so that many repeats cost linear time.
 
     Providers refuse a history whose tool call ids repeat (Anthropic: "tool_use ids must be
     unique"), and some models and servers repeat them or leave them out.
     """
     fixed = None
+    seen = set()  # ids of ``calls`` kept or given so far
     taken = None  # the ids of ``calls`` as given: a fresh id must not take one of them
     for i, call in enumerate(calls):
         if not isinstance(call, dict):
             continue
         call_id = call.get("id")
-        if isinstance(call_id, str) and call_id and call_id not in used:
-            used.add(call_id)
+        if isinstance(call_id, str) and call_id and call_id not in used and call_id not in seen:
+            seen.add(call_id)
             continue
         if taken is None:
             taken = {c.get("id") for c in calls if isinstance(c, dict)}
         base = call_id if isinstance(call_id, str) and call_id else "call"
         n = counters.get(base, 2)
-        while f"{base}_{n}" in used or f"{base}_{n}" in taken:
+        while f"{base}_{n}" in used or f"{base}_{n}" in seen or f"{base}_{n}" in taken:
             n += 1
         counters[base] = n + 1
         fixed = fixed or list(calls)
         fixed[i] = {**call, "id": f"{base}_{n}"}
-        used.add(f"{base}_{n}")
+        seen.add(f"{base}_{n}")
     return calls if fixed is None else fixed
-
-
-def _call_ids(messages) -> set:
-    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
-            for call in m.get("tool_calls") or () if isinstance(call, dict)}
 
 
 def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=None,
@@ -512,7 +522,8 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
     message = getattr(result, "message", None)
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if calls and isinstance(calls, list):
-        unique = _unique_call_ids(calls, _call_ids(history), {})
+        used = history.call_ids() if isinstance(history, _History) else _call_ids(history)
+        unique = _unique_call_ids(calls, used, {})
         if unique is not calls:
             result = replace(result, message={**message, "tool_calls": unique})
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
@@ -961,6 +972,7 @@ def _repair_history(messages: list) -> list:
         if role == "assistant" and message.get("tool_calls"):
             recorded = message["tool_calls"]
             calls = _unique_call_ids(recorded, used, counters)
+            used.update(call["id"] for call in calls)
             if calls is not recorded:
                 message = {**message, "tool_calls": calls}
             for call, old in zip(calls, recorded):

@@ -425,6 +425,16 @@ def test_working_history_estimate_stays_exact_through_changes():
     assert lich.estimate_messages_tokens(history) == 10
 
 
+def test_working_history_call_ids_stay_exact_through_changes():
+    history = lich._History([assistant("", ("a", "echo", "{}"))])
+    assert history.call_ids() == {"a"}
+    history.append(assistant("", ("b", "echo", "{}"), ("c", "echo", "{}")))
+    history.append(tool_msg("b"))
+    assert history.call_ids() == {"a", "b", "c"}
+    history[:] = [assistant("", ("d", "echo", "{}"))]
+    assert history.call_ids() == {"d"}
+
+
 @pytest.mark.parametrize("budget, threshold, expected", [
     (10, 0.8, True), (11, 0.8, False), (8, 1.0, True), (9, 1.0, False),
 ], ids=["at-threshold", "below", "threshold-1-at", "threshold-1-below"])
