@@ -1285,8 +1285,11 @@ def _sse_events(chunks, signal):
                 value = line[6:] if line[5:6] == b" " else line[5:]
                 if data is None:
                     data = value
-                else:
-                    data = data + b"\n" + value
+                else:  # a bytearray grows in place: many data lines cost linear time
+                    if type(data) is bytes:
+                        data = bytearray(data)
+                    data += b"\n"
+                    data += value
                     if len(data) > _SSE_MAX_EVENT_BYTES:
                         raise _OversizedEvent(
                             f"an SSE event exceeds {_SSE_MAX_EVENT_BYTES} bytes")
@@ -2619,6 +2622,7 @@ _WALK_MAX_ENTRIES = 100_000     # list_files and search stop scanning after this
 _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
 _SHELL_KEEP_BYTES = 20_000      # bash keeps this much of the head and of the tail of its output
 _SHELL_READ_BYTES = 65_536      # one read from the shell's pipe
+_SHELL_HIDDEN_ENV = frozenset({"OPENAI_API_KEY", "ANTHROPIC_API_KEY"})  # not passed to bash
 _SHELL_POLL_SECONDS = 0.05      # how often bash looks at the signal and the clock
 _SHELL_DRAIN_SECONDS = 0.2      # output still read after the shell exits, before the kill
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
@@ -2783,9 +2787,11 @@ def _run_shell(command, cwd, timeout, signal):
     import subprocess
     if signal.is_set():
         return ToolResult(ok=False, error="the command was aborted before it started")
+    # the provider keys stay out of reach: `env` would put them in the model's context
+    env = {k: v for k, v in os.environ.items() if k not in _SHELL_HIDDEN_ENV}
     proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     sink = _HeadTail(_SHELL_KEEP_BYTES)
     stopped = None
     try:
@@ -3722,6 +3728,9 @@ class _Cli:
                 except EOFError:
                     sys.stderr.write("\n")
                     return _EXIT_OK
+                except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
+                    term.error("that line is not valid text in this terminal's encoding")
+                    continue
                 if line in ("/exit", "/quit"):
                     return _EXIT_OK
                 if line.startswith("/"):

@@ -3861,6 +3861,15 @@ def test_bash_asks_approval(ws):
     assert declined.asked == [call]
 
 
+def test_bash_does_not_see_the_provider_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-hidden-1")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-hidden-2")
+    monkeypatch.setenv("LICH_TEST_VISIBLE", "seen")
+    tools = lich.coding_tools(tmp_path, allow_shell=True)
+    result = tools.run({"id": "1", "name": "bash", "arguments": json.dumps({"command": "env"})})
+    assert result.ok and "LICH_TEST_VISIBLE=seen" in result.output
+    assert "sk-hidden" not in result.output
+
 # ============================================================================
 # Command line
 # ============================================================================
