@@ -481,8 +481,16 @@ def _unique_call_ids(calls, used, counters) -> list:
     Providers refuse a history whose tool call ids repeat (Anthropic: "tool_use ids must be
     unique"), and some models and servers repeat them or leave them out.
     """
-    fixed = None
     seen = set()  # ids of ``calls`` kept or given so far
+    for call in calls:  # the common case: nothing to change
+        call_id = call.get("id") if type(call) is dict else None
+        if not call_id or type(call_id) is not str or call_id in used or call_id in seen:
+            break
+        seen.add(call_id)
+    else:
+        return calls
+    fixed = None
+    seen.clear()
     taken = None  # the ids of ``calls`` as given: a fresh id must not take one of them
     for i, call in enumerate(calls):
         if not isinstance(call, dict):
@@ -944,42 +952,37 @@ def _repair_history(messages: list) -> list:
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
-    from collections import deque
-
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
     used, counters = set(), {}
-
-    def close_pending():
-        repaired.extend(_interrupted_tool_message(call) for call, answered in pending
-                        if not answered)
-        pending.clear()
-        waiting.clear()
-
     for message in messages:
         role = message["role"]
         if role == "tool":
             entries = waiting.get(message["tool_call_id"])
             if entries:
-                entry = entries.popleft()
+                entry = entries.pop(0)
                 entry[1] = True
                 if entry[0]["id"] != message["tool_call_id"]:
                     message = {**message, "tool_call_id": entry[0]["id"]}
                 repaired.append(message)
             continue
-        close_pending()
+        if pending:
+            repaired.extend(_interrupted_tool_message(call) for call, answered in pending
+                            if not answered)
+            pending, waiting = [], {}
         if role == "assistant" and message.get("tool_calls"):
             recorded = message["tool_calls"]
             calls = _unique_call_ids(recorded, used, counters)
-            used.update(call["id"] for call in calls)
             if calls is not recorded:
                 message = {**message, "tool_calls": calls}
             for call, old in zip(calls, recorded):
-                pending.append([call, False])
-                waiting.setdefault(old["id"], deque()).append(pending[-1])
+                used.add(call["id"])
+                entry = [call, False]
+                pending.append(entry)
+                waiting.setdefault(old["id"], []).append(entry)
         repaired.append(message)
-    close_pending()
+    repaired.extend(_interrupted_tool_message(call) for call, answered in pending if not answered)
     while repaired and repaired[-1]["role"] == "user":
         repaired.pop()
     return repaired

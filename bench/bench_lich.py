@@ -251,9 +251,11 @@ def bench_sessions(quick):
             handle.path = big
             line_count = 0
             while os.fstat(handle._fd).st_size < target_mb * 1_000_000:
+                call_id = f"call_{line_count}"  # unique, as the loop records them
                 handle.append_message({"role": "user", "content": f"question {line_count} " * 8})
-                handle.append_message(message)
-                handle.append_message({"role": "tool", "tool_call_id": "call_1", "name": "read_file",
+                handle.append_message({**message, "tool_calls": [{**message["tool_calls"][0],
+                                                                  "id": call_id}]})
+                handle.append_message({"role": "tool", "tool_call_id": call_id, "name": "read_file",
                                        "content": "print('hello')\n" * 20, "is_error": False})
                 line_count += 3
 
