@@ -918,33 +918,39 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
 
 def _clean_message(message) -> Optional[dict]:
     """``message`` if it has a shape a provider accepts (a None content becomes ""), else None."""
-    if not isinstance(message, dict) or message.get("role") not in _MESSAGE_ROLES:
+    if type(message) is not dict:
+        return None
+    role = message.get("role")
+    if role not in _MESSAGE_ROLES:
         return None
     content = message.get("content")
-    if not isinstance(content, str):
+    if type(content) is not str:
         if content is not None:
             return None
         message = {**message, "content": ""}
-    role = message["role"]
     if role == "tool":
-        return message if isinstance(message.get("tool_call_id"), str) else None
-    if role == "assistant" and message.get("tool_calls") is not None:
-        calls = message["tool_calls"]
-        if not isinstance(calls, list) or not all(_is_tool_call(c) for c in calls):
-            return None
+        return message if type(message.get("tool_call_id")) is str else None
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if type(calls) is not list:
+                return None
+            for call in calls:
+                if not _is_tool_call(call):
+                    return None
     return message
 
 
 def _is_tool_call(call) -> bool:
-    return (isinstance(call, dict) and isinstance(call.get("id"), str)
-            and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), str))
+    return (type(call) is dict and type(call.get("id")) is str
+            and type(call.get("name")) is str and type(call.get("arguments")) is str)
 
 
 def _interrupted_tool_message(call: dict) -> dict:
     return tool_message_from_result(call, ToolResult(ok=False, error="interrupted"))
 
 
-def _repair_history(messages: list) -> list:
+def _repair_history(messages) -> list:
     """Pair every tool call with exactly one tool message and drop trailing user messages.
 
     A tool message is kept only when it follows (with only tool messages between) the
@@ -997,18 +1003,21 @@ def read_session_messages(path) -> list:
     so reading a file written from the result gives the same list. A missing file
     raises FileNotFoundError.
     """
-    messages = []
     with open(path, "rb") as lines:
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if type(record) is dict and record.get("kind") == "message":
-                message = _clean_message(record.get("message"))
-                if message is not None:
-                    messages.append(message)
-    return _repair_history(messages)
+        return _repair_history(_recorded_messages(lines))
+
+
+def _recorded_messages(lines):
+    """The messages of the message records among ``lines``, in order; other lines skipped."""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if type(record) is dict and record.get("kind") == "message":
+            message = _clean_message(record.get("message"))
+            if message is not None:
+                yield message
 
 
 def list_sessions(session_dir) -> list:
