@@ -308,7 +308,8 @@ def estimate_messages_tokens(messages) -> int:
 def _call_ids(messages) -> set:
     """The ids of the tool calls of the assistant messages in ``messages``."""
     return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
-            for call in m.get("tool_calls") or () if isinstance(call, dict)}
+            for call in m.get("tool_calls") or ()
+            if isinstance(call, dict) and isinstance(call.get("id"), str)}
 
 
 class _History(list):
@@ -320,12 +321,13 @@ class _History(list):
     not read again.
     """
 
-    __slots__ = ("_call_ids", "_tokens")
+    __slots__ = ("_call_ids", "_tokens", "id_counters")
 
     def __init__(self, messages=()):
         super().__init__(messages)
         self._tokens = None
         self._call_ids = None
+        self.id_counters = {}  # for _unique_call_ids: the next suffix to try, per repeated id
 
     def estimated_tokens(self) -> int:
         if self._tokens is None:
@@ -500,7 +502,7 @@ def _unique_call_ids(calls, used, counters) -> list:
             seen.add(call_id)
             continue
         if taken is None:
-            taken = {c.get("id") for c in calls if isinstance(c, dict)}
+            taken = {c.get("id") for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
         base = call_id if isinstance(call_id, str) and call_id else "call"
         n = counters.get(base, 2)
         while f"{base}_{n}" in used or f"{base}_{n}" in seen or f"{base}_{n}" in taken:
@@ -530,8 +532,10 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
     message = getattr(result, "message", None)
     calls = message.get("tool_calls") if isinstance(message, dict) else None
     if calls and isinstance(calls, list):
-        used = history.call_ids() if isinstance(history, _History) else _call_ids(history)
-        unique = _unique_call_ids(calls, used, {})
+        if isinstance(history, _History):
+            unique = _unique_call_ids(calls, history.call_ids(), history.id_counters)
+        else:
+            unique = _unique_call_ids(calls, _call_ids(history), {})
         if unique is not calls:
             result = replace(result, message={**message, "tool_calls": unique})
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
@@ -563,6 +567,8 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error=f"TypeError: the tool runner returned "
                                           f"{type(result).__name__}, not a ToolResult")
+    if result.output is None:
+        result = ToolResult(ok=result.ok, output="", error=result.error)
     for value in (result.output, result.error):
         if value is not None and not isinstance(value, str):  # no session or provider takes it
             return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult "
@@ -958,6 +964,8 @@ def _repair_history(messages) -> list:
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
+    from collections import deque
+
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
@@ -967,7 +975,7 @@ def _repair_history(messages) -> list:
         if role == "tool":
             entries = waiting.get(message["tool_call_id"])
             if entries:
-                entry = entries.pop(0)
+                entry = entries.popleft()
                 entry[1] = True
                 if entry[0]["id"] != message["tool_call_id"]:
                     message = {**message, "tool_call_id": entry[0]["id"]}
@@ -986,7 +994,7 @@ def _repair_history(messages) -> list:
                 used.add(call["id"])
                 entry = [call, False]
                 pending.append(entry)
-                waiting.setdefault(old["id"], []).append(entry)
+                waiting.setdefault(old["id"], deque()).append(entry)
         repaired.append(message)
     repaired.extend(_interrupted_tool_message(call) for call, answered in pending if not answered)
     while repaired and repaired[-1]["role"] == "user":
@@ -1487,6 +1495,8 @@ class _HTTPChat:
         if response.headers.get("content-type", "").startswith("application/json"):
             # A server that ignored stream=true: one delta with the whole text.
             result = self._result(response)
+            if signal is not None and signal.is_set():
+                raise AbortError("chat stream aborted")
             if result.message["content"] and self.on_delta is not None:
                 self.on_delta(result.message["content"])
             return result
@@ -1514,7 +1524,9 @@ class _HTTPChat:
             except _OversizedEvent as e:
                 raise self._error(f"invalid response: {e}", "invalid_response") from e
         except ProviderError as e:
-            e._after_output = shown  # retrying would show that text twice: see run_with_retries
+            if shown:  # another try would show that text twice: see run_with_retries, Router
+                e.retryable = False
+                e._after_output = True
             raise
         return result
 
@@ -1987,8 +1999,8 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
                      max_retry_after=_MAX_RETRY_AFTER, signal=None):
     """Call ``fn()``, retrying retryable ProviderErrors with backoff; waits end on ``signal``.
 
-    A stream that broke off after it had shown text through ``on_delta`` is not retried:
-    the new answer would repeat that text.
+    (A stream that broke off after it had shown text through ``on_delta`` raises a
+    ProviderError that is not retryable: a new answer would repeat that text.)
     """
     attempt = 0
     while True:
@@ -1997,7 +2009,7 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
         try:
             return fn()
         except ProviderError as e:
-            if not e.retryable or attempt >= retries or _after_output(e):
+            if not e.retryable or attempt >= retries:
                 raise
             if e.retry_after is not None and e.retry_after > max_retry_after:
                 raise
@@ -2634,7 +2646,7 @@ _WALK_MAX_ENTRIES = 100_000     # list_files and search stop scanning after this
 _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
 _SHELL_KEEP_BYTES = 20_000      # bash keeps this much of the head and of the tail of its output
 _SHELL_READ_BYTES = 65_536      # one read from the shell's pipe
-_SHELL_HIDDEN_ENV = frozenset({"OPENAI_API_KEY", "ANTHROPIC_API_KEY"})  # not passed to bash
+_SHELL_HIDDEN_ENV = frozenset({OpenAIChat._key_env, AnthropicChat._key_env})  # not for bash
 _SHELL_POLL_SECONDS = 0.05      # how often bash looks at the signal and the clock
 _SHELL_DRAIN_SECONDS = 0.2      # output still read after the shell exits, before the kill
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
@@ -3359,7 +3371,6 @@ class _Terminal:
         self.quiet = quiet
         self.json_lines = json_lines
         self.color = color  # a terminal that shows colour, so also a spinner
-        self.hide_deltas = False  # set while the chat streams something that is not the answer
         self._tool_line_open = False  # "→ tool args" written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
         self._spinner_stop = None
@@ -3369,8 +3380,6 @@ class _Terminal:
     # -- stdout: the answer ------------------------------------------------------------
 
     def delta(self, text: str) -> None:
-        if self.hide_deltas:
-            return
         self.stop_spinner()
         if text:
             sys.stdout.write(text)
@@ -3468,6 +3477,8 @@ class _Progress:
         self.term = term
         self.usage = {"input_tokens": 0, "output_tokens": 0}
         self.muted = False  # the run was given up on (Ctrl-C) but its thread goes on
+        self.compressing = False  # the chat's streamed words are a summary, not the answer
+        self.thread = None  # the thread the run works in
 
     def __call__(self, event):
         if self.muted:
@@ -3489,9 +3500,9 @@ class _Progress:
         elif kind == "tool_call_end":
             term.tool_end(event["call"], event["result"])
         elif kind == "compress_start":
-            term.hide_deltas = True  # the summarizer's words are not the answer
+            self.compressing = True
         elif kind == "compress_end":
-            term.hide_deltas = False
+            self.compressing = False
             term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
         elif kind == "error":
             term.stop_spinner()
@@ -3620,7 +3631,7 @@ class _Cli:
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
         self.signal = threading.Event()  # the current run's: every run gets a fresh one
-        self.progress = _Progress(term)  # the current run's
+        self.progress = None  # the current run's _Progress
         allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
         approve = (_ask_approval(term, lambda: self.signal, set())
                    if self.interactive and not args.yolo else None)
@@ -3634,7 +3645,7 @@ class _Cli:
                               else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names))
         options = {"stream": self.streaming}
         if self.streaming:
-            options["on_delta"] = term.delta
+            options["on_delta"] = self._delta
         if args.base_url:
             options["base_url"] = args.base_url
         try:
@@ -3658,6 +3669,7 @@ class _Cli:
         args = self.args
 
         def work():
+            progress.thread = threading.current_thread()
             return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
                              session=session, emitter=emitter, max_turns=args.max_turns,
                              system_prompt=self.system_prompt, temperature=args.temperature,
@@ -3668,6 +3680,13 @@ class _Cli:
         except KeyboardInterrupt:
             progress.muted = True
             raise
+
+    def _delta(self, text):
+        """Streamed text, shown when it is the answer of the current run."""
+        progress = self.progress
+        if (progress.thread is threading.current_thread() and not progress.compressing
+                and not progress.muted):
+            self.term.delta(text)
 
     def open_session(self):
         """A new session file for the next run, or None when recording is off or impossible."""
@@ -3723,7 +3742,8 @@ class _Cli:
                                  "usage": self.progress.usage, "session_path": session_path})
 
     def repl(self, history) -> int:
-        """The interactive chat: one session file per launch, shared by its turns."""
+        """The interactive chat: one session file shared by its turns (a new one after
+        /clear, /resume, or a turn given up on while its thread still runs)."""
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:

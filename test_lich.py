@@ -846,6 +846,23 @@ def test_compression_runs_between_turn_start_and_llm_start():
     assert outcome.messages == [history[0], summary, *history[5:], assistant("final")]
 
 
+def test_a_repeated_call_id_is_renamed_on_every_turn_from_where_the_last_rename_stopped():
+    chat = ScriptedChat(*[assistant("", ("c", "echo", "{}"))] * 30)
+    outcome, _, _ = run_loop(*chat.script, tools=EchoTools(), max_turns=30)
+    ids = [m["tool_calls"][0]["id"] for m in outcome.messages if m.get("tool_calls")]
+    assert ids == ["c"] + [f"c_{n}" for n in range(2, 31)]
+    assert [m["tool_call_id"] for m in outcome.messages if m["role"] == "tool"] == ids
+    assert_history_is_paired(outcome.messages)
+
+
+def test_a_tool_result_without_output_is_empty_text():
+    class NoOutput(EchoTools):
+        def run(self, call, signal=None):
+            return lich.ToolResult(ok=True, output=None)
+
+    outcome, _, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("ok"), tools=NoOutput())
+    assert outcome.messages[2] == tool_msg("c1", "")
+
 def test_format_tool_result_content():
     assert lich.format_tool_result_content(lich.ToolResult(ok=True, output="raw ✓")) == "raw ✓"
     failed = lich.ToolResult(ok=False, output="é", error="bad")
@@ -2420,6 +2437,24 @@ def test_a_stream_that_broke_off_after_showing_text_is_neither_retried_nor_faile
         chat(USER)
     assert (info.value.kind, shown, len(server.requests)) == ("invalid_response", ["Hello "], 1)
 
+
+def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
+    server.reply(200, chunks=["", json.dumps(openai_reply("late"))], delay=0.3,
+                 content_type="application/json")
+    signal, shown = threading.Event(), []
+    threading.Timer(0.1, signal.set).start()
+    with pytest.raises(lich.AbortError):
+        openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
+    assert shown == []
+
+
+def test_a_timeout_after_streamed_text_is_not_retryable(server):
+    # text at 0.5 s, then 2 s of silence: the 0.8 s read timeout strikes after the text
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False), "", "", "",
+                              openai_sse(delta_chunk(finish="stop"))], delay=0.5)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True, on_delta=lambda text: None, timeout=(5, 0.8))(USER)
+    assert (info.value.kind, info.value.retryable) == ("timeout", False)
 
 def test_a_stream_that_broke_off_before_any_text_fails_over(server):
     server.replies.extend([Reply(200, chunks=[openai_sse(delta_chunk(role="assistant"), done=False), "x"],
@@ -4339,7 +4374,21 @@ class Pty:
         os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
 
     def close(self):
+        """Wait for the process; everything it wrote after the last expect is in ``rest``."""
+        import select
+
+        self.rest = self.output
         try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([self.master], [], [], 0.1)
+                try:
+                    data = os.read(self.master, 65536) if ready else b""
+                except OSError:  # the terminal closed: the process is gone
+                    break
+                self.rest += self.decoder.decode(data).replace("\r\n", "\n")
+                if not ready and self.proc.poll() is not None:
+                    break
             self.proc.wait(timeout=10)
         finally:
             os.close(self.master)
@@ -4469,8 +4518,8 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
 
     # the first answer takes 2.5 s and asks for a write: Ctrl-C gives up on it after 1 s
     slow = Reply(200, chunks=["", json.dumps(openai_reply(
-        None, ("c1", "write_file", '{"path": "late.txt", "content": "no"}'), finish="tool_calls"))],
-        delay=1.25, content_type="application/json")
+        "LATE TEXT", ("c1", "write_file", '{"path": "late.txt", "content": "no"}'),
+        finish="tool_calls"))], delay=1.25, content_type="application/json")
     queue(server, slow, stream_reply("Fresh answer."))
     term = Pty("--yolo", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
     term.expect(PROMPT)
@@ -4480,18 +4529,22 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
     assert "interrupted" in term.expect(PROMPT)
     term.send("next one")
     assert "Fresh answer.\n" in term.expect(PROMPT)
-    time.sleep(2.0)  # the given-up run gets its answer now
+    ended = meta(event="run_error", error="AbortError: chat stream aborted")
+    deadline = time.monotonic() + 15
+    while not any(ended in records(p) for p in sessions_in(tmp_path)):  # its answer came
+        assert time.monotonic() < deadline, "the given-up run never ended"
+        time.sleep(0.05)
     term.send("/exit")
     assert term.close() == 0
+    assert "LATE TEXT" not in term.rest and "write_file" not in term.rest
     assert not (workspace / "late.txt").exists()
     assert len(server.requests) == 2
     assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["next one"]
-    histories = sorted((lich.read_session_messages(p) for p in sessions_in(tmp_path)), key=len)
-    assert [[(m["role"], m["content"]) for m in h[1:]] for h in histories] == [
-        [("user", "next one"), ("assistant", "Fresh answer.")],
-        [("user", "slow one"), ("assistant", ""),
-         ("tool", '{"ok": false, "output": "", "error": "aborted"}')]]
-    assert "→ write_file" not in term.output
+    given_up, fresh = sorted(sessions_in(tmp_path), key=lambda p: ended in records(p), reverse=True)
+    assert [r.get("message", r.get("meta")) for r in records(given_up)][2:] == [
+        user("slow one"), ended["meta"]]
+    assert [(m["role"], m["content"]) for m in lich.read_session_messages(fresh)][1:] == [
+        ("user", "next one"), ("assistant", "Fresh answer.")]
 
 
 def test_the_spinner_runs_while_waiting_on_a_terminal(server, tmp_path):
