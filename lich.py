@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 if __name__ == "__main__" and sys.argv[1:] == ["--version"]:
     # Answered before the imports below: `python lich.py` has no bytecode cache, so every
@@ -34,18 +34,29 @@ if __name__ == "__main__" and sys.argv[1:] == ["--version"]:
     sys.stdout.write(f"lich {__version__}\n")
     sys.exit(0)
 
+import codecs
+import errno
 import functools
+import inspect
 import json
+import math
 import os
+import random
 import re
+import shutil
+import stat
 import threading
 import time
-from dataclasses import dataclass, field, replace
+import types
+import typing
+import weakref
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, TypedDict, runtime_checkable
 
 __all__ = [
     # errors
-    "AbortError", "ProviderError", "SessionNotFound",
+    "AbortError", "ProviderError", "SessionNotFound", "MCPError",
     # data
     "Message", "ToolCall", "ToolSpec", "Usage",
     "ChatResult", "ToolResult", "LoopOutcome", "ToolRunner",
@@ -62,25 +73,27 @@ __all__ = [
     "SessionHandle", "AgentRunResult", "open_session", "run_agent",
     "read_session_messages", "list_sessions", "resolve_session",
     # providers
-    "OpenAIChat", "AnthropicChat", "run_with_retries", "Router", "chat_from_spec",
+    "OpenAIChat", "AnthropicChat", "run_with_retries", "Router", "Limiter", "chat_from_spec",
     # tools
-    "Tools", "coding_tools", "DEFAULT_MAX_OUTPUT_CHARS",
+    "Tools", "coding_tools", "DEFAULT_MAX_OUTPUT_CHARS", "mcp_tools", "MCPTools",
+    "combine_tools",
+    # many runs
+    "BatchResult", "run_batch",
+    # tracing
+    "trace_otel",
     # command line
     "main",
 ]
 
 
-
 class _LazyLogger:
-    """``logging.getLogger("lich")``, looked up on first use: importing logging costs ~4 ms."""
+    """``logging.getLogger("lich")``, looked up on first use: importing logging costs ~4.5 ms,
+    a third of what ``import lich`` may cost (bench/RESULTS.md)."""
 
     def __getattr__(self, name):
         import logging
 
-        attribute = getattr(logging.getLogger("lich"), name)
-        if callable(attribute):
-            setattr(self, name, attribute)  # bound methods of a logger that lives forever
-        return attribute
+        return getattr(logging.getLogger("lich"), name)
 
 
 _log = _LazyLogger()
@@ -96,7 +109,12 @@ class AbortError(Exception):
 
 
 class ProviderError(Exception):
-    """A chat provider failed; ``kind`` says how, ``retryable`` whether trying again may help."""
+    """A chat provider failed; ``kind`` says how, ``retryable`` whether trying again may help.
+
+    ``after_output`` is True when the failure broke off a stream that had already shown
+    text through ``on_delta``: another try would show that text twice, so such an error
+    is neither retried nor failed over.
+    """
 
     RETRYABLE_KINDS = frozenset({"rate_limit", "overloaded", "server", "timeout", "network"})
 
@@ -109,6 +127,7 @@ class ProviderError(Exception):
         self.provider = provider
         self.retryable = kind in self.RETRYABLE_KINDS if retryable is None else retryable
         self.retry_after = retry_after
+        self.after_output = False
 
     def __repr__(self):
         return (f"ProviderError({self.message!r}, kind={self.kind!r}, status={self.status!r}, "
@@ -120,13 +139,65 @@ class SessionNotFound(LookupError):
     """A session reference matched no session file, or more than one."""
 
 
+class MCPError(Exception):
+    """An MCP server could not be started or did not answer its handshake."""
+
+
+_REDACTED = "[redacted]"
+_SECRET_WINDOW = 8  # no run of this many characters of a key may be shown anywhere
+_secrets = {}  # API key in use -> a regex finding any _SECRET_WINDOW of its characters
+_secrets_lock = threading.Lock()
+
+
+def _add_secret(key: str) -> None:
+    """Remember ``key`` as in use: tool results and error texts never show a piece of it."""
+    if key in _secrets:
+        return
+    width = min(_SECRET_WINDOW, len(key))
+    windows = sorted({key[i:i + width] for i in range(len(key) - width + 1)}, key=len)
+    pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
+    with _secrets_lock:
+        _secrets[key] = (width, pattern)
+
+
+_JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
+
+
+def _redact_secrets(text: str) -> str:
+    """``text`` with every run of 8 characters of a key in use (also \\u-escaped) redacted."""
+    if not _secrets or not text:
+        return text
+    if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
+        text = _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
+    for width, pattern in list(_secrets.values()):
+        spans = []
+        for found in pattern.finditer(text):
+            start = found.start()
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = start + width
+            else:
+                spans.append([start, start + width])
+        for start, end in reversed(spans):
+            text = text[:start] + _REDACTED + text[end:]
+    return text
+
+
+def _redact_url(url: str) -> str:
+    """``url`` without user-info or query values: what lich may show of a base URL."""
+    url = re.sub(r"(?i)^([a-z][a-z0-9+.-]*://)[^/?#@]*@", r"\1" + _REDACTED + "@", url)
+    return re.sub(r"([?&][^=&#]*=)[^&#]*", r"\1" + _REDACTED, url)
+
+
 # ============================================================================
 # Data
 # ============================================================================
 
 
 class ToolCall(TypedDict):
-    """A tool call the model asked for; ``arguments`` is the model's raw JSON text."""
+    """A tool call the model asked for; ``arguments`` is the model's raw JSON text.
+
+    A tool function parameter annotated ``lich.ToolCall`` receives the call itself.
+    """
 
     id: str
     name: str
@@ -160,15 +231,30 @@ class ToolSpec(TypedDict):
     parameters: dict[str, Any]
 
 
-class Usage(TypedDict):
-    """Token counts of one chat call (or a run's sum)."""
-
+class _UsageCounts(TypedDict):
     input_tokens: int
     output_tokens: int
 
 
+class Usage(_UsageCounts, total=False):
+    """Token counts of one chat call (or a run's sum). ``input_tokens`` is the whole input,
+    cached tokens included; the other keys are there when the provider reports them."""
+
+    cache_read_tokens: int
+    cache_write_tokens: int
+    reasoning_tokens: int
+
+
 def _zero_usage():
     return {"input_tokens": 0, "output_tokens": 0}
+
+
+def _add_usage(total: dict, usage) -> dict:
+    """Add every count of ``usage`` into ``total``; returns ``total``."""
+    for key, value in (usage or {}).items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 @dataclass
@@ -192,13 +278,14 @@ class ToolResult:
 
 @dataclass
 class LoopOutcome:
-    """How ``run_conversation`` ended."""
+    """How ``run_conversation`` ended; ``output`` is the parsed structured output, if asked."""
 
     messages: list
     final: Optional[dict]
     result: Optional[ChatResult]
     turns_used: int
     stopped_reason: str
+    output: Any = None
 
 
 @runtime_checkable
@@ -208,6 +295,98 @@ class ToolRunner(Protocol):
     def specs(self) -> list: ...
 
     def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult: ...
+
+
+# --- JSON Schema: the subset lich writes, checked by one validator ---
+# Tool arguments (Tools) and structured output (the loop) are both checked here.
+
+_JSON_TYPES = {"string": "a string", "integer": "an integer", "number": "a number",
+               "boolean": "a boolean", "array": "an array", "object": "an object",
+               "null": "null"}
+_ECHO_MAX_CHARS = 80  # how much of a rejected value an error message quotes
+
+
+def _json_kind(value) -> str:
+    """The JSON type of a decoded value, as a phrase for error messages."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    for kind, phrase in ((str, "a string"), (float, "a number"), (list, "an array"),
+                         (dict, "an object")):
+        if isinstance(value, kind):
+            return phrase
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def _echo(value) -> str:
+    """A value as JSON, cut to ``_ECHO_MAX_CHARS``, to quote in an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= _ECHO_MAX_CHARS else text[:_ECHO_MAX_CHARS] + "..."
+
+
+def _is_json_type(value, kind) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "string":
+        return isinstance(value, str)
+    if kind == "boolean":
+        return isinstance(value, bool)
+    if kind == "array":
+        return isinstance(value, list)
+    if kind == "object":
+        return isinstance(value, dict)
+    return value is None if kind == "null" else True
+
+
+def _schema_check(value, schema, where, problems):
+    """``value`` checked against ``schema`` (type, enum, items, properties, required,
+    additionalProperties); each mismatch appends ``(where, expected, got)`` to ``problems``.
+    Returns the value, an integer made a float where the schema wants only a number."""
+    if not isinstance(schema, dict) or not schema:
+        return value
+    if "enum" in schema:
+        allowed = schema["enum"]
+        if any(value == a and type(value) is type(a) for a in allowed):  # True is not 1
+            return value
+        named = ", ".join(json.dumps(a) for a in allowed if a is not None)
+        problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
+                         _echo(value)))
+        return value
+    kinds = schema.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    if kinds and not any(_is_json_type(value, k) for k in kinds):
+        problems.append((where, " or ".join(_JSON_TYPES.get(k, k) for k in kinds),
+                         _json_kind(value)))
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value) if "number" in kinds and "integer" not in kinds else value
+    if isinstance(value, list) and "items" in schema:
+        return [_schema_check(item, schema["items"], f"{where}[{i}]", problems)
+                for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        extra = schema.get("additionalProperties", True)
+        checked = {}
+        for key, item in value.items():
+            path = f"{where}[{json.dumps(key, ensure_ascii=False)}]"
+            if key in properties:
+                checked[key] = _schema_check(item, properties[key], path, problems)
+            elif extra is False:
+                problems.append((path, "absent (no such property)", _echo(item)))
+            else:
+                checked[key] = _schema_check(item, extra, path, problems)
+        for key in schema.get("required") or ():
+            if key not in value:
+                problems.append((f"{where}[{json.dumps(key)}]", "present (it is required)",
+                                 "missing"))
+        return checked
+    return value
 
 
 # ============================================================================
@@ -245,6 +424,13 @@ class AgentEmitter:
                 except Exception:
                     _log.exception("event handler %r failed on %r event", handler, event_type)
 
+    def __getstate__(self):
+        return {"_handlers": self._handlers}
+
+    def __setstate__(self, state):
+        self._handlers = state["_handlers"]
+        self._lock = threading.Lock()
+
     def _subscribe(self, event_type, handler):
         entry = (event_type, handler)
         with self._lock:
@@ -252,14 +438,14 @@ class AgentEmitter:
 
         def unsubscribe():
             with self._lock:
-                handlers = list(self._handlers)
-                for i, existing in enumerate(handlers):
-                    if existing is entry:
-                        del handlers[i]
-                        self._handlers = tuple(handlers)
-                        break
+                self._handlers = tuple(h for h in self._handlers if h is not entry)
 
         return unsubscribe
+
+
+def _emit(emitter, event):
+    if emitter is not None:
+        emitter.emit(event)
 
 
 # ============================================================================
@@ -300,74 +486,7 @@ def _estimate_message_tokens(message) -> int:
 
 def estimate_messages_tokens(messages) -> int:
     """The estimate of a whole history: contents, assistant tool calls, 8 per tool message."""
-    if isinstance(messages, _History):
-        return messages.estimated_tokens()
     return sum(map(_estimate_message_tokens, messages))
-
-
-def _call_ids(messages) -> set:
-    """The ids of the tool calls of the assistant messages in ``messages``."""
-    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
-            for call in m.get("tool_calls") or ()
-            if isinstance(call, dict) and isinstance(call.get("id"), str)}
-
-
-class _History(list):
-    """The loop's working history: a list that keeps what it derives from its messages current.
-
-    The loop only appends to it or rewrites it wholesale (compression), so appends update
-    the token estimate and the set of tool call ids, and any other change drops both until
-    they are next needed. Messages are values: one changed in place after it was added is
-    not read again.
-    """
-
-    __slots__ = ("_call_ids", "_tokens", "id_counters")
-
-    def __init__(self, messages=()):
-        super().__init__(messages)
-        self._tokens = None
-        self._call_ids = None
-        self.id_counters = {}  # for _unique_call_ids: the next suffix to try, per repeated id
-
-    def estimated_tokens(self) -> int:
-        if self._tokens is None:
-            self._tokens = sum(map(_estimate_message_tokens, self))
-        return self._tokens
-
-    def call_ids(self) -> set:
-        """The tool call ids in the history (the set itself: read it, do not change it)."""
-        if self._call_ids is None:
-            self._call_ids = _call_ids(self)
-        return self._call_ids
-
-    def append(self, message):
-        super().append(message)
-        if self._tokens is not None:
-            self._tokens += _estimate_message_tokens(message)
-        if self._call_ids is not None and message.get("tool_calls"):
-            self._call_ids |= _call_ids((message,))
-
-    def extend(self, messages):
-        for message in messages:
-            self.append(message)
-
-    def _changed(name):
-        method = getattr(list, name)
-
-        def changed(self, *args):
-            self._tokens = self._call_ids = None
-            return method(self, *args)
-
-        changed.__name__ = name
-        return changed
-
-    for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "insert", "pop",
-                  "remove", "clear", "sort", "reverse"):
-        locals()[_name] = _changed(_name)
-    del _name, _changed
-
-    def __reduce__(self):
-        return (list, (list(self),))
 
 
 def should_compress(messages, budget, threshold=0.8) -> bool:
@@ -444,17 +563,15 @@ def compress_if_needed(chat, history, *, context_budget_tokens, compress_thresho
     return summary_chars
 
 
-def _emit(emitter, event):
-    if emitter is not None:
-        emitter.emit(event)
-
-
 # ============================================================================
 # The loop
 # ============================================================================
 
 _ABORT_MESSAGE = "agent loop aborted"
 _NO_TOOLS_ERROR = "no tools are available; answer without calling tools"
+_MAX_TOOL_CALLS_PER_ANSWER = 128  # the rest of a longer batch fail unrun: a history stays small
+_OUTPUT_FORMAT_NAME = "output"
+_FENCED_JSON = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z", re.DOTALL)
 
 
 def seed_system_prompt(messages, system_prompt) -> list:
@@ -475,6 +592,13 @@ def seed_system_prompt(messages, system_prompt) -> list:
     return seeded
 
 
+def _call_ids(messages) -> set:
+    """The ids of the tool calls of the assistant messages in ``messages``."""
+    return {call.get("id") for m in messages if isinstance(m, dict) and m.get("role") == "assistant"
+            for call in m.get("tool_calls") or ()
+            if isinstance(call, dict) and isinstance(call.get("id"), str)}
+
+
 def _unique_call_ids(calls, used, counters) -> list:
     """``calls`` with every id that is empty, not a string, in ``used`` or earlier in ``calls``
     replaced by a fresh one (in a copy). ``used`` is only read; ``counters`` holds the next
@@ -484,16 +608,8 @@ def _unique_call_ids(calls, used, counters) -> list:
     unique"), and some models and servers repeat them or leave them out.
     """
     seen = set()  # ids of ``calls`` kept or given so far
-    for call in calls:  # the common case: nothing to change
-        call_id = call.get("id") if type(call) is dict else None
-        if not call_id or type(call_id) is not str or call_id in used or call_id in seen:
-            break
-        seen.add(call_id)
-    else:
-        return calls
+    taken = {c.get("id") for c in calls if isinstance(c, dict)}  # a fresh id takes none of them
     fixed = None
-    seen.clear()
-    taken = None  # the ids of ``calls`` as given: a fresh id must not take one of them
     for i, call in enumerate(calls):
         if not isinstance(call, dict):
             continue
@@ -501,8 +617,6 @@ def _unique_call_ids(calls, used, counters) -> list:
         if isinstance(call_id, str) and call_id and call_id not in used and call_id not in seen:
             seen.add(call_id)
             continue
-        if taken is None:
-            taken = {c.get("id") for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)}
         base = call_id if isinstance(call_id, str) and call_id else "call"
         n = counters.get(base, 2)
         while f"{base}_{n}" in used or f"{base}_{n}" in seen or f"{base}_{n}" in taken:
@@ -515,29 +629,39 @@ def _unique_call_ids(calls, used, counters) -> list:
 
 
 def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=None,
-              signal=None, emitter=None) -> ChatResult:
+              signal=None, emitter=None, response_format=None) -> ChatResult:
     """One chat call framed by ``llm_start`` and ``llm_end``; a failure emits ``error`` and re-raises.
 
     A tool call id that is empty or repeats one of the answer or of ``history`` is replaced
     by a fresh one before ``llm_end``, so the history stays one a provider accepts.
+    ``response_format`` is passed to the chat only when set.
     """
+    return _call_chat(chat, history, _call_ids(history), {}, turn=turn, tools=tools,
+                      temperature=temperature, max_tokens=max_tokens, signal=signal,
+                      emitter=emitter, response_format=response_format)
+
+
+def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature, max_tokens,
+               signal, emitter, response_format):
+    """``call_chat`` with the history's call ids already known; ``used_ids`` grows by the answer's."""
     _emit(emitter, {"type": "llm_start", "turn": turn})
+    extra = {} if response_format is None else {"response_format": response_format}
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
-                      signal=signal)
+                      signal=signal, **extra)
+        if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
+            raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
+                            f"holding a message dict")
     except Exception as exc:
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
-    message = getattr(result, "message", None)
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    calls = result.message.get("tool_calls")
     if calls and isinstance(calls, list):
-        if isinstance(history, _History):
-            unique = _unique_call_ids(calls, history.call_ids(), history.id_counters)
-        else:
-            unique = _unique_call_ids(calls, _call_ids(history), {})
+        unique = _unique_call_ids(calls, used_ids, id_counters)
         if unique is not calls:
-            result = replace(result, message={**message, "tool_calls": unique})
+            result = replace(result, message={**result.message, "tool_calls": unique})
+        used_ids.update(c["id"] for c in unique if isinstance(c, dict))
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
     return result
 
@@ -567,12 +691,16 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error=f"TypeError: the tool runner returned "
                                           f"{type(result).__name__}, not a ToolResult")
-    if result.output is None:
-        result = ToolResult(ok=result.ok, output="", error=result.error)
-    for value in (result.output, result.error):
+    output = "" if result.output is None else result.output
+    for value in (output, result.error):
         if value is not None and not isinstance(value, str):  # no session or provider takes it
             return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult "
                                               f"holding {type(value).__name__}, not str")
+    # A key a tool found (`cat /proc/$PPID/environ`) must not reach the history, a session or
+    # the next request.
+    redacted = _redact_secrets(output), _redact_secrets(result.error)
+    if result.output is None or redacted != (result.output, result.error):
+        return ToolResult(ok=result.ok, output=redacted[0], error=redacted[1])
     return result
 
 
@@ -587,9 +715,16 @@ def run_tool_calls(tools, calls, history, *, turn, signal=None, emitter=None) ->
     """Run ``calls`` one after another, appending one tool message per call to ``history``.
 
     A call not yet started when ``signal`` is set is skipped: its tool message says
-    "aborted" and its ``tool_call_end`` is ``cancelled`` with no ``tool_call_start``.
+    "aborted" and its ``tool_call_end`` is ``cancelled`` with no ``tool_call_start``. Of an
+    answer asking for more than 128 calls, the calls past the 128th are skipped the same way.
     """
-    for call in calls:
+    for i, call in enumerate(calls):
+        if i >= _MAX_TOOL_CALLS_PER_ANSWER:
+            _skip_tool_call(call, history, turn=turn, emitter=emitter,
+                            error=f"not run: the answer asked for {len(calls)} tool calls and "
+                                  f"at most {_MAX_TOOL_CALLS_PER_ANSWER} run per answer; ask "
+                                  f"for fewer at a time")
+            continue
         if signal is not None and signal.is_set():
             _skip_tool_call(call, history, turn=turn, error="aborted", emitter=emitter)
             continue
@@ -607,9 +742,33 @@ def _check_max_turns(max_turns):
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
 
 
+def _parse_output(text, schema):
+    """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
+
+    A Markdown code fence around the JSON is tolerated: models add one unasked.
+    """
+    fenced = _FENCED_JSON.match(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except (ValueError, RecursionError) as e:
+        return None, f"it is not valid JSON ({e})"
+    problems = []
+    value = _schema_check(value, schema, "", problems)
+    if not problems:
+        return value, None
+    described = "; ".join(f"{where or 'the value'} must be {expected}, not {got}"
+                          for where, expected, got in problems[:10])
+    return None, f"it does not match the schema: {described}"
+
+
+def _output_correction(error) -> dict:
+    return {"role": "user", "content": f"Your answer cannot be used: {error}. Answer again with "
+                                      f"only a JSON value that matches the required schema."}
+
+
 def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, temperature=None,
                      max_tokens=None, context_budget_tokens=None, compress_threshold=0.8,
-                     signal=None, emitter=None) -> LoopOutcome:
+                     signal=None, emitter=None, output_schema=None) -> LoopOutcome:
     """Drive ``chat`` and ``tools`` until the model answers without tool calls.
 
     Each turn makes exactly one chat call: ``max_turns`` is a budget of chat calls, not
@@ -619,38 +778,69 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     on the last allowed turn are not run (``"budget"``). A chat failure emits ``error``
     and propagates; a tool failure is a tool message the model reads.
 
-    ``messages`` is not changed; the outcome's ``messages`` is (a plain-list copy of) the
-    working history, after compression when ``context_budget_tokens`` is set.
+    With ``output_schema`` (a JSON Schema object) the chat is also given
+    ``response_format={"name": "output", "schema": output_schema}``, and a final answer
+    must be JSON valid under the schema: otherwise an ``output_invalid`` event carries the
+    user message that says what is wrong, which joins the history for one more turn. The
+    parsed value is the outcome's ``output``.
+
+    ``messages`` is not changed; the outcome's ``messages`` is the working history, after
+    compression when ``context_budget_tokens`` is set.
     """
     _check_max_turns(max_turns)
-    history = _History(seed_system_prompt(messages, system_prompt))
+    history = seed_system_prompt(messages, system_prompt)
     specs = (tools.specs() or None) if tools is not None else None
+    response_format = (None if output_schema is None
+                       else {"name": _OUTPUT_FORMAT_NAME, "schema": output_schema})
+    # Kept as the history grows, so a turn costs the same at turn 10 and at turn 1,000.
+    estimated = estimate_messages_tokens(history) if context_budget_tokens is not None else 0
+    used_ids, id_counters = _call_ids(history), {}
     result = None
     for turn in range(1, max_turns + 1):
         _emit(emitter, {"type": "turn_start", "turn": turn})
         if signal is not None and signal.is_set():
             _emit(emitter, {"type": "error", "error": AbortError(_ABORT_MESSAGE)})
-            return LoopOutcome(list(history), None, None, turn - 1, "aborted")
-        compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
-                           compress_threshold=compress_threshold, signal=signal, emitter=emitter)
-        result = call_chat(chat, history, turn=turn, tools=specs, temperature=temperature,
-                           max_tokens=max_tokens, signal=signal, emitter=emitter)
+            return LoopOutcome(history, None, None, turn - 1, "aborted")
+        if context_budget_tokens is not None and estimated >= context_budget_tokens * compress_threshold:
+            if compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
+                                  compress_threshold=compress_threshold, signal=signal,
+                                  emitter=emitter):
+                estimated = estimate_messages_tokens(history)
+        result = _call_chat(chat, history, used_ids, id_counters, turn=turn, tools=specs,
+                            temperature=temperature, max_tokens=max_tokens, signal=signal,
+                            emitter=emitter, response_format=response_format)
         message = result.message
         history.append(message)
+        grown = len(history) - 1
         calls = message.get("tool_calls")
         if not calls:
-            _emit(emitter, {"type": "final", "message": message, "result": result})
-            _emit(emitter, {"type": "turn_end", "turn": turn})
-            return LoopOutcome(list(history), message, result, turn, "final")
-        if turn == max_turns:
+            if output_schema is None:
+                _emit(emitter, {"type": "final", "message": message, "result": result})
+                _emit(emitter, {"type": "turn_end", "turn": turn})
+                return LoopOutcome(history, message, result, turn, "final")
+            output, error = _parse_output(message.get("content") or "", output_schema)
+            if error is None:
+                _emit(emitter, {"type": "final", "message": message, "result": result})
+                _emit(emitter, {"type": "turn_end", "turn": turn})
+                return LoopOutcome(history, message, result, turn, "final", output)
+            if turn == max_turns:
+                break
+            correction = _output_correction(error)
+            history.append(correction)
+            _emit(emitter, {"type": "output_invalid", "turn": turn, "error": error,
+                            "message": correction})
+        elif turn == max_turns:
             for call in calls:
                 _skip_tool_call(call, history, turn=turn, error="turn_budget_exhausted",
                                 emitter=emitter)
             break
-        run_tool_calls(tools, calls, history, turn=turn, signal=signal, emitter=emitter)
+        else:
+            run_tool_calls(tools, calls, history, turn=turn, signal=signal, emitter=emitter)
+        if context_budget_tokens is not None:
+            estimated += sum(map(_estimate_message_tokens, history[grown:]))
     _emit(emitter, {"type": "budget_exhausted", "turns_used": max_turns})
     _emit(emitter, {"type": "turn_end", "turn": max_turns})
-    return LoopOutcome(list(history), None, result, max_turns, "budget")
+    return LoopOutcome(history, None, result, max_turns, "budget")
 
 
 # ============================================================================
@@ -661,22 +851,14 @@ _SESSION_SUFFIX = ".jsonl"
 _MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _LABEL_MAX_CHARS = 64
 _SESSION_NAME_ATTEMPTS = 1000
-_last_second_stamp = (None, "")  # (whole second, its "YYYY-MM-DDTHH:MM:SS" text), shared by threads
 
-
-def _record_timestamp() -> str:
-    global _last_second_stamp
-    now = time.time()
-    second = int(now)
-    cached_second, prefix = _last_second_stamp
-    if cached_second != second:
-        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _last_second_stamp = (second, prefix)
-    return f"{prefix}.{int((now - second) * 1000):03d}Z"
+# --- recording ---
 
 
 def _record_line(kind: str, value) -> bytes:
-    record = {"ts": _record_timestamp(), "kind": kind, kind: value}
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+    record = {"ts": stamp, "kind": kind, kind: value}
     try:
         return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
     except UnicodeEncodeError:  # a lone surrogate: fall back to \\u escapes
@@ -687,20 +869,19 @@ class SessionHandle:
     """An open session file: JSONL records appended whole, one line per call, thread-safe.
 
     Each append is written with one ``os.write`` on an ``O_APPEND`` descriptor and is in
-    the file when the call returns. A write that fails part-way is cut back, so the file
-    holds whole lines only; the OSError goes to the caller.
+    the file when the call returns. A write that fails part-way is cut back when nothing
+    else was appended meanwhile, so the file holds whole lines only; the OSError goes to
+    the caller. A handle belongs to the process that opened it: after ``fork()`` the child
+    gets a RuntimeError and must open its own. Handles do not pickle.
     """
 
     def __init__(self, path: str, fd: int):
         self.path = path
         self.id = os.path.basename(path)[:-len(_SESSION_SUFFIX)]
         self._fd = fd
-        self._size = os.fstat(fd).st_size
+        self._pid = os.getpid()
         self._torn = False  # a failed write could not be cut back: start the next on a new line
         self._lock = threading.Lock()
-        self._history_recorded = False  # run_agent has written a seeded history here
-        import weakref
-
         self._close_fd = weakref.finalize(self, os.close, fd)  # a handle nobody closed
 
     def append_message(self, message: dict) -> None:
@@ -715,7 +896,11 @@ class SessionHandle:
         """Close the file; appending afterwards raises ValueError."""
         with self._lock:
             if self._fd is not None:
-                self._close_fd()
+                if os.getpid() == self._pid:
+                    self._close_fd()
+                else:
+                    self._close_fd.detach()  # the parent's descriptor: not ours to close
+                    os.close(self._fd)
                 self._fd = None
 
     def __enter__(self):
@@ -727,32 +912,41 @@ class SessionHandle:
     def __repr__(self):
         return f"SessionHandle(id={self.id!r})"
 
-    def _claim_history(self) -> bool:
-        """True for the first run_agent to record into this handle: it writes the whole history."""
-        with self._lock:
-            first, self._history_recorded = not self._history_recorded, True
-            return first
+    def __reduce__(self):
+        raise TypeError(f"cannot pickle a SessionHandle ({self.id}): it is an open file of "
+                        f"this process; pass the session folder and open one on the other side")
 
     def _append(self, line: bytes) -> None:
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"session {self.id} is closed")
+            if os.getpid() != self._pid:
+                raise RuntimeError(f"session {self.id} was opened by process {self._pid}; "
+                                   f"open a session of your own in this process")
             if self._torn:
                 line = b"\n" + line
+            size = os.fstat(self._fd).st_size
             view = memoryview(line)
             written = 0
             try:
                 while written < len(line):
                     written += os.write(self._fd, view[written:])
             except BaseException:
-                if written:
-                    try:
-                        os.ftruncate(self._fd, self._size)
-                    except OSError:
-                        self._torn = True
+                self._cut_back(size, written)
                 raise
-            self._size += written
             self._torn = False
+
+    def _cut_back(self, size, written):
+        """Remove the ``written`` bytes of a failed append, unless another writer came after."""
+        if not written:
+            return
+        try:
+            if os.fstat(self._fd).st_size == size + written:
+                os.ftruncate(self._fd, size)
+                return
+        except OSError:
+            pass
+        self._torn = True
 
 
 def _clean_label(label) -> str:
@@ -762,14 +956,10 @@ def _clean_label(label) -> str:
 
 
 def _session_stems(session_dir: str, stamp: str) -> list:
-    """The ``<stamp>-<counter>`` parts of the session names that use ``stamp``."""
+    """The counters of the session names that use ``stamp``."""
     pattern = re.compile(re.escape(stamp) + r"-(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX))
-    stems = []
-    for name in os.listdir(session_dir):
-        match = pattern.fullmatch(name)
-        if match:
-            stems.append(int(match.group(1)))
-    return stems
+    return [int(found.group(1)) for found in map(pattern.fullmatch, os.listdir(session_dir))
+            if found]
 
 
 def open_session(session_dir, label=None) -> SessionHandle:
@@ -810,28 +1000,22 @@ class AgentRunResult(LoopOutcome):
     usage_total: dict = field(default_factory=_zero_usage)
 
 
-def _add_usage(total: dict, usage) -> None:
-    for key, value in (usage or {}).items():
-        if isinstance(value, int) and not isinstance(value, bool):
-            total[key] = total.get(key, 0) + value
-
-
 class _Recorder:
     """Turns one run's events into session records and sums its usage.
 
-    Best effort: the first failing write logs one warning and stops the recording;
-    the run goes on.
+    Best effort: the first failing write (or a session object that lacks a method) logs
+    one warning and stops the recording; the run goes on.
     """
 
-    def __init__(self, handle: Optional[SessionHandle]):
-        self.handle = handle
+    def __init__(self, session):
+        self.session = session
         self.usage = _zero_usage()
 
     def message(self, message: dict) -> None:
-        self._write(SessionHandle.append_message, message)
+        self._write("append_message", message)
 
     def meta(self, meta: dict) -> None:
-        self._write(SessionHandle.append_meta, meta)
+        self._write("append_meta", meta)
 
     def on_event(self, event: dict) -> None:
         kind = event["type"]
@@ -841,20 +1025,41 @@ class _Recorder:
             self.message(result.message)
         elif kind == "tool_call_end":
             self.message(tool_message_from_result(event["call"], event["result"]))
+        elif kind == "output_invalid":
+            self.message(event["message"])
         elif kind == "budget_exhausted":
             self.meta({"event": "budget_exhausted", "turns_used": event["turns_used"]})
         elif kind == "compress_end":
             self.meta({"event": "compress", "summary_chars": event["summary_chars"]})
 
-    def _write(self, append, record) -> None:
-        if self.handle is None:
+    def _write(self, method, record) -> None:
+        if self.session is None:
             return
         try:
-            append(self.handle, record)
+            getattr(self.session, method)(record)
         except Exception as exc:
-            _log.warning("session recording stopped: %s: %s: %s", self.handle.id,
-                         type(exc).__name__, exc)
-            self.handle = None
+            _log.warning("session recording stopped: %s: %s: %s",
+                         getattr(self.session, "id", "?"), type(exc).__name__, exc)
+            self.session = None
+
+
+_sessions_holding_history = {}  # id(session) -> weakref: run_agent wrote a whole history there
+_sessions_lock = threading.Lock()
+
+
+def _first_history_in(session) -> bool:
+    """True the first time in this process that run_agent records a history into ``session``."""
+    key = id(session)
+    with _sessions_lock:
+        known = _sessions_holding_history.get(key)
+        if known is not None and (known() if callable(known) else known) is session:
+            return False
+        try:
+            _sessions_holding_history[key] = weakref.ref(
+                session, lambda _, key=key: _sessions_holding_history.pop(key, None))
+        except TypeError:  # no weak references to it: kept for the life of the process
+            _sessions_holding_history[key] = session
+        return True
 
 
 def _seeding_additions(previous: list, seeded: list) -> list:
@@ -867,47 +1072,56 @@ def _seeding_additions(previous: list, seeded: list) -> list:
     return added
 
 
-def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_dir=None,
-              label=None, emitter=None, **loop_params) -> AgentRunResult:
+def _tools_root(tools) -> str:
+    root = getattr(tools, "root", None)
+    return root if isinstance(root, str) else os.getcwd()
+
+
+def run_agent(prompt, *, chat, max_turns, tools=None, history=None, session=None,
+              session_dir=None, label=None, emitter=None, **loop_params) -> AgentRunResult:
     """Run one user turn, ``history`` + ``prompt``, through ``run_conversation`` and record it.
 
-    ``loop_params`` are ``run_conversation``'s (``max_turns`` is required). With
-    ``session`` (a SessionHandle) the run is recorded there; else with ``session_dir``
-    into a new session file; with neither, nowhere. A session file holds, in order:
-    ``run_start``, the seeded messages, each assistant and tool message as it happens,
+    ``loop_params`` are ``run_conversation``'s. With ``session`` -- a SessionHandle, or any
+    object with ``.path``, ``.id``, ``append_message``, ``append_meta`` and ``close`` -- the
+    run is recorded there; else with ``session_dir`` into a new session file; with neither,
+    nowhere. A session holds, in order: ``run_start`` (with ``cwd``, ``model`` and the lich
+    version), the seeded messages, each assistant and tool message as it happens,
     ``budget_exhausted`` / ``compress`` markers, and ``run_end`` with the run's summed
-    usage -- or ``run_error`` before the exception propagates. A handle that run_agent
-    already wrote to in this process gets only what seeding added (pass the previous
-    run's ``messages`` as ``history``). Recording never fails the run: the first write
-    error logs a warning and recording stops.
+    usage -- or ``run_error`` before the exception propagates. A session that run_agent
+    already wrote to in this process gets only what seeding added (pass the previous run's
+    ``messages`` as ``history``). Recording never fails the run: the first failing write
+    logs a warning and recording stops.
     """
-    if "max_turns" not in loop_params:
-        raise TypeError("run_agent() missing required keyword argument: 'max_turns'")
-    _check_max_turns(loop_params["max_turns"])
+    _check_max_turns(max_turns)
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
                                 loop_params.pop("system_prompt", None))
-    handle, owned = session, False
-    if handle is None and session_dir is not None:
+    owned = False
+    if session is None and session_dir is not None:
         try:
-            handle, owned = open_session(session_dir, label), True
+            session, owned = open_session(session_dir, label), True
         except OSError as exc:
             _log.warning("session recording is off: cannot create a session file: %s: %s",
                          type(exc).__name__, exc)
-    recorder = _Recorder(handle)
+    recorder = _Recorder(session)
     try:
-        if handle is not None:
+        if session is not None:
+            model = getattr(chat, "model", None)
             recorder.meta({"event": "run_start", "input_chars": len(prompt),
-                           "history_size": len(previous)})
-            fresh = handle._claim_history() or owned
+                           "history_size": len(previous), "cwd": _tools_root(tools),
+                           "model": model if isinstance(model, str) else None,
+                           "lich": __version__})
+            fresh = owned or _first_history_in(session)
             for message in seeded if fresh else _seeding_additions(previous, seeded):
                 recorder.message(message)
         emitter = emitter if emitter is not None else AgentEmitter()
         unsubscribe = emitter.on_any(recorder.on_event)
         try:
-            outcome = run_conversation(chat, tools, seeded, emitter=emitter, **loop_params)
+            outcome = run_conversation(chat, tools, seeded, max_turns=max_turns,
+                                       emitter=emitter, **loop_params)
         except BaseException as exc:
-            recorder.meta({"event": "run_error", "error": f"{type(exc).__name__}: {exc}"})
+            recorder.meta({"event": "run_error",
+                           "error": _redact_secrets(f"{type(exc).__name__}: {exc}")})
             raise
         finally:
             unsubscribe()
@@ -915,41 +1129,40 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
                        "usage": recorder.usage})
     finally:
         if owned:
-            handle.close()
+            session.close()
     return AgentRunResult(outcome.messages, outcome.final, outcome.result, outcome.turns_used,
-                          outcome.stopped_reason,
-                          session_path=handle.path if handle is not None else None,
-                          usage_total=recorder.usage)
+                          outcome.stopped_reason, outcome.output,
+                          session_path=getattr(session, "path", None) if session is not None
+                          else None, usage_total=recorder.usage)
+
+
+# --- reading ---
 
 
 def _clean_message(message) -> Optional[dict]:
     """``message`` if it has a shape a provider accepts (a None content becomes ""), else None."""
-    if type(message) is not dict:
+    if not isinstance(message, dict):
         return None
     role = message.get("role")
     if role not in _MESSAGE_ROLES:
         return None
     content = message.get("content")
-    if type(content) is not str:
+    if not isinstance(content, str):
         if content is not None:
             return None
         message = {**message, "content": ""}
     if role == "tool":
-        return message if type(message.get("tool_call_id")) is str else None
+        return message if isinstance(message.get("tool_call_id"), str) else None
     if role == "assistant":
         calls = message.get("tool_calls")
-        if calls is not None:
-            if type(calls) is not list:
-                return None
-            for call in calls:
-                if not _is_tool_call(call):
-                    return None
+        if calls is not None and not (isinstance(calls, list) and all(map(_is_tool_call, calls))):
+            return None
     return message
 
 
 def _is_tool_call(call) -> bool:
-    return (type(call) is dict and type(call.get("id")) is str
-            and type(call.get("name")) is str and type(call.get("arguments")) is str)
+    return (isinstance(call, dict) and isinstance(call.get("id"), str)
+            and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), str))
 
 
 def _interrupted_tool_message(call: dict) -> dict:
@@ -964,8 +1177,6 @@ def _repair_history(messages) -> list:
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too.
     """
-    from collections import deque
-
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
@@ -1022,7 +1233,7 @@ def _recorded_messages(lines):
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if type(record) is dict and record.get("kind") == "message":
+        if isinstance(record, dict) and record.get("kind") == "message":
             message = _clean_message(record.get("message"))
             if message is not None:
                 yield message
@@ -1077,79 +1288,64 @@ def resolve_session(session_dir, ref) -> str:
 _OPENAI_BASE_URL = "https://api.openai.com/v1"
 _ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 _ANTHROPIC_VERSION = "2023-06-01"
-_DEFAULT_TIMEOUT = 600             # seconds; the read timeout, between bytes of a stream too
+_DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
 _CONNECT_TIMEOUT = 10.0            # seconds; capped by the caller's timeout
 _ANTHROPIC_MAX_TOKENS = 4096       # the Messages API requires an output cap on every request
 _ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError message
 _SNIPPET_MAX_CHARS = 200           # body excerpt quoted when a response is not what we expect
-_SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event; a longer one is a broken stream
-_BODY_MAX_BYTES = 64 << 20         # a whole (non-streamed) answer; a longer one is not an answer
+_BODY_MAX_BYTES = 64 << 20         # a whole answer, streamed or not; a longer one is not an answer
+_SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event
 _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
-_BODY_READ_BYTES = 64 << 10        # read size for whole bodies
-_STREAM_READ_BYTES = 1024          # read size for a stream without chunked encoding
-_STREAM_DRAIN_MAX_BYTES = 64 << 10  # read after the end marker so the connection can be reused
+_BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
+_STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
+_WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
+_MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
 _RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
+_CACHE_CONTROL = {"type": "ephemeral"}
+
+# --- errors ---
 
 _STOP_REASONS = {
-    "end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls",
-    "max_tokens": "length", "model_context_window_exceeded": "length",
-    "function_call": "tool_calls",
+    "end_turn": "stop", "stop_sequence": "stop", "eos": "stop", "eos_token": "stop",
+    "tool_use": "tool_calls", "function_call": "tool_calls", "max_tokens": "length",
+    "model_context_window_exceeded": "length",
 }
 _OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded",
-                             "request_too_large", "string_above_max_length"})
-# Regular expressions are kept as text and compiled (and cached) by ``re`` on first use:
-# compiling them all at import would cost milliseconds of every ``import lich``.
-_OVERFLOW_TEXT = (
+                             "request_too_large", "string_above_max_length",
+                             "too_many_prompt_tokens", "exceed_context_size_error"})
+_OVERFLOW_TEXT = re.compile(
     r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
     r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
-    r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens"
-    r"|reduce the length of the (?:messages|prompt|input)")
-_ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
-_HTTP_URL = r"(?i)https?://[^/?#\s]"
-_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
-_SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
-
-
-_json_decode = json.JSONDecoder().decode  # for str: json.loads minus its per-call checks
-
-
-def _requests():
-    """The requests module, imported on first use so that ``import lich`` stays light."""
-    import requests
-    return requests
-
-
-def _timeouts(timeout):
-    """``timeout`` as requests' (connect, read) pair."""
-    if isinstance(timeout, tuple):
-        return timeout
-    if timeout is None:
-        return (_CONNECT_TIMEOUT, None)
-    return (min(_CONNECT_TIMEOUT, timeout), timeout)
+    r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
+    r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)")
+_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] [^'\")]+")
+_HTTP_URL = re.compile(r"(?i)https?://[^/?#\s]")
+_HEADER_TOKEN = re.compile(r"[!-~]+\Z")  # printable ASCII without spaces: what an API key can be
+_SPEC = re.compile(r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z")
 
 
 def _snippet(body):
     text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
-    text = text.strip()
+    text = _redact_secrets(text.strip())
     return text[:_SNIPPET_MAX_CHARS] + ("..." if len(text) > _SNIPPET_MAX_CHARS else "")
 
 
 def _count(value):
     """A token count from a usage field: an int, or 0 when absent or not a number."""
-    if type(value) is int:
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
         return value
-    if isinstance(value, float):
-        try:
-            return int(value)
-        except (ValueError, OverflowError):  # nan, inf
-            return 0
+    if isinstance(value, float) and math.isfinite(value):
+        return int(value)
     return 0
 
 
 def _normalise_stop(reason):
-    if reason is None or not isinstance(reason, str):
+    if not isinstance(reason, str):
         return None
+    reason = reason.lower()
     return _STOP_REASONS.get(reason, reason)
 
 
@@ -1183,7 +1379,7 @@ def _retry_after(headers):
 
 def _error_from_wire(body):
     """(text, codes) from an error body of any provider; ``codes`` are its code and type strings."""
-    raw = body.decode("utf-8", "replace").strip() if body else ""
+    raw = _redact_secrets(body.decode("utf-8", "replace").strip()) if body else ""
     try:
         data = json.loads(raw) if raw[:1] in ("{", "[") else None
     except (ValueError, RecursionError):
@@ -1191,6 +1387,7 @@ def _error_from_wire(body):
     text, codes = _error_fields(data)
     if not text:
         text = raw or "(empty body)"
+    text = _redact_secrets(text)
     if len(text) > _ERROR_TEXT_MAX_CHARS:
         text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
     return text, codes
@@ -1240,7 +1437,7 @@ def _classify_http_error(status, body, headers):
         kind = "overloaded"
     elif 400 <= status < 500:
         overflow = status == 413 or not _OVERFLOW_CODES.isdisjoint(codes) \
-            or re.search(_OVERFLOW_TEXT, text) is not None
+            or _OVERFLOW_TEXT.search(text) is not None
         kind = "overflow" if overflow else "bad_request"
     elif status >= 500:
         kind = "server"
@@ -1250,42 +1447,64 @@ def _classify_http_error(status, body, headers):
     return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
 
 
-def _tool_input(arguments):
-    """Anthropic's ``input`` object for a ToolCall's raw arguments text."""
-    if not arguments or not arguments.strip():
-        return {}
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        value = None
-    if isinstance(value, dict):
-        return value
-    # Anthropic accepts only an object; keep what the model wrote so it can see its mistake.
-    return {_RAW_ARGUMENTS_KEY: arguments}
+def _origin(url) -> str:
+    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme.lower()}://{host}{port}"
 
 
-class _OversizedEvent(Exception):
-    """An SSE line or event larger than _SSE_MAX_EVENT_BYTES."""
+# --- wire ---
 
 
-def _sse_events(chunks, signal):
+def _requests():
+    """The requests module, imported on first use so that ``import lich`` stays light."""
+    import requests
+    return requests
+
+
+def _timeouts(timeout):
+    """``timeout`` as requests' (connect, read) pair."""
+    if isinstance(timeout, tuple):
+        return timeout
+    if timeout is None:
+        return (_CONNECT_TIMEOUT, None)
+    return (min(_CONNECT_TIMEOUT, timeout), timeout)
+
+
+def _whole_timeout(timeout):
+    """The seconds one whole exchange may take, or None."""
+    if isinstance(timeout, tuple):
+        return None if None in timeout else sum(timeout)
+    return timeout
+
+
+class _StreamTooLong(Exception):
+    """An SSE line, an event or a whole stream larger than its bound."""
+
+
+def _sse_events(chunks, check):
     """Yield (event name or None, data bytes) per Server-Sent Event read from byte chunks.
 
     Comments, ``id:`` and ``retry:`` lines are skipped; several ``data:`` lines are joined
-    with newlines. The signal is checked before each chunk is parsed.
+    with newlines. ``check()`` runs before each chunk is parsed (it raises to stop).
     """
     pending = []  # pieces of a line whose end has not arrived
-    pending_size = 0
-    event = None
-    data = None
+    pending_size = total = 0
+    event = data = None
     for chunk in chunks:
-        if signal is not None and signal.is_set():
-            raise AbortError("chat stream aborted")
+        check()
+        total += len(chunk)
+        if total > _BODY_MAX_BYTES:
+            raise _StreamTooLong(f"the stream exceeds {_BODY_MAX_BYTES} bytes")
         if b"\n" not in chunk:
             pending.append(chunk)
             pending_size += len(chunk)
             if pending_size > _SSE_MAX_EVENT_BYTES:
-                raise _OversizedEvent(f"an SSE line exceeds {_SSE_MAX_EVENT_BYTES} bytes")
+                raise _StreamTooLong(f"an SSE line exceeds {_SSE_MAX_EVENT_BYTES} bytes")
             continue
         if pending:
             pending.append(chunk)
@@ -1299,185 +1518,357 @@ def _sse_events(chunks, signal):
                 line = line[:-1]
             if not line:
                 if data is not None:
-                    yield event, data
+                    yield event, bytes(data)
                 event = data = None
             elif line[:5] == b"data:":
                 value = line[6:] if line[5:6] == b" " else line[5:]
                 if data is None:
                     data = value
                 else:  # a bytearray grows in place: many data lines cost linear time
-                    if type(data) is bytes:
-                        data = bytearray(data)
-                    data += b"\n"
-                    data += value
+                    data = bytearray(data) if isinstance(data, bytes) else data
+                    data += b"\n" + value
                     if len(data) > _SSE_MAX_EVENT_BYTES:
-                        raise _OversizedEvent(
-                            f"an SSE event exceeds {_SSE_MAX_EVENT_BYTES} bytes")
+                        raise _StreamTooLong(f"an SSE event exceeds {_SSE_MAX_EVENT_BYTES} bytes")
             elif line[:6] == b"event:":
                 event = line[6:].strip()
     line = b"".join(pending).rstrip(b"\r")
     if line[:5] == b"data:":  # a last line without its newline
         value = line[6:] if line[5:6] == b" " else line[5:]
-        data = value if data is None else data + b"\n" + value
+        data = value if data is None else bytes(data) + b"\n" + value
     if data is not None:
-        yield event, data
+        yield event, bytes(data)
 
 
-def _read_body(response, limit):
-    """At most ``limit`` bytes of the body (all of it when shorter)."""
-    parts, size = [], 0
-    for chunk in response.iter_content(_BODY_READ_BYTES):
-        parts.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
-    return b"".join(parts)[:limit]
-
-
-def _ack_now(response):
-    """Acknowledge the response headers at once instead of after the delayed-ACK timer.
-
-    A server that writes headers and body separately with Nagle's algorithm on (Python's
-    http.server does) holds the body until that ACK: ~40 ms on every reused connection.
-    TCP_QUICKACK exists on Linux; elsewhere this does nothing.
-    """
-    import socket  # loaded by requests already
-    option = getattr(socket, "TCP_QUICKACK", None)
-    if option is not None:
-        try:
-            response.raw.connection.sock.setsockopt(socket.IPPROTO_TCP, option, 1)
-        except (AttributeError, OSError):
-            pass
-
-
-def _body_end_arrived(response):
-    """Whether the bytes after a stream's end marker have already arrived.
-
-    Reading them returns the connection to the pool, but waiting for them can cost ~40 ms:
-    a server using Nagle's algorithm holds its last small write until our delayed ACK.
-    So we look without blocking, and otherwise let the connection be closed.
-    """
-    try:
-        sock = response.raw.connection.sock
-        buffered = response.raw._fp.fp  # http.client's reader over the socket
-        timeout = sock.gettimeout()
-    except AttributeError:
-        return False
-    try:
-        sock.settimeout(0)
-        return bool(buffered.peek(1))
-    except OSError:  # nothing yet (a TLS socket says so with SSLWantReadError)
-        return False
-    finally:
-        sock.settimeout(timeout)
-
-
-def _wire_json(body) -> bytes:
-    """``body`` as UTF-8 JSON, each lone surrogate (a file name that is not UTF-8, say) made
+def _wire_json(value) -> bytes:
+    """``value`` as UTF-8 JSON, each lone surrogate (a file name that is not UTF-8, say) made
     U+FFFD: providers refuse a request that escapes one ("no low surrogate in string")."""
-    text = json.dumps(body, ensure_ascii=False)
+    text = json.dumps(value, ensure_ascii=False)
     try:
         return text.encode()
     except UnicodeEncodeError:
         return re.sub("[\ud800-\udfff]", "\ufffd", text).encode()
 
 
-class _HTTPChat:
-    """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors."""
+class _Exchange:
+    """One HTTP exchange, which the watchdog cuts when its signal is set or its time is up.
 
-    _provider = ""
-    _key_env = ""
-    _url_env = ""
-    _public_url = ""
+    Cutting shuts the socket down, so a thread blocked waiting for headers or body bytes
+    wakes at once; ``cut`` then says why ("aborted" or "timeout").
+    """
+
+    def __init__(self, signal, seconds):
+        self.signal = signal
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.cut = None
+        self.draining = False  # reading past the end of an answer: a cut there costs nothing
+        self._sock = None
+        self._lock = threading.Lock()
+        self._open = True
+
+    def __enter__(self):
+        if self.signal is not None or self.deadline is not None:
+            _watchdog.watch(self)
+        _exchange_slot.exchange = self
+        return self
+
+    def __exit__(self, *exc_info):
+        _exchange_slot.exchange = None
+        with self._lock:
+            self._open = False
+            self._sock = None
+        _watchdog.forget(self)
+
+    def attach(self, sock):
+        """The socket the request went out on; cut at once if the exchange already is."""
+        with self._lock:
+            if self._open:
+                self._sock = sock
+                if self.cut is not None:
+                    self._shutdown()
+
+    def due(self):
+        if self.signal is not None and self.signal.is_set():
+            return "aborted"
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "timeout"
+        return None
+
+    def cut_now(self, reason):
+        with self._lock:
+            if self._open and self.cut is None:
+                self.cut = reason
+                self._shutdown()
+
+    def check(self):
+        """Raise _Cut when the exchange is (or should be) cut: per chunk, without the watchdog."""
+        reason = self.cut or self.due()
+        if reason is not None:
+            raise _Cut(reason)
+
+    def _shutdown(self):
+        import socket  # loaded by requests already
+        if self._sock is not None:
+            try:  # the plain socket's shutdown: an SSL socket's own would unwrap it under a reader
+                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+            except (OSError, TypeError):
+                pass
+
+
+class _Cut(Exception):
+    """The exchange was cut: ``args[0]`` is "aborted" or "timeout"."""
+
+
+class _Watchdog:
+    """One thread, started when first needed, that cuts the exchanges that are due."""
+
+    def __init__(self):
+        self._exchanges = set()
+        self._cond = threading.Condition()
+        self._pid = None  # the process whose thread it is: a fork starts its own
+
+    def watch(self, exchange):
+        with self._cond:
+            self._exchanges.add(exchange)
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="lich-watchdog", daemon=True).start()
+            self._cond.notify()
+
+    def forget(self, exchange):
+        with self._cond:
+            self._exchanges.discard(exchange)
+
+    def _run(self):
+        while True:
+            with self._cond:
+                while not self._exchanges:
+                    self._cond.wait()
+                exchanges = list(self._exchanges)
+            for exchange in exchanges:
+                reason = exchange.due()
+                if reason is not None:
+                    exchange.cut_now(reason)
+            time.sleep(_WATCH_SECONDS)
+
+
+_watchdog = _Watchdog()
+_exchange_slot = threading.local()  # .exchange: the exchange this thread is sending
+
+
+@functools.lru_cache(maxsize=None)
+def _watched_adapter_class():
+    """A requests adapter whose connections hand their socket to the thread's exchange.
+
+    urllib3's documented extension points (pool classes and their ``ConnectionCls``) let
+    the watchdog reach the socket a request waits on, which nothing in requests exposes.
+    """
+    requests = _requests()
+    from urllib3 import connection, connectionpool
+
+    class Watched:
+        def getresponse(self, *args, **kwargs):
+            exchange = getattr(_exchange_slot, "exchange", None)
+            if exchange is not None:
+                exchange.attach(self.sock)
+            return super().getresponse(*args, **kwargs)
+
+    class HTTPConnection(Watched, connection.HTTPConnection):
+        pass
+
+    class HTTPSConnection(Watched, connection.HTTPSConnection):
+        pass
+
+    class HTTPPool(connectionpool.HTTPConnectionPool):
+        ConnectionCls = HTTPConnection
+
+    class HTTPSPool(connectionpool.HTTPSConnectionPool):
+        ConnectionCls = HTTPSConnection
+
+    class WatchedAdapter(requests.adapters.HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = {"http": HTTPPool, "https": HTTPSPool}
+
+    return WatchedAdapter
+
+
+def _new_http_session():
+    session = _requests().Session()
+    adapter = _watched_adapter_class()()
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _assistant_message(text, tool_calls):
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+class _HTTPChat:
+    """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors,
+    the stream reader and the request body assembled from messages encoded once."""
+
+    provider = ""
+    key_env = ""   # the environment variable holding the API key
+    url_env = ""
+    public_url = ""
     _path = ""
 
-    def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session):
+    def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session,
+                 extra_body):
         self.model = model
-        self.base_url = (base_url or os.environ.get(self._url_env) or self._public_url).rstrip("/")
-        if not re.match(_HTTP_URL, self.base_url):
-            raise ValueError(f"base_url must be an http:// or https:// URL, not {self.base_url!r}")
+        self.base_url = (base_url or os.environ.get(self.url_env) or self.public_url).rstrip("/")
+        if not _HTTP_URL.match(self.base_url):
+            raise ValueError(f"base_url must be an http:// or https:// URL, not "
+                             f"{_redact_url(self.base_url)!r}")
         self.timeout = timeout
         self.stream = stream
         self.on_delta = on_delta
+        if extra_body is not None and not isinstance(extra_body, dict):
+            raise TypeError(f"extra_body must be a dict, not {type(extra_body).__name__}")
+        self.extra_body = extra_body
+        self._key_given = bool(api_key)
+        self._api_key = api_key
+        self._session = session
+        self._setup()
+
+    def _setup(self):
+        """What is derived from the options; run again when unpickled."""
         # Surrounding whitespace is a copy-paste accident (a CRLF .env file): dropped. A key
         # still holding a space, control or non-ASCII character cannot go into a header: it
         # is refused before requests sees it, whose error would quote the header, key and all.
-        self._api_key = (api_key or os.environ.get(self._key_env) or "").strip() or None
-        self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN,
-                                                                          self._api_key)
-        self._session = session
-        self._local = threading.local()
+        key = (self._api_key if self._key_given else os.environ.get(self.key_env)) or ""
+        self._api_key = key.strip() or None
+        if self._api_key:
+            _add_secret(self._api_key)
+        self._key_unsendable = self._api_key is not None and not _HEADER_TOKEN.match(self._api_key)
+        self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
         self._url = self.base_url + self._path
-        self._timeouts = _timeouts(timeout)
+        self._shown_url = _redact_url(self._url)
+        self._timeouts = _timeouts(self.timeout)
         self._headers = self._wire_headers()
 
-    def __repr__(self):
-        return (f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r}, "
-                f"stream={self.stream!r})")
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items()
+                 if k in ("model", "base_url", "timeout", "stream", "on_delta", "extra_body",
+                          "max_tokens", "cache", "_key_given")}
+        state["_api_key"] = self._api_key if self._key_given else None  # the other side's own
+        state["_session"] = None  # sockets stay in this process
+        return state
 
-    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(model={self.model!r}, "
+                f"base_url={_redact_url(self.base_url)!r}, stream={self.stream!r})")
+
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 response_format=None):
         """Send one chat request; returns a ChatResult or raises ProviderError / AbortError."""
         if signal is not None and signal.is_set():
             raise AbortError("chat aborted before sending")
         if self._api_key is None and self._key_required():
-            raise self._error(f"no API key for {self.base_url}: set {self._key_env} "
+            raise self._error(f"no API key for {_redact_url(self.base_url)}: set {self.key_env} "
                               f"(or pass api_key=...)", "auth")
         if self._key_unsendable:
             raise self._error(f"the API key holds a space, a control or a non-ASCII character, "
-                              f"which an HTTP header cannot carry: check {self._key_env} (or "
+                              f"which an HTTP header cannot carry: check {self.key_env} (or "
                               f"api_key=...) for stray characters", "auth")
-        body = self._to_wire(messages, tools, temperature, max_tokens)
-        response = self._send(body)
-        try:
-            if self.stream:
-                return self._stream_result(response, signal)
-            return self._result(response)
-        finally:
-            response.close()
+        body = self._request_body(messages, tools, temperature, max_tokens, response_format)
+        with _Exchange(signal, _whole_timeout(self.timeout)) as exchange:
+            try:
+                response = self._send(body, exchange)
+                try:
+                    if self.stream and not response.headers.get(
+                            "content-type", "").startswith("application/json"):
+                        return self._stream_result(response, exchange)
+                    result = self._whole_result(response, exchange)
+                finally:
+                    response.close()
+            except _Cut as cut:
+                raise self._cut_error(cut.args[0]) from None
+        if self.stream and self.on_delta is not None and result.message["content"]:
+            self.on_delta(result.message["content"])  # a server that ignored stream=true
+        return result
 
-    # -- the HTTP exchange --------------------------------------------------------------
+    # -- the HTTP exchange --
 
     def _http(self):
         if self._session is not None:
             return self._session
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = _requests().Session()
+            session = self._local.session = _new_http_session()
         return session
 
-    def _send(self, body):
+    def _send(self, body, exchange):
+        """POST ``body``; the response once its headers are in, or a ProviderError."""
         requests = _requests()
-        _log.debug("%s: POST %s model=%s stream=%s", self._provider, self._url, self.model,
+        url = self._url
+        _log.debug("%s: POST %s model=%s stream=%s", self.provider, self._shown_url, self.model,
                    self.stream)
-        try:
-            # stream=True even for a plain answer: control returns after the headers
-            response = self._http().post(
-                self._url, data=_wire_json(body),
-                headers=self._headers, timeout=self._timeouts, stream=True)
-        except requests.RequestException as e:
-            raise self._transport_error(e, streaming=False) from e
-        _ack_now(response)
-        status = response.status_code
-        if 200 <= status < 300:
-            return response
-        try:
-            content = _read_body(response, _ERROR_BODY_MAX_BYTES)
-        except requests.RequestException:
-            content = b""
-        finally:
-            response.close()
-        if self._api_key:  # some servers echo the key back: remove it before any cut
-            content = self._redact(content.decode("utf-8", "replace")).encode()
-        message, kind, retryable, retry_after = _classify_http_error(
-            status, content, response.headers)
-        raise self._error(message, kind, status=status, retryable=retryable,
-                          retry_after=retry_after)
+        for _ in range(_MAX_REDIRECTS + 1):
+            try:
+                # stream=True even for a whole answer: control returns after the headers
+                response = self._http().post(url, data=body, headers=self._headers,
+                                             timeout=self._timeouts, stream=True,
+                                             allow_redirects=False)
+            except requests.RequestException as e:
+                exchange.check()
+                raise self._transport_error(e, streaming=False) from e
+            status = response.status_code
+            if 200 <= status < 300:
+                return response
+            if status in (301, 302, 303, 307, 308) and response.headers.get("location"):
+                from urllib.parse import urljoin
 
-    def _result(self, response):
+                target = urljoin(url, response.headers["location"])
+                response.close()
+                if _origin(target) != _origin(url):  # a key must not follow the conversation
+                    raise self._error(f"HTTP {status}: redirected to another origin, "
+                                      f"{_redact_url(_origin(target))}, which lich does not "
+                                      f"follow; set the base URL to where the API is",
+                                      "not_found", status=status)
+                if status in (307, 308):
+                    url = target
+                    continue
+                raise self._error(f"HTTP {status}: redirected to {_redact_url(target)}; set the "
+                                  f"base URL to where the API is", "not_found", status=status)
+            try:
+                content = self._read_body(response, _ERROR_BODY_MAX_BYTES, exchange)
+            except requests.RequestException:
+                content = b""
+            finally:
+                response.close()
+            message, kind, retryable, retry_after = _classify_http_error(
+                status, content, response.headers)
+            raise self._error(message, kind, status=status, retryable=retryable,
+                              retry_after=retry_after)
+        raise self._error(f"more than {_MAX_REDIRECTS} redirects", "not_found")
+
+    def _read_body(self, response, limit, exchange):
+        """At most ``limit`` bytes of the body (all of it when shorter)."""
+        parts, size = [], 0
+        for chunk in response.iter_content(_BODY_READ_BYTES):
+            exchange.check()
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+        return b"".join(parts)[:limit]
+
+    def _whole_result(self, response, exchange):
         try:
-            content = _read_body(response, _BODY_MAX_BYTES + 1)
+            content = self._read_body(response, _BODY_MAX_BYTES + 1, exchange)
         except _requests().RequestException as e:
+            exchange.check()
             raise self._transport_error(e, streaming=False) from e
+        exchange.check()
         if len(content) > _BODY_MAX_BYTES:
             raise self._invalid(f"body larger than {_BODY_MAX_BYTES} bytes", content[:100])
         try:
@@ -1485,83 +1876,158 @@ class _HTTPChat:
         except (ValueError, RecursionError):  # nested too deeply: a hostile body
             raise self._invalid("body is not JSON", content) from None
         try:
+            if not isinstance(data, dict):
+                raise TypeError(f"the body is {_json_kind(data)}, not an object")
             return self._from_wire(data)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
             raise self._invalid(f"unexpected JSON shape ({type(e).__name__}: {e})",
                                 content) from e
 
-    def _stream_result(self, response, signal):
+    def _stream_result(self, response, exchange):
+        """The ChatResult of a streamed answer, ``on_delta`` called with each text piece."""
         requests = _requests()
-        if response.headers.get("content-type", "").startswith("application/json"):
-            # A server that ignored stream=true: one delta with the whole text.
-            result = self._result(response)
-            if signal is not None and signal.is_set():
-                raise AbortError("chat stream aborted")
-            if result.message["content"] and self.on_delta is not None:
-                self.on_delta(result.message["content"])
-            return result
-        size = None if getattr(response.raw, "chunked", False) else _STREAM_READ_BYTES
-        chunks = response.iter_content(size)
-        shown = False
+        import urllib3
 
-        def on_delta(text):
-            nonlocal shown
-            shown = True
-            self.on_delta(text)
-
+        raw = response.raw
+        if not getattr(raw, "chunked", False) and hasattr(raw, "read1"):
+            # without chunked encoding, read() waits for a whole buffer: show what has come
+            chunks = iter(functools.partial(raw.read1, _BODY_READ_BYTES), b"")
+        else:
+            chunks = response.iter_content(None if getattr(raw, "chunked", False)
+                                           else _BODY_READ_BYTES)
+        shown = []
+        on_delta = self.on_delta
+        if on_delta is not None:
+            def on_delta(text, show=self.on_delta):
+                shown.append(True)
+                show(text)
         try:
             try:
-                result = self._from_wire_stream(_sse_events(chunks, signal),
-                                                on_delta if self.on_delta is not None else None)
-                if _body_end_arrived(response):
-                    drained = 0
-                    for chunk in chunks:  # the chunked terminator: the connection can be reused
-                        drained += len(chunk)
-                        if drained > _STREAM_DRAIN_MAX_BYTES:
-                            break
-            except requests.RequestException as e:
+                result = self._read_stream(_sse_events(chunks, exchange.check), on_delta)
+            except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
+                exchange.check()
                 raise self._transport_error(e, streaming=True) from e
-            except _OversizedEvent as e:
+            except _StreamTooLong as e:
                 raise self._error(f"invalid response: {e}", "invalid_response") from e
-        except ProviderError as e:
-            if shown:  # another try would show that text twice: see run_with_retries, Router
+        except (ProviderError, _Cut) as e:
+            if shown and isinstance(e, ProviderError):  # another try would show that text twice
                 e.retryable = False
-                e._after_output = True
+                e.after_output = True
             raise
+        self._drain(chunks, exchange)
         return result
 
-    # -- errors -------------------------------------------------------------------------
+    def _drain(self, chunks, exchange):
+        """Read what follows an answer's end marker (the chunked terminator), so that the
+        connection can serve the next request; a server that holds it open is cut soon."""
+        exchange.draining = True
+        exchange.deadline = time.monotonic() + _STREAM_DRAIN_SECONDS
+        _watchdog.watch(exchange)
+        drained = 0
+        try:
+            for chunk in chunks:
+                drained += len(chunk)
+                if drained > _BODY_READ_BYTES or exchange.due():
+                    break
+        except Exception:  # cut, reset: the connection is not reused, the answer stands
+            pass
+
+    def _read_stream(self, events, on_delta):
+        """Assemble a ChatResult from SSE events with the dialect's ``_Stream``."""
+        state = self._Stream(self)
+        parts = []
+        for event, data in events:
+            if data == b"[DONE]":
+                state.done = True
+                break
+            try:
+                payload = json.loads(data)
+            except (ValueError, RecursionError):
+                raise self._invalid("SSE data is not JSON", data) from None
+            if not isinstance(payload, dict):
+                raise self._invalid("SSE data is not a JSON object", data)
+            try:
+                text = state.feed(event, payload)
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+                raise self._invalid(f"unexpected event shape ({type(e).__name__}: {e})",
+                                    data) from e
+            if text:
+                parts.append(text)
+                if on_delta is not None:
+                    on_delta(text)
+            if state.done:
+                break
+        if not state.complete():
+            raise self._error(f"invalid response: stream ended before {state.end_marker}",
+                              "invalid_response")
+        return ChatResult(message=_assistant_message("".join(parts), state.calls()),
+                          usage=state.usage, model=state.model or self.model,
+                          stop_reason=_normalise_stop(state.stop))
+
+    # -- the request body, from messages encoded once --
+
+    def _request_body(self, messages, tools, temperature, max_tokens, response_format) -> bytes:
+        """The JSON request body. Each message is converted and encoded once per thread: a
+        later request reuses the bytes of every message it shares with the last one (same
+        object, same content and tool calls), so a turn costs the same at turn 200 as at 2."""
+        local = self._local
+        last_messages = getattr(local, "encoded", ())
+        parts = []
+        known = None
+        for i, message in enumerate(messages):
+            if i < len(last_messages) and last_messages[i][0] is message:
+                entry = last_messages[i]
+            else:  # not where it was last time: compression, or a history the caller changed
+                if known is None:
+                    known = {id(e[0]): e for e in last_messages}
+                entry = known.get(id(message))
+            if (entry is None or entry[0] is not message or entry[1] is not message.get("content")
+                    or entry[2] is not message.get("tool_calls")):
+                entry = (message, message.get("content"), message.get("tool_calls"),
+                         self._encode_message(message))
+            parts.append(entry)
+        local.encoded = parts
+        fields = {"model": self.model, **self._assemble(parts),
+                  **self._body_fields(tools, temperature, max_tokens, response_format),
+                  **(self.extra_body or {})}
+        return b"{" + b",".join(_wire_json(k) + b":" + (v if isinstance(v, bytes) else _wire_json(v))
+                                for k, v in fields.items()) + b"}"
+
+    def _encoded_tools(self, tools):
+        """The tools' JSON, encoded once per list of specs."""
+        cached = getattr(self._local, "tools", None)
+        if cached is None or cached[0] is not tools:
+            cached = self._local.tools = (tools, _wire_json(self._tools_to_wire(tools)))
+        return cached[1]
+
+    # -- errors --
 
     def _error(self, message, kind, **fields):
-        return ProviderError(self._redact(f"{self._provider}: {message}"), kind,
-                             provider=self._provider, **fields)
-
-    def _redact(self, text):
-        """``text`` without the API key, as is or escaped; before any cut, so no piece is left."""
-        key = self._api_key
-        if key:
-            for form in (key, repr(key)[1:-1]):
-                text = text.replace(form, "[redacted]")
-        return text
+        return ProviderError(_redact_secrets(f"{self.provider}: {message}"), kind,
+                             provider=self.provider, **fields)
 
     def _invalid(self, reason, body):
-        text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
-        return self._error(f"invalid response: {reason}: {_snippet(self._redact(text))!r}",
-                           "invalid_response")
+        return self._error(f"invalid response: {reason}: {_snippet(body)!r}", "invalid_response")
+
+    def _cut_error(self, reason):
+        if reason == "aborted":
+            return AbortError("chat aborted")
+        return self._error(f"timed out: no whole answer within {self.timeout}s from "
+                           f"{self._shown_url}", "timeout")
 
     def _transport_error(self, e, *, streaming):
         requests = _requests()
         from urllib3.exceptions import ReadTimeoutError
         cause = e.args[0] if e.args else None
-        if isinstance(e, requests.Timeout) or isinstance(cause, ReadTimeoutError):
+        if isinstance(e, (requests.Timeout, ReadTimeoutError)) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
-                               f"read) on {self._url}", "timeout")
-        text = self._redact(str(e))
-        found = re.search(_ERRNO_TEXT, text)
+                               f"read) on {self._shown_url}", "timeout")
+        text = _redact_url(_redact_secrets(str(e)))
+        found = _ERRNO_TEXT.search(text)
         reason = found.group(0) if found else _snippet(text)
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
-        return self._error(f"cannot reach {self._url}: {reason}", "network")
+        return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
 
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream."""
@@ -1572,7 +2038,9 @@ class _HTTPChat:
         label = f" ({codes[0]})" if codes else ""
         return self._error(f"error {where}{label}: {text}", kind)
 
-    # -- provider hooks -----------------------------------------------------------------
+    # -- what each provider defines --
+
+    _Stream = None  # a class reading one streamed answer: feed(event, payload) -> text or None
 
     def _key_required(self):
         raise NotImplementedError
@@ -1580,21 +2048,120 @@ class _HTTPChat:
     def _wire_headers(self):
         raise NotImplementedError
 
-    def _to_wire(self, messages, tools, temperature, max_tokens):
+    def _encode_message(self, message):
+        raise NotImplementedError
+
+    def _tools_to_wire(self, tools):
+        raise NotImplementedError
+
+    def _body_fields(self, tools, temperature, max_tokens, response_format) -> dict:
+        """The body's fields besides model and messages; bytes values are JSON already."""
+        raise NotImplementedError
+
+    def _assemble(self, encoded) -> dict:
+        """The body fields made of the messages (bytes of JSON), from their
+        (message, content, tool_calls, encoding) entries."""
         raise NotImplementedError
 
     def _from_wire(self, data):
         raise NotImplementedError
 
-    def _from_wire_stream(self, events, on_delta):
-        raise NotImplementedError
+
+def _content_text(content):
+    """The text of a message content: a string, or the text parts of a list of typed parts
+    (thinking and reasoning parts left out); None when absent."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text") or "" for part in content
+                       if isinstance(part, dict) and part.get("type", "text") == "text")
+    raise TypeError(f"message content is {_json_kind(content)}")
 
 
-def _assistant_message(text, tool_calls):
-    message = {"role": "assistant", "content": text}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
+# --- OpenAI ---
+
+
+def _openai_usage(usage) -> dict:
+    """lich's usage from an OpenAI ``usage`` object; cached and reasoning counts when reported."""
+    counts = {"input_tokens": _count(usage.get("prompt_tokens")),
+              "output_tokens": _count(usage.get("completion_tokens"))}
+    for details, key, ours in (("prompt_tokens_details", "cached_tokens", "cache_read_tokens"),
+                               ("completion_tokens_details", "reasoning_tokens", "reasoning_tokens")):
+        found = usage.get(details)
+        if isinstance(found, dict) and key in found and found[key] is not None:
+            counts[ours] = _count(found[key])
+    return counts
+
+
+class _OpenAIStream:
+    """The state of one streamed Chat Completions answer."""
+
+    end_marker = "[DONE]"
+
+    def __init__(self, chat):
+        self.chat = chat
+        self.done = False
+        self.model = self.stop = None
+        self.usage = _zero_usage()
+        self.slots = {}  # index (or id for index-less calls) -> [id, name, [argument fragments]]
+
+    def feed(self, event, chunk):
+        if event == b"error" or chunk.get("error"):
+            raise self.chat._body_error(chunk, "event in stream")
+        if self.model is None:
+            self.model = chunk.get("model")
+        text = None
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta")
+            if delta:
+                text = _content_text(delta.get("content"))
+                if delta.get("tool_calls"):
+                    self._add_calls(delta["tool_calls"])
+            if choice.get("finish_reason"):
+                self.stop = choice["finish_reason"]
+        usage = chunk.get("usage") or (chunk.get("x_groq") or {}).get("usage")
+        if isinstance(usage, dict):
+            self.usage = _openai_usage(usage)
+        return text
+
+    def complete(self):
+        # Some servers end with the finish chunk and no [DONE]; an answer without either broke off.
+        return self.done or self.stop is not None
+
+    def _add_calls(self, calls):
+        for call in calls:
+            function = call.get("function") or {}
+            if not all(isinstance(v, str) for v in (call.get("id") or "", function.get("name") or "")):
+                raise TypeError("a tool call id or name that is not a string")
+            key = call.get("index")
+            if key is None:  # Mistral sends whole calls without an index
+                key = ("id", call["id"]) if call.get("id") else ("position", len(self.slots))
+            slot = self.slots.get(key)
+            if slot is None:
+                if not (call.get("id") or function.get("name")):
+                    raise ValueError(f"a tool-call delta for index {key!r} that was never opened")
+                slot = self.slots[key] = [None, None, []]
+            if call.get("id") and not slot[0]:
+                slot[0] = call["id"]
+            if function.get("name") and not slot[1]:
+                slot[1] = function["name"]
+            arguments = function.get("arguments")
+            if arguments:
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                slot[2].append(arguments)
+
+    def calls(self):
+        calls = []
+        for i, (call_id, name, fragments) in enumerate(self.slots.values()):
+            if not name:
+                raise self.chat._error(f"invalid response: streamed tool call {i} has no name",
+                                       "invalid_response")
+            calls.append({"id": call_id or f"call_{i}", "name": name,
+                          "arguments": "".join(fragments) or "{}"})
+        return calls
 
 
 class OpenAIChat(_HTTPChat):
@@ -1602,22 +2169,20 @@ class OpenAIChat(_HTTPChat):
 
     The base URL includes ``/v1`` (default ``OPENAI_BASE_URL`` or OpenAI's); the key comes
     from ``api_key`` or ``OPENAI_API_KEY``, and without one no Authorization header is sent.
+    ``extra_body`` is merged last into every request body.
     """
 
-    _provider = "openai"
-    _key_env = "OPENAI_API_KEY"
-    _url_env = "OPENAI_BASE_URL"
-    _public_url = _OPENAI_BASE_URL
+    provider = "openai"
+    key_env = "OPENAI_API_KEY"
+    url_env = "OPENAI_BASE_URL"
+    public_url = _OPENAI_BASE_URL
     _path = "/chat/completions"
+    _Stream = _OpenAIStream
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
-                 stream=False, on_delta=None, session=None):
+                 stream=False, on_delta=None, session=None, extra_body=None):
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
-                         stream=stream, on_delta=on_delta, session=session)
-        # OpenAI's newer models refuse the deprecated max_tokens; other servers may not
-        # know max_completion_tokens yet.
-        public = self.base_url == _OPENAI_BASE_URL
-        self._max_tokens_field = "max_completion_tokens" if public else "max_tokens"
+                         stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
     def _key_required(self):
         return self.base_url == _OPENAI_BASE_URL
@@ -1628,38 +2193,48 @@ class OpenAIChat(_HTTPChat):
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
 
-    def _to_wire(self, messages, tools, temperature, max_tokens):
-        wire = []
-        for m in messages:
-            role = m["role"]
-            if role == "tool":
-                wire.append({"role": "tool", "tool_call_id": m["tool_call_id"],
-                             "content": m.get("content") or ""})
-            elif role == "assistant" and m.get("tool_calls"):
-                wire.append({
-                    "role": "assistant", "content": m.get("content") or None,
+    def _encode_message(self, m):
+        role = m["role"]
+        if role == "tool":
+            wire = {"role": "tool", "tool_call_id": m["tool_call_id"],
+                    "content": m.get("content") or ""}
+        elif role == "assistant" and m.get("tool_calls"):
+            wire = {"role": "assistant", "content": m.get("content") or None,
                     "tool_calls": [{"id": c["id"], "type": "function",
                                     "function": {"name": c["name"],
                                                  "arguments": c.get("arguments") or "{}"}}
-                                   for c in m["tool_calls"]]})
-            elif len(m) == 2 and isinstance(m.get("content"), str):
-                wire.append(m)  # already exactly the wire shape
-            else:
-                wire.append({"role": role, "content": m.get("content") or ""})
-        body = {"model": self.model, "messages": wire}
+                                   for c in m["tool_calls"]]}
+        else:
+            wire = {"role": role, "content": m.get("content") or ""}
+        return _wire_json(wire)
+
+    def _assemble(self, encoded):
+        return {"messages": b"[" + b",".join(entry[3] for entry in encoded) + b"]"}
+
+    def _tools_to_wire(self, tools):
+        return [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description") or "",
+            "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
+            for t in tools]
+
+    def _body_fields(self, tools, temperature, max_tokens, response_format):
+        fields = {}
         if tools:
-            body["tools"] = [{"type": "function", "function": {
-                "name": t["name"], "description": t.get("description") or "",
-                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
-                for t in tools]
+            fields["tools"] = self._encoded_tools(tools)
         if temperature is not None:
-            body["temperature"] = temperature
+            fields["temperature"] = temperature
         if max_tokens is not None:
-            body[self._max_tokens_field] = max_tokens
+            # OpenAI's newer models refuse the deprecated max_tokens; other servers may not
+            # know max_completion_tokens yet.
+            public = self.base_url == _OPENAI_BASE_URL
+            fields["max_completion_tokens" if public else "max_tokens"] = max_tokens
+        if response_format is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": response_format["name"], "schema": response_format["schema"]}}
         if self.stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        return body
+            fields["stream"] = True
+            fields["stream_options"] = {"include_usage": True}
+        return fields
 
     def _from_wire(self, data):
         if "choices" not in data and data.get("error"):
@@ -1667,11 +2242,7 @@ class OpenAIChat(_HTTPChat):
         choices = data["choices"]
         choice = next((c for c in choices if c.get("index", 0) == 0), choices[0])
         message = choice["message"]
-        content = message.get("content")
-        if isinstance(content, list):  # content parts, from a few compatible servers
-            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-        elif content is not None and not isinstance(content, str):
-            raise TypeError(f"message content is a {type(content).__name__}")
+        content = _content_text(message.get("content"))
         if not content:
             # A refusal arrives with null content; it is what the model said.
             refusal = message.get("refusal")
@@ -1689,123 +2260,154 @@ class OpenAIChat(_HTTPChat):
             call_id = call.get("id")
             calls.append({"id": call_id if isinstance(call_id, str) and call_id else f"call_{i}",
                           "name": name, "arguments": arguments or "{}"})
-        usage = data.get("usage") or {}
-        return ChatResult(
-            message=_assistant_message(content, calls),
-            usage={"input_tokens": _count(usage.get("prompt_tokens")),
-                   "output_tokens": _count(usage.get("completion_tokens"))},
-            model=data.get("model") or self.model,
-            stop_reason=_normalise_stop(choice.get("finish_reason")))
+        usage = data.get("usage") or (data.get("x_groq") or {}).get("usage")
+        return ChatResult(message=_assistant_message(content, calls),
+                          usage=_openai_usage(usage) if isinstance(usage, dict) else _zero_usage(),
+                          model=data.get("model") or self.model,
+                          stop_reason=_normalise_stop(choice.get("finish_reason")))
 
-    def _from_wire_stream(self, events, on_delta):
-        parts = []
-        slots = {}  # index (or id for index-less calls) -> [id, name, [argument fragments]]
-        finish = usage = model = None
-        done = False
-        for event, data in events:
-            if data == b"[DONE]":
-                done = True
-                break
-            try:
-                chunk = _json_decode(data.decode())
-            except (ValueError, RecursionError):
-                raise self._invalid("SSE data is not JSON", data) from None
-            if event == b"error" or not isinstance(chunk, dict) or chunk.get("error"):
-                if isinstance(chunk, dict):
-                    raise self._body_error(chunk, "event in stream")
-                raise self._invalid("SSE data is not a JSON object", data)
-            text = None
-            try:
-                if model is None:
-                    model = chunk.get("model")
-                for choice in chunk.get("choices") or ():
-                    if choice.get("index", 0) != 0:
-                        continue
-                    delta = choice.get("delta")
-                    if delta:
-                        text = delta.get("content")
-                        calls = delta.get("tool_calls")
-                        if calls:
-                            self._add_call_deltas(slots, calls, data)
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-            except (KeyError, IndexError, TypeError, AttributeError) as e:
-                raise self._invalid(f"unexpected chunk shape ({type(e).__name__}: {e})",
-                                    data) from e
-            if text:
-                if not isinstance(text, str):
-                    raise self._invalid("delta content is not a string", data)
-                parts.append(text)
-                if on_delta is not None:
-                    on_delta(text)
-        if not done:
-            raise self._error("invalid response: stream ended before [DONE]",
-                              "invalid_response")
+
+# --- Anthropic ---
+
+
+def _tool_input(arguments):
+    """Anthropic's ``input`` object for a ToolCall's raw arguments text."""
+    if not arguments or not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return value
+    # Anthropic accepts only an object; keep what the model wrote so it can see its mistake.
+    return {_RAW_ARGUMENTS_KEY: arguments}
+
+
+def _closed_objects(schema):
+    """``schema`` with ``additionalProperties: false`` on every object that does not say:
+    Anthropic's structured output requires it."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {k: _closed_objects(v) if k in ("properties", "items", "anyOf", "allOf", "$defs",
+                                             "definitions") else v
+              for k, v in schema.items()}
+    if isinstance(closed.get("properties"), dict):
+        closed["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
+    kinds = schema.get("type")
+    if (kinds == "object" or (isinstance(kinds, list) and "object" in kinds)) \
+            and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _anthropic_usage(usage, into):
+    """Update ``into`` from an Anthropic usage object: the input counts the cached tokens too.
+    Later events of a stream repeat the counts so far: they replace, not add."""
+    if not isinstance(usage, dict):
+        return
+    inputs = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+    if any(k in usage for k in inputs):
+        into["input_tokens"] = sum(_count(usage.get(k)) for k in inputs)
+    if "output_tokens" in usage:
+        into["output_tokens"] = _count(usage["output_tokens"])
+    for theirs, ours in (("cache_read_input_tokens", "cache_read_tokens"),
+                         ("cache_creation_input_tokens", "cache_write_tokens")):
+        if usage.get(theirs) is not None:
+            into[ours] = _count(usage[theirs])
+
+
+class _AnthropicStream:
+    """The state of one streamed Messages answer."""
+
+    end_marker = "message_stop"
+
+    def __init__(self, chat):
+        self.chat = chat
+        self.done = False
+        self.model = self.stop = None
+        self.usage = _zero_usage()
+        self.blocks = {}  # index -> None (text, thinking, ...) or [id, name, [json fragments], input]
+
+    def feed(self, event, payload):
+        kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
+        if kind == "content_block_delta":
+            index = payload["index"]
+            if index not in self.blocks:
+                raise ValueError(f"a delta for content block {index!r} that was never started")
+            delta = payload["delta"]
+            if delta.get("type") == "text_delta":
+                return _content_text(delta["text"])
+            if delta.get("type") == "input_json_delta" and self.blocks[index] is not None:
+                fragment = delta["partial_json"]
+                if not isinstance(fragment, str):
+                    raise TypeError("partial_json is not a string")
+                self.blocks[index][2].append(fragment)
+        elif kind == "content_block_start":
+            block = payload["content_block"]
+            if block["type"] == "tool_use":
+                if not (isinstance(block["id"], str) and isinstance(block["name"], str)):
+                    raise TypeError("tool_use block without a string id and name")
+                self.blocks[payload["index"]] = [block["id"], block["name"], [], block.get("input")]
+            else:
+                self.blocks[payload["index"]] = None
+                if block["type"] == "text":
+                    return _content_text(block.get("text"))
+        elif kind == "message_start":
+            message = payload["message"]
+            self.model = message.get("model")
+            _anthropic_usage(message.get("usage"), self.usage)
+        elif kind == "message_delta":
+            self.stop = (payload.get("delta") or {}).get("stop_reason") or self.stop
+            _anthropic_usage(payload.get("usage"), self.usage)
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            raise self.chat._body_error(payload, "event in stream")
+        # ping, content_block_stop and unknown events carry nothing we need
+        return None
+
+    def complete(self):
+        return self.done
+
+    def calls(self):
         calls = []
-        for i, (call_id, name, fragments) in enumerate(slots.values()):
-            if not name:
-                raise self._error(f"invalid response: streamed tool call {i} has no name",
-                                  "invalid_response")
-            calls.append({"id": call_id or f"call_{i}", "name": name,
-                          "arguments": "".join(fragments) or "{}"})
-        usage = usage if isinstance(usage, dict) else {}
-        return ChatResult(
-            message=_assistant_message("".join(parts), calls),
-            usage={"input_tokens": _count(usage.get("prompt_tokens")),
-                   "output_tokens": _count(usage.get("completion_tokens"))},
-            model=model or self.model, stop_reason=_normalise_stop(finish))
-
-    def _add_call_deltas(self, slots, calls, data):
-        for call in calls:
-            function = call.get("function") or {}
-            if not all(isinstance(v, str) for v in (call.get("id") or "",
-                                                     function.get("name") or "")):
-                raise TypeError("a tool call id or name that is not a string")
-            key = call.get("index")
-            if key is None:  # Mistral sends whole calls without an index
-                key = ("id", call["id"]) if call.get("id") else ("position", len(slots))
-            slot = slots.get(key)
-            if slot is None:
-                if not (call.get("id") or function.get("name")):
-                    raise self._invalid(f"tool-call delta for index {key!r} that was never "
-                                        f"opened", data)
-                slot = slots[key] = [None, None, []]
-            if call.get("id") and not slot[0]:
-                slot[0] = call["id"]
-            if function.get("name") and not slot[1]:
-                slot[1] = function["name"]
-            arguments = function.get("arguments")
-            if arguments:
-                if not isinstance(arguments, str):
-                    arguments = json.dumps(arguments, ensure_ascii=False)
-                slot[2].append(arguments)
-
-
-def _after_tool_results(block):
-    return block["type"] != "tool_result"
+        for block in self.blocks.values():
+            if block is not None:
+                call_id, name, fragments, start_input = block
+                arguments = "".join(fragments)
+                if not arguments.strip():
+                    arguments = json.dumps(start_input or {}, ensure_ascii=False)
+                calls.append({"id": call_id, "name": name, "arguments": arguments})
+        return calls
 
 
 class AnthropicChat(_HTTPChat):
     """A ChatFn over Anthropic's Messages API.
 
     The base URL excludes ``/v1`` (default ``ANTHROPIC_BASE_URL`` or Anthropic's); the key
-    comes from ``api_key`` or ``ANTHROPIC_API_KEY`` and is required except on loopback.
-    ``max_tokens`` is the output cap sent when a call gives none.
+    comes from ``api_key`` or ``ANTHROPIC_API_KEY`` and is always required. ``max_tokens``
+    is the output cap sent when a call gives none. With ``cache`` (the default) the tools,
+    the system prompt and the newest message carry ``cache_control`` breakpoints, so each
+    turn reads the turns before it from Anthropic's prompt cache.
     """
 
-    _provider = "anthropic"
-    _key_env = "ANTHROPIC_API_KEY"
-    _url_env = "ANTHROPIC_BASE_URL"
-    _public_url = _ANTHROPIC_BASE_URL
+    provider = "anthropic"
+    key_env = "ANTHROPIC_API_KEY"
+    url_env = "ANTHROPIC_BASE_URL"
+    public_url = _ANTHROPIC_BASE_URL
     _path = "/v1/messages"
+    _Stream = _AnthropicStream
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
-                 stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS):
-        super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
-                         stream=stream, on_delta=on_delta, session=session)
+                 stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
+                 cache=True, extra_body=None):
         self.max_tokens = max_tokens
+        self.cache = cache
+        super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
+                         stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
     def _key_required(self):
         return True  # Anthropic's API always wants one (API.md), local proxies included
@@ -1816,66 +2418,79 @@ class AnthropicChat(_HTTPChat):
             headers["x-api-key"] = self._api_key
         return headers
 
-    def _to_wire(self, messages, tools, temperature, max_tokens):
-        system = []
-        wire = []
-        for m in messages:
-            role = m["role"]
-            content = m.get("content") or ""
-            if role == "system":
-                if content:
-                    system.append(content)
-                continue
-            if role == "tool":
-                role = "user"
-                blocks = [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
-                           "content": content, "is_error": bool(m.get("is_error"))}]
-            elif role == "assistant":
-                blocks = [{"type": "text", "text": content}] if content else []
-                for call in m.get("tool_calls") or ():
-                    blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"],
-                                   "input": _tool_input(call.get("arguments"))})
-            else:
-                blocks = [{"type": "text", "text": content}] if content else []
-            if not blocks:
-                continue  # Anthropic refuses empty messages
-            if wire and wire[-1]["role"] == role:
-                wire[-1]["content"].extend(blocks)  # the API wants roles to alternate
-            else:
-                wire.append({"role": role, "content": blocks})
-        for m in wire:
-            blocks = m["content"]
-            if len(blocks) == 1 and blocks[0]["type"] == "text":
-                m["content"] = blocks[0]["text"]
-            elif m["role"] == "user":
-                blocks.sort(key=_after_tool_results)  # tool results must lead a user turn
-        body = {"model": self.model,
-                "max_tokens": self.max_tokens if max_tokens is None else max_tokens,
-                "messages": wire}
-        if system:
-            body["system"] = "\n\n".join(system)
-        if tools:
-            body["tools"] = [{
-                "name": t["name"], "description": t.get("description") or "",
-                "input_schema": t.get("parameters") or {"type": "object", "properties": {}}}
-                for t in tools]
-        if temperature is not None:
-            body["temperature"] = temperature
-        if self.stream:
-            body["stream"] = True
-        return body
+    def _encode_message(self, m):
+        """(role, [(block, its JSON)], the JSON of the content as one string or None)."""
+        role = m["role"]
+        content = m.get("content") or ""
+        if role == "system":
+            return role, content, None
+        if role == "tool":
+            role = "user"
+            blocks = [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                       "content": content, "is_error": bool(m.get("is_error"))}]
+        else:
+            blocks = [{"type": "text", "text": content}] if content else []
+            for call in m.get("tool_calls") or () if role == "assistant" else ():
+                blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"],
+                               "input": _tool_input(call.get("arguments"))})
+        as_text = _wire_json(content) if len(blocks) == 1 and blocks[0]["type"] == "text" else None
+        return role, [(block, _wire_json(block)) for block in blocks], as_text
 
-    @staticmethod
-    def _usage(usage, into):
-        """Update ``into`` (input, output) from an Anthropic usage object; cached input counts."""
-        if not isinstance(usage, dict):
-            return into
-        inputs = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-        if any(k in usage for k in inputs):
-            into[0] = sum(_count(usage.get(k)) for k in inputs)
-        if "output_tokens" in usage:
-            into[1] = _count(usage["output_tokens"])
-        return into
+    def _assemble(self, encoded):
+        system = []
+        turns = []  # [role, [entries]]: consecutive messages of one role make one turn
+        for entry in encoded:
+            role, blocks, _ = entry[3]
+            if role == "system":
+                if blocks:
+                    system.append(blocks)
+            elif blocks:  # Anthropic refuses empty messages
+                if turns and turns[-1][0] == role:
+                    turns[-1][1].append(entry[3])  # the API wants roles to alternate
+                else:
+                    turns.append([role, [entry[3]]])
+        wire = []
+        for i, (role, parts) in enumerate(turns):
+            newest = self.cache and i == len(turns) - 1
+            if len(parts) == 1 and parts[0][2] is not None and not newest:
+                content = parts[0][2]
+            else:
+                blocks = [b for part in parts for b in part[1]]
+                if role == "user":  # tool results must lead a user turn
+                    blocks.sort(key=lambda b: b[0]["type"] != "tool_result")
+                encoded_blocks = [b[1] for b in blocks]
+                if newest:
+                    encoded_blocks[-1] = _wire_json({**blocks[-1][0], "cache_control": _CACHE_CONTROL})
+                content = b"[" + b",".join(encoded_blocks) + b"]"
+            wire.append(b'{"role":' + _wire_json(role) + b',"content":' + content + b"}")
+        fields = {}
+        if system:
+            text = "\n\n".join(system)
+            fields["system"] = ([{"type": "text", "text": text, "cache_control": _CACHE_CONTROL}]
+                                if self.cache else text)
+        fields["messages"] = b"[" + b",".join(wire) + b"]"
+        return fields
+
+    def _tools_to_wire(self, tools):
+        wire = [{"name": t["name"], "description": t.get("description") or "",
+                 "input_schema": t.get("parameters") or {"type": "object", "properties": {}}}
+                for t in tools]
+        if self.cache and wire:
+            wire[-1]["cache_control"] = _CACHE_CONTROL
+        return wire
+
+    def _body_fields(self, tools, temperature, max_tokens, response_format):
+        fields = {"max_tokens": self.max_tokens if max_tokens is None else max_tokens}
+        if tools:
+            fields["tools"] = self._encoded_tools(tools)
+        if temperature is not None:
+            fields["temperature"] = temperature
+        if response_format is not None:
+            fields["output_config"] = {"format": {
+                "type": "json_schema", "schema": _closed_objects(response_format["schema"])}}
+        if self.stream:
+            fields["stream"] = True
+        return fields
 
     def _from_wire(self, data):
         if data.get("type") == "error":
@@ -1895,112 +2510,32 @@ class AnthropicChat(_HTTPChat):
                               "arguments": json.dumps(block.get("input") or {},
                                                       ensure_ascii=False)})
             # thinking, redacted_thinking and server tool blocks are not answer text
-        usage = self._usage(data.get("usage"), [0, 0])
-        return ChatResult(
-            message=_assistant_message("".join(texts), calls),
-            usage={"input_tokens": usage[0], "output_tokens": usage[1]},
-            model=data.get("model") or self.model,
-            stop_reason=_normalise_stop(data.get("stop_reason")))
+        usage = _zero_usage()
+        _anthropic_usage(data.get("usage"), usage)
+        return ChatResult(message=_assistant_message("".join(texts), calls), usage=usage,
+                          model=data.get("model") or self.model,
+                          stop_reason=_normalise_stop(data.get("stop_reason")))
 
-    def _from_wire_stream(self, events, on_delta):
-        parts = []
-        blocks = {}  # index -> None (text, thinking, ...) or [id, name, [json fragments], input]
-        usage = [0, 0]
-        stop = model = None
-        done = False
-        for event, data in events:
-            try:
-                payload = _json_decode(data.decode())
-            except (ValueError, RecursionError):
-                raise self._invalid("SSE data is not JSON", data) from None
-            if not isinstance(payload, dict):
-                raise self._invalid("SSE data is not a JSON object", data)
-            kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
-            text = None
-            try:
-                if kind == "content_block_delta":
-                    index = payload["index"]
-                    if index not in blocks:
-                        raise self._invalid(f"delta for content block {index!r} that was "
-                                            f"never started", data)
-                    delta = payload["delta"]
-                    delta_type = delta.get("type")
-                    if delta_type == "text_delta":
-                        text = delta["text"]
-                    elif delta_type == "input_json_delta" and blocks[index] is not None:
-                        fragment = delta["partial_json"]
-                        if not isinstance(fragment, str):
-                            raise TypeError("partial_json is not a string")
-                        blocks[index][2].append(fragment)
-                elif kind == "content_block_start":
-                    block = payload["content_block"]
-                    if block["type"] == "tool_use":
-                        if not (isinstance(block["id"], str) and isinstance(block["name"], str)):
-                            raise TypeError("tool_use block without a string id and name")
-                        blocks[payload["index"]] = [block["id"], block["name"], [],
-                                                    block.get("input")]
-                    else:
-                        blocks[payload["index"]] = None
-                        if block["type"] == "text":
-                            text = block.get("text")
-                elif kind == "message_start":
-                    message = payload["message"]
-                    model = message.get("model")
-                    self._usage(message.get("usage"), usage)
-                elif kind == "message_delta":
-                    stop = (payload.get("delta") or {}).get("stop_reason") or stop
-                    self._usage(payload.get("usage"), usage)
-                elif kind == "message_stop":
-                    done = True
-                    break
-                elif kind == "error":
-                    raise self._body_error(payload, "event in stream")
-                # ping, content_block_stop and unknown events carry nothing we need
-            except (KeyError, IndexError, TypeError, AttributeError) as e:
-                raise self._invalid(f"unexpected event shape ({type(e).__name__}: {e})",
-                                    data) from e
-            if text:
-                if not isinstance(text, str):
-                    raise self._invalid("text delta is not a string", data)
-                parts.append(text)
-                if on_delta is not None:
-                    on_delta(text)
-        if not done:
-            raise self._error("invalid response: stream ended before message_stop",
-                              "invalid_response")
-        calls = []
-        for block in blocks.values():
-            if block is not None:
-                call_id, name, fragments, start_input = block
-                arguments = "".join(fragments)
-                if not arguments.strip():
-                    arguments = json.dumps(start_input or {}, ensure_ascii=False)
-                calls.append({"id": call_id, "name": name, "arguments": arguments})
-        return ChatResult(
-            message=_assistant_message("".join(parts), calls),
-            usage={"input_tokens": usage[0], "output_tokens": usage[1]},
-            model=model or self.model, stop_reason=_normalise_stop(stop))
+
+_PROVIDERS = {"anthropic": AnthropicChat, "openai": OpenAIChat}
+_PROVIDER_KEY_ENVS = frozenset(cls.key_env for cls in _PROVIDERS.values())
+
+# --- retries, Router, Limiter, chat_from_spec ---
 
 
 def _backoff_delay(attempt, base_delay, max_delay):
     """Exponential backoff for retry ``attempt`` (0-based) with jitter, within [cap/2, cap]."""
-    import random
-
     cap = min(max_delay, base_delay * (2 ** attempt))
     return cap * (0.5 + random.random() / 2)
 
 
-def _after_output(error) -> bool:
-    """Whether ``error`` broke off a stream that had already shown text."""
-    return getattr(error, "_after_output", False)
-
-
 def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
-                     max_retry_after=_MAX_RETRY_AFTER, signal=None):
+                     max_retry_after=_MAX_RETRY_AFTER, signal=None, on_retry=None):
     """Call ``fn()``, retrying retryable ProviderErrors with backoff; waits end on ``signal``.
 
-    (A stream that broke off after it had shown text through ``on_delta`` raises a
-    ProviderError that is not retryable: a new answer would repeat that text.)
+    ``on_retry(error, attempt, delay)`` is called before each wait (``attempt`` from 1).
+    (A stream that broke off after it had shown text raises a ProviderError that is not
+    retryable: a new answer would repeat that text.)
     """
     attempt = 0
     while True:
@@ -2019,10 +2554,16 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
             attempt += 1
             _log.info("retry %d/%d in %.2fs after %s error: %s", attempt, retries, delay,
                       e.kind, e)
+            if on_retry is not None:
+                on_retry(e, attempt, delay)
             if signal is None:
                 time.sleep(delay)
             elif signal.wait(delay):
                 raise AbortError("aborted while waiting to retry") from e
+
+
+def _chat_extras(response_format):
+    return {} if response_format is None else {"response_format": response_format}
 
 
 class Router:
@@ -2031,40 +2572,53 @@ class Router:
     It moves on after any ProviderError except ``bad_request`` and ``overflow`` (which the
     next provider would refuse too) or a stream that broke off after showing text (the
     next answer would repeat it), stops at once when the signal is set, and raises the
-    last error when every provider failed.
+    last error when every provider failed. ``on_retry(error, attempt, delay)`` is called
+    before each retry's wait, ``on_failover(error, index)`` when it moves to ``chats[index]``.
     """
 
     _FINAL_KINDS = frozenset({"bad_request", "overflow"})
 
-    def __init__(self, chats, *, retries=2, base_delay=1.0, max_delay=30.0):
+    def __init__(self, chats, *, retries=2, base_delay=1.0, max_delay=30.0, on_retry=None,
+                 on_failover=None):
         self.chats = list(chats)
         if not self.chats:
             raise ValueError("Router needs at least one chat")
         self.retries = retries
         self.base_delay = base_delay
         self.max_delay = max_delay
+        self.on_retry = on_retry
+        self.on_failover = on_failover
+
+    @property
+    def model(self):
+        """The first chat's model, when it names one."""
+        return getattr(self.chats[0], "model", None)
 
     def __repr__(self):
         return f"Router({self.chats!r})"
 
-    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 response_format=None):
         """Answer with the first provider that succeeds; see the class docstring."""
         last = None
         for i, chat in enumerate(self.chats):
             if signal is not None and signal.is_set():
                 raise AbortError("aborted before trying the next provider")
+            if i and self.on_failover is not None:
+                self.on_failover(last, i)
             more = i + 1 < len(self.chats)
             call = functools.partial(chat, messages, tools=tools, temperature=temperature,
-                                     max_tokens=max_tokens, signal=signal)
+                                     max_tokens=max_tokens, signal=signal,
+                                     **_chat_extras(response_format))
             try:
                 return run_with_retries(
                     call, retries=self.retries, base_delay=self.base_delay,
                     max_delay=self.max_delay,
                     # with a provider left, a long server-requested wait is not worth it
                     max_retry_after=self.max_delay if more else _MAX_RETRY_AFTER,
-                    signal=signal)
+                    signal=signal, on_retry=self.on_retry)
             except ProviderError as e:
-                if e.kind in self._FINAL_KINDS or _after_output(e):
+                if e.kind in self._FINAL_KINDS or e.after_output:
                     raise
                 last = e
                 if more:
@@ -2072,14 +2626,137 @@ class Router:
         raise last
 
 
-_PROVIDERS = {"anthropic": AnthropicChat, "openai": OpenAIChat}
+class Limiter:
+    """Limits the calls of any number of chats, from any number of threads.
+
+    At most ``max_concurrent`` calls in flight; requests and estimated input tokens
+    (``estimate_messages_tokens``) per rolling minute held under ``requests_per_minute``
+    and ``tokens_per_minute`` by waiting. A ``rate_limit`` or ``overloaded`` error with a
+    ``retry_after`` pauses every caller until then (and is re-raised). Every wait ends
+    with AbortError when the call's signal is set. ``wrap(chat)`` gives the limited ChatFn.
+    """
+
+    _WINDOW = 60.0
+
+    def __init__(self, *, max_concurrent=None, requests_per_minute=None, tokens_per_minute=None):
+        for name, value in (("max_concurrent", max_concurrent),
+                            ("requests_per_minute", requests_per_minute),
+                            ("tokens_per_minute", tokens_per_minute)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, not {value!r}")
+        self.max_concurrent = max_concurrent
+        self.requests_per_minute = requests_per_minute
+        self.tokens_per_minute = tokens_per_minute
+        self._setup()
+
+    def _setup(self):
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._starts = deque()  # (start time, estimated tokens) within the window
+        self._tokens = 0
+        self._paused_until = 0.0
+
+    def __getstate__(self):
+        return {"max_concurrent": self.max_concurrent,
+                "requests_per_minute": self.requests_per_minute,
+                "tokens_per_minute": self.tokens_per_minute}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._setup()
+
+    def __repr__(self):
+        return (f"Limiter(max_concurrent={self.max_concurrent!r}, requests_per_minute="
+                f"{self.requests_per_minute!r}, tokens_per_minute={self.tokens_per_minute!r})")
+
+    def wrap(self, chat):
+        """``chat`` with its calls limited by this limiter."""
+        return _LimitedChat(self, chat)
+
+    def _wait_needed(self, tokens, now):
+        """Seconds to wait before a call of ``tokens`` may start (0 to start now)."""
+        while self._starts and self._starts[0][0] <= now - self._WINDOW:
+            self._tokens -= self._starts.popleft()[1]
+        if self._paused_until > now:
+            return self._paused_until - now
+        if self.max_concurrent is not None and self._in_flight >= self.max_concurrent:
+            return _WATCH_SECONDS  # until a call ends (notified) or the signal is looked at
+        if self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute:
+            return self._starts[0][0] + self._WINDOW - now
+        if (self.tokens_per_minute is not None and self._starts
+                and self._tokens + tokens > self.tokens_per_minute):
+            return self._starts[0][0] + self._WINDOW - now
+        return 0.0
+
+    def _acquire(self, tokens, signal):
+        with self._cond:
+            while True:
+                if signal is not None and signal.is_set():
+                    raise AbortError("aborted while waiting for the limiter")
+                now = time.monotonic()
+                wait = self._wait_needed(tokens, now)
+                if wait <= 0:
+                    self._in_flight += 1
+                    self._starts.append((now, tokens))
+                    self._tokens += tokens
+                    return
+                # a short wait on the condition: a finished call wakes it, the signal is seen soon
+                self._cond.wait(min(wait, _WATCH_SECONDS))
+
+    def _release(self, error):
+        with self._cond:
+            self._in_flight -= 1
+            if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
+                    and error.retry_after):
+                self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
+            self._cond.notify_all()
+
+
+class _LimitedChat:
+    """A ChatFn whose calls wait for their turn at a Limiter."""
+
+    def __init__(self, limiter, chat):
+        self.limiter = limiter
+        self.chat = chat
+
+    @property
+    def model(self):
+        return getattr(self.chat, "model", None)
+
+    def __repr__(self):
+        return f"{self.limiter!r}.wrap({self.chat!r})"
+
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 **extras):
+        tokens = estimate_messages_tokens(messages) if self.limiter.tokens_per_minute else 0
+        self.limiter._acquire(tokens, signal)
+        error = None
+        try:
+            return self.chat(messages, tools=tools, temperature=temperature,
+                             max_tokens=max_tokens, signal=signal, **extras)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.limiter._release(error)
+
+
 _SPEC_OPTIONS = frozenset({"api_key", "base_url", "timeout", "stream", "on_delta", "max_tokens",
-                           "retries", "base_delay", "max_delay"})
-_CHAT_OPTIONS = ("api_key", "base_url", "timeout", "stream", "on_delta")
+                           "retries", "base_delay", "max_delay", "extra_body", "on_retry",
+                           "on_failover", "limiter"})
+_CHAT_OPTIONS = ("api_key", "base_url", "timeout", "stream", "on_delta", "extra_body")
+_ROUTER_OPTIONS = ("retries", "base_delay", "max_delay", "on_retry", "on_failover")
 
 
 def chat_from_spec(spec, **options):
-    """A ChatFn for ``"provider:model[@base_url]"``; comma-separated specs give a Router."""
+    """A Router over the ChatFns of ``"provider:model[@base_url]"`` specs, comma-separated.
+
+    Options go where they apply: ``api_key``, ``base_url``, ``timeout``, ``stream``,
+    ``on_delta``, ``extra_body`` to each provider (``max_tokens`` to Anthropic's); ``retries``
+    (default 2), ``base_delay``, ``max_delay``, ``on_retry``, ``on_failover`` to the Router;
+    ``limiter`` (a Limiter) wraps each provider, below the retries.
+    """
     unknown = sorted(set(options) - _SPEC_OPTIONS)
     if unknown:
         raise TypeError(f"chat_from_spec() got an unexpected keyword argument {unknown[0]!r}")
@@ -2088,7 +2765,7 @@ def chat_from_spec(spec, **options):
         raise ValueError(f"invalid model spec {spec!r}: expected 'provider:model[@base_url]'")
     chats = []
     for part in parts:
-        found = re.match(_SPEC, part)
+        found = _SPEC.match(part)
         if not found or not found.group(2).strip():
             raise ValueError(f"invalid model spec {part!r}: expected 'provider:model[@base_url]'")
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
@@ -2101,11 +2778,11 @@ def chat_from_spec(spec, **options):
             kwargs["base_url"] = url
         if cls is AnthropicChat and "max_tokens" in options:
             kwargs["max_tokens"] = options["max_tokens"]
-        chats.append(cls(model, **kwargs))
-    if len(chats) == 1:
-        return chats[0]
-    return Router(chats, **{k: options[k] for k in ("retries", "base_delay", "max_delay")
-                            if k in options})
+        chat = cls(model, **kwargs)
+        if options.get("limiter") is not None:
+            chat = options["limiter"].wrap(chat)
+        chats.append(chat)
+    return Router(chats, **{k: options[k] for k in _ROUTER_OPTIONS if k in options})
 
 
 # ============================================================================
@@ -2113,147 +2790,23 @@ def chat_from_spec(spec, **options):
 # ============================================================================
 
 DEFAULT_MAX_OUTPUT_CHARS = 50_000
-_TOOL_NAME_RE = r"[A-Za-z0-9_-]{1,64}\Z"
-_ECHO_MAX_CHARS = 80  # how much of a rejected value an error message quotes
+_TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:", "params:", "keyword args:",
                  "keyword arguments:")
 _DOC_SECTIONS = _ARGS_HEADERS + ("returns:", "return:", "yields:", "raises:", "example:",
                                  "examples:", "note:", "notes:", "see also:")
-_ARG_DOC_RE = r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z"
+_ARG_DOC_RE = re.compile(r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z")
 
 
 class _ToolFailure(Exception):
     """A refusal of a tool: its message is the ``error`` the model sees."""
 
 
-class _ArgError(Exception):
-    """An argument value that does not fit its parameter's type."""
+# --- schemas ---
 
-    def __init__(self, expected, got):
-        super().__init__(expected)
-        self.expected = expected
-        self.got = got
-        self.path = []  # "[2]", '["key"]' ... from the argument down to the bad value
-
-
-def _json_kind(value):
-    """The JSON type of a decoded value, as a phrase for error messages."""
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    if value is None:
-        return "null"
-    return f"a {type(value).__name__}"
-
-
-def _echo(value):
-    """A value as JSON, cut to ``_ECHO_MAX_CHARS``, to quote in an error message."""
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    return text if len(text) <= _ECHO_MAX_CHARS else text[:_ECHO_MAX_CHARS] + "..."
-
-
-def _accept_any(value):
-    return value
-
-
-def _to_str(value):
-    if isinstance(value, str):
-        return value
-    raise _ArgError("a string", _json_kind(value))
-
-
-def _to_int(value):
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _ArgError("an integer", _json_kind(value))
-
-
-def _to_float(value):
-    if isinstance(value, float):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    raise _ArgError("a number", _json_kind(value))
-
-
-def _to_bool(value):
-    if isinstance(value, bool):
-        return value
-    raise _ArgError("a boolean", _json_kind(value))
-
-
-def _list_of(item):
-    """A converter for a JSON array whose items go through ``item``."""
-    def convert(value):
-        if not isinstance(value, list):
-            raise _ArgError("an array", _json_kind(value))
-        if item is _accept_any:
-            return value
-        out = []
-        for i, each in enumerate(value):
-            try:
-                out.append(item(each))
-            except _ArgError as e:
-                e.path.insert(0, f"[{i}]")
-                raise
-        return out
-    return convert
-
-
-def _dict_of(item):
-    """A converter for a JSON object whose values go through ``item``."""
-    def convert(value):
-        if not isinstance(value, dict):
-            raise _ArgError("an object", _json_kind(value))
-        if item is _accept_any:
-            return value
-        out = {}
-        for key, each in value.items():
-            try:
-                out[key] = item(each)
-            except _ArgError as e:
-                e.path.insert(0, f"[{json.dumps(key, ensure_ascii=False)}]")
-                raise
-        return out
-    return convert
-
-
-def _one_of(values):
-    """A converter accepting exactly the ``Literal`` values (``True`` is not ``1``)."""
-    expected = "one of " + ", ".join(json.dumps(v) for v in values)
-
-    def convert(value):
-        for allowed in values:
-            if value == allowed and type(value) is type(allowed):
-                return value
-        raise _ArgError(expected, _echo(value))
-    return convert
-
-
-def _nullable(inner):
-    """A converter accepting ``null`` or what ``inner`` accepts."""
-    def convert(value):
-        if value is None:
-            return None
-        try:
-            return inner(value)
-        except _ArgError as e:
-            if not e.path:
-                e.expected += " or null"
-            raise
-    return convert
+_SIMPLE_HINTS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+_LITERAL_KINDS = {str: "string", int: "integer", bool: "boolean", type(None): "null"}
+_NO_HINT = object()
 
 
 def _nullable_schema(schema):
@@ -2271,52 +2824,36 @@ def _nullable_schema(schema):
     return out
 
 
-_SIMPLE_HINTS = {str: ("string", _to_str), int: ("integer", _to_int),
-                 float: ("number", _to_float), bool: ("boolean", _to_bool)}
-_LITERAL_KINDS = {str: "string", int: "integer", bool: "boolean", type(None): "null"}
-_NO_HINT = object()
-
-
 def _hint_schema(hint):
-    """(JSON Schema, converter) for a type hint, or None when JSON Schema cannot express it."""
-    import types
-    import typing
+    """The JSON Schema of a type hint, or None when JSON Schema cannot express it."""
     if hint is _NO_HINT or hint is Any:
-        return {}, _accept_any
+        return {}
     try:
         simple = _SIMPLE_HINTS.get(hint)
     except TypeError:  # an unhashable hint
         simple = None
     if simple is not None:
-        return {"type": simple[0]}, simple[1]
+        return {"type": simple}
     origin = typing.get_origin(hint) or hint
     args = typing.get_args(hint)
     if origin is list:
-        item = _hint_schema(args[0]) if args else ({}, _accept_any)
+        item = _hint_schema(args[0]) if args else {}
         if item is None:
             return None
-        schema = {"type": "array"}
-        if item[0]:
-            schema["items"] = item[0]
-        return schema, _list_of(item[1])
+        return {"type": "array", "items": item} if item else {"type": "array"}
     if origin is dict:
         if args and args[0] is not str:
             return None  # JSON object keys are strings
-        value = _hint_schema(args[1]) if args else ({}, _accept_any)
+        value = _hint_schema(args[1]) if args else {}
         if value is None:
             return None
-        schema = {"type": "object"}
-        if value[0]:
-            schema["additionalProperties"] = value[0]
-        return schema, _dict_of(value[1])
+        return {"type": "object", "additionalProperties": value} if value else {"type": "object"}
     if origin is typing.Union or origin is getattr(types, "UnionType", None):
         rest = [a for a in args if a is not type(None)]
         if len(rest) != 1 or len(args) != 2:
             return None  # only Optional[X]: a model cannot tell other unions apart reliably
         inner = _hint_schema(rest[0])
-        if inner is None:
-            return None
-        return _nullable_schema(inner[0]), _nullable(inner[1])
+        return None if inner is None else _nullable_schema(inner)
     if origin is typing.Literal:
         kinds = []
         for value in args:
@@ -2325,8 +2862,7 @@ def _hint_schema(hint):
                 return None
             if kind not in kinds:
                 kinds.append(kind)
-        schema = {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
-        return schema, _one_of(args)
+        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
     return None
 
 
@@ -2336,13 +2872,16 @@ def _admits_null(schema):
     return not schema or kind == "null" or (isinstance(kind, list) and "null" in kind)
 
 
-def _is_event_hint(hint):
-    """Whether ``hint`` is ``threading.Event`` or ``Optional[threading.Event]``."""
-    import typing
+def _is_hint_of(hint, wanted):
+    """Whether ``hint`` is ``wanted`` (``threading.Event``, a subclass of it, or
+    ``lich.ToolCall``) or ``Optional`` of it."""
     if typing.get_origin(hint) is not None:
         rest = [a for a in typing.get_args(hint) if a is not type(None)]
-        return len(rest) == 1 and _is_event_hint(rest[0])
-    return isinstance(hint, type) and issubclass(hint, threading.Event)
+        return len(rest) == 1 and _is_hint_of(rest[0], wanted)
+    if hint is wanted:
+        return True
+    return (wanted is threading.Event and isinstance(hint, type)
+            and issubclass(hint, threading.Event))
 
 
 def _parse_docstring(doc):
@@ -2375,7 +2914,7 @@ def _parse_docstring(doc):
                 break  # the next section
             if entry_indent is None:
                 entry_indent = indent
-            match = re.match(_ARG_DOC_RE, stripped) if indent <= entry_indent else None
+            match = _ARG_DOC_RE.match(stripped) if indent <= entry_indent else None
             if match:
                 current = described[match.group(1)] = [match.group(2)] if match.group(2) else []
             elif current is not None:
@@ -2385,8 +2924,6 @@ def _parse_docstring(doc):
 
 def _type_hints(fn, fn_name):
     """The resolved type hints of ``fn``; a hint that cannot be resolved is a TypeError."""
-    import inspect
-    import typing
     if inspect.isfunction(fn) or inspect.ismethod(fn):
         target = fn
     elif inspect.isclass(fn):
@@ -2401,6 +2938,69 @@ def _type_hints(fn, fn_name):
         return {}  # not a plain function (a functools.partial...): the signature's hints stand
 
 
+def _json_ready(value):
+    """Whether ``value`` can go into a JSON Schema as a default."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def _function_tool(fn, name, description):
+    """(spec, signal parameter, call parameter) of a function, from its signature and docstring."""
+    if not callable(fn):
+        raise TypeError(f"a tool must be callable, not {fn!r}")
+    if name is None:
+        name = getattr(fn, "__name__", None)
+    if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+        raise ValueError(f"invalid tool name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"cannot register {name}: {e}") from e
+    hints = _type_hints(fn, name)
+    doc_description, arg_docs = _parse_docstring(inspect.getdoc(fn))
+    properties, required = {}, []
+    signal_param = call_param = None
+    for param in signature.parameters.values():
+        if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            raise TypeError(f"cannot register {name}: parameter {param.name!r} is "
+                            f"{param.kind.description}; a tool takes keyword arguments")
+        hint = hints.get(param.name, param.annotation)
+        if hint is param.empty:
+            hint = _NO_HINT
+        if _is_hint_of(hint, threading.Event):
+            signal_param = param.name
+            continue
+        if _is_hint_of(hint, ToolCall):
+            call_param = param.name
+            continue
+        schema = _hint_schema(hint)
+        if schema is None:
+            raise TypeError(f"cannot register {name}: parameter {param.name!r} has the type "
+                            f"hint {hint!r}, which JSON Schema cannot express; use str, int, "
+                            f"float, bool, list, dict, Optional or Literal")
+        if param.default is None and not _admits_null(schema):
+            # what Python < 3.11 does to such hints anyway: the same schema on every version
+            schema = _nullable_schema(schema)
+        schema = dict(schema)
+        if param.name in arg_docs:
+            schema["description"] = arg_docs[param.name]
+        if param.default is param.empty:
+            required.append(param.name)
+        elif _json_ready(param.default):
+            schema["default"] = param.default
+        properties[param.name] = schema
+    parameters = {"type": "object", "properties": properties}
+    if required:
+        parameters["required"] = required
+    parameters["additionalProperties"] = False
+    spec = {"name": name, "description": doc_description if description is None else description,
+            "parameters": parameters}
+    return spec, signal_param, call_param
+
+
 def _truncate(text, limit):
     """``text`` cut to its head and tail, ``limit`` characters in all, around a marker."""
     if len(text) <= limit:
@@ -2411,68 +3011,58 @@ def _truncate(text, limit):
     return f"{text[:head]}\n[... {omitted} characters omitted ...]\n{text[len(text) - tail:]}"
 
 
-class _Tool:
-    """One registered function, with what ``run`` needs precomputed."""
-
-    __slots__ = ("call_param", "converters", "fn", "name", "required", "signal_param", "spec")
-
-    def __init__(self, name, fn, spec, converters, required, signal_param, call_param):
-        self.name = name
-        self.fn = fn
-        self.spec = spec
-        self.converters = converters
-        self.required = required
-        self.signal_param = signal_param
-        self.call_param = call_param
-
-    def arguments(self, raw):
-        """The keyword arguments of a call from the model's raw JSON text; _ToolFailure if unfit."""
-        if isinstance(raw, str):
-            if raw.strip():
-                try:
-                    args = json.loads(raw)
-                except (ValueError, RecursionError) as e:
-                    raise _ToolFailure(f"the arguments of {self.name} are not valid JSON ({e}); "
-                                       f"send one JSON object") from None
-            else:
-                args = {}
-        elif raw is None:
-            args = {}
-        else:
-            args = raw
-        if not isinstance(args, dict):
-            raise _ToolFailure(f"the arguments of {self.name} must be a JSON object, "
-                               f"not {_json_kind(args)}")
-        converters = self.converters
-        kwargs = {}
-        unknown = []
-        problems = []
-        for key, value in args.items():
-            convert = converters.get(key)
-            if convert is None:
-                unknown.append(key)
-                continue
-            try:
-                kwargs[key] = convert(value)
-            except _ArgError as e:
-                problems.append(f"argument '{key}{''.join(e.path)}' must be {e.expected}, "
-                                f"not {e.got}")
-        missing = [name for name in self.required if name not in args]
-        if not (unknown or missing or problems):
-            return kwargs
-        found = []
-        if unknown:
-            takes = ", ".join(converters) if converters else "no arguments"
-            found.append(f"unknown {_plural('argument', unknown)} ({self.name} takes {takes})")
-        if missing:
-            found.append(f"missing required {_plural('argument', missing)}")
-        raise _ToolFailure(f"invalid arguments for {self.name}: " + "; ".join(found + problems))
-
-
 def _plural(word, names):
     """``argument 'a'`` or ``arguments 'a', 'b'``."""
     quoted = ", ".join(f"'{name}'" for name in names)
     return f"{word} {quoted}" if len(names) == 1 else f"{word}s {quoted}"
+
+
+def _call_arguments(spec, raw):
+    """The keyword arguments of a call from the model's raw JSON text, checked against the
+    tool's parameters schema; _ToolFailure with every problem when they do not fit."""
+    name = spec["name"]
+    if isinstance(raw, str) and raw.strip():
+        try:
+            args = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
+                               f"send one JSON object") from None
+    else:
+        args = raw if raw is not None and not isinstance(raw, str) else {}
+    if not isinstance(args, dict):
+        raise _ToolFailure(f"the arguments of {name} must be a JSON object, not {_json_kind(args)}")
+    schema = spec["parameters"]
+    properties = schema.get("properties") or {}
+    unknown = [key for key in args if key not in properties]
+    missing = [key for key in schema.get("required") or () if key not in args]
+    problems = []
+    kwargs = {key: _schema_check(value, properties[key], key, problems)
+              for key, value in args.items() if key in properties}
+    if not (unknown or missing or problems):
+        return kwargs
+    found = []
+    if unknown:
+        takes = ", ".join(properties) if properties else "no arguments"
+        found.append(f"unknown {_plural('argument', unknown)} ({name} takes {takes})")
+    if missing:
+        found.append(f"missing required {_plural('argument', missing)}")
+    found += [f"argument '{where}' must be {expected}, not {got}" for where, expected, got in problems]
+    raise _ToolFailure(f"invalid arguments for {name}: " + "; ".join(found))
+
+
+# --- Tools ---
+
+
+class _Tool:
+    """One registered function and what ``run`` needs to call it."""
+
+    __slots__ = ("call_param", "fn", "signal_param", "spec")
+
+    def __init__(self, fn, spec, signal_param, call_param):
+        self.fn = fn
+        self.spec = spec
+        self.signal_param = signal_param
+        self.call_param = call_param
 
 
 class Tools:
@@ -2483,10 +3073,12 @@ class Tools:
     ``float``, ``bool``, ``list[X]``, ``dict`` / ``Dict[str, X]``, ``Optional[X]``,
     ``Literal[...]``; a parameter without a hint (or ``Any``) accepts any JSON value -- and
     its docstring: the first paragraph describes the tool, a Google-style ``Args:`` section
-    the parameters. A parameter with a default is optional. A parameter annotated
-    ``threading.Event`` is not offered to the model: it receives the loop's signal (a fresh,
-    unset Event when the loop has none). ``run`` never raises: bad calls and exceptions
-    become failed ToolResults, and output over ``max_output_chars`` keeps its head and tail.
+    the parameters. A parameter with a default is optional. Two kinds of parameter are not
+    offered to the model: one annotated ``threading.Event`` receives the loop's signal (a
+    fresh, unset Event when the loop has none), one annotated ``lich.ToolCall`` the call
+    itself. ``run`` never raises: bad calls and exceptions become failed ToolResults, and
+    output over ``max_output_chars`` keeps its head and tail. Tools of module-level
+    functions pickle.
     """
 
     def __init__(self, *, max_output_chars=DEFAULT_MAX_OUTPUT_CHARS):
@@ -2505,7 +3097,10 @@ class Tools:
 
     def register(self, fn, name=None, description=None):
         """Register ``fn`` as a tool and return it unchanged."""
-        self._register(fn, name, description)
+        spec, signal_param, call_param = _function_tool(fn, name, description)
+        if spec["name"] in self._tools:
+            raise ValueError(f"a tool named {spec['name']!r} is already registered")
+        self._tools[spec["name"]] = _Tool(fn, spec, signal_param, call_param)
         return fn
 
     def specs(self) -> list:
@@ -2521,87 +3116,34 @@ class Tools:
             tool = self._tools.get(call.get("name")) if isinstance(call.get("name"), str) else None
             if tool is None:
                 return ToolResult(ok=False, error=self._limit(self._unknown(call.get("name"))))
-            kwargs = tool.arguments(call.get("arguments"))
+            kwargs = _call_arguments(tool.spec, call.get("arguments"))
             if tool.signal_param is not None:
                 kwargs[tool.signal_param] = signal if signal is not None else threading.Event()
             if tool.call_param is not None:
                 kwargs[tool.call_param] = call
-            value = tool.fn(**kwargs)
-            if isinstance(value, str):
-                return ToolResult(ok=True, output=self._limit(value))
-            if value is None:
-                return ToolResult(ok=True)
-            if isinstance(value, ToolResult):
-                return self._passed(value)
-            try:
-                text = json.dumps(value, ensure_ascii=False)
-            except (TypeError, ValueError, RecursionError):
-                text = repr(value)
-            return ToolResult(ok=True, output=self._limit(text))
+            return self._result(tool.fn(**kwargs))
         except _ToolFailure as e:
             return ToolResult(ok=False, error=self._limit(str(e)))
         except (Exception, SystemExit) as e:  # run never raises
             _log.debug("tool call %r raised", call, exc_info=True)
             return ToolResult(ok=False, error=self._limit(f"{type(e).__name__}: {e}"))
 
-    def _register(self, fn, name, description, call_param=None):
-        """Register ``fn``; ``call_param`` names a parameter that receives the call itself."""
-        import inspect
-        if not callable(fn):
-            raise TypeError(f"a tool must be callable, not {fn!r}")
-        if name is None:
-            name = getattr(fn, "__name__", None)
-        if not isinstance(name, str) or not re.match(_TOOL_NAME_RE, name):
-            raise ValueError(f"invalid tool name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
-        if name in self._tools:
-            raise ValueError(f"a tool named {name!r} is already registered")
+    def _result(self, value):
+        """A function's return value as a ToolResult, its texts cut to ``max_output_chars``."""
+        if isinstance(value, str):
+            return ToolResult(ok=True, output=self._limit(value))
+        if value is None:
+            return ToolResult(ok=True)
+        if isinstance(value, ToolResult):
+            output, error = value.output, value.error
+            return ToolResult(ok=value.ok,
+                              output=self._limit(output) if isinstance(output, str) else output,
+                              error=self._limit(error) if isinstance(error, str) else error)
         try:
-            signature = inspect.signature(fn)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"cannot register {name}: {e}") from e
-        hints = _type_hints(fn, name)
-        doc_description, arg_docs = _parse_docstring(inspect.getdoc(fn))
-        properties, converters, required = {}, {}, []
-        signal_param = None
-        for param in signature.parameters.values():
-            if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-                raise TypeError(f"cannot register {name}: parameter {param.name!r} is "
-                                f"{param.kind.description}; a tool takes keyword arguments")
-            if param.name == call_param:
-                continue
-            hint = hints.get(param.name, param.annotation)
-            if hint is param.empty:
-                hint = _NO_HINT
-            if _is_event_hint(hint):
-                signal_param = param.name
-                continue
-            made = _hint_schema(hint)
-            if made is None:
-                raise TypeError(f"cannot register {name}: parameter {param.name!r} has the type "
-                                f"hint {hint!r}, which JSON Schema cannot express; use str, int, "
-                                f"float, bool, list, dict, Optional or Literal")
-            schema, convert = made
-            if param.default is None and not _admits_null(schema):
-                # what Python < 3.11 does to such hints anyway: the same schema on every version
-                schema, convert = _nullable_schema(schema), _nullable(convert)
-            schema = dict(schema)
-            if param.name in arg_docs:
-                schema["description"] = arg_docs[param.name]
-            if param.default is param.empty:
-                required.append(param.name)
-            elif _json_ready(param.default):
-                schema["default"] = param.default
-            properties[param.name] = schema
-            converters[param.name] = convert
-        parameters = {"type": "object", "properties": properties}
-        if required:
-            parameters["required"] = required
-        parameters["additionalProperties"] = False
-        spec = {"name": name,
-                "description": doc_description if description is None else description,
-                "parameters": parameters}
-        self._tools[name] = _Tool(name, fn, spec, converters, tuple(required), signal_param,
-                                  call_param)
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            text = repr(value)
+        return ToolResult(ok=True, output=self._limit(text))
 
     def _unknown(self, name):
         shown = _echo(name) if isinstance(name, str) else repr(name)
@@ -2612,50 +3154,70 @@ class Tools:
     def _limit(self, text):
         return _truncate(text, self.max_output_chars)
 
-    def _passed(self, result):
-        """A ToolResult a function returned, its texts cut to ``max_output_chars``."""
-        output, error = result.output, result.error
-        if (isinstance(output, str) and len(output) > self.max_output_chars) or (
-                isinstance(error, str) and len(error) > self.max_output_chars):
-            return ToolResult(ok=result.ok,
-                              output=self._limit(output) if isinstance(output, str) else output,
-                              error=self._limit(error) if isinstance(error, str) else error)
-        return result
+
+def combine_tools(*runners):
+    """One ToolRunner over several: their specs in order, each call routed by its name.
+
+    A name offered twice raises ValueError naming it; the specs are read when the combined
+    runner is made and again by each ``specs()`` (an MCP server's list may change).
+    """
+    combined = _CombinedTools(runners)
+    combined.specs()
+    return combined
 
 
-def _json_ready(value):
-    """Whether ``value`` can go into a JSON Schema as a default."""
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return True
+class _CombinedTools:
+    """The ToolRunner of ``combine_tools``."""
+
+    def __init__(self, runners):
+        self.runners = list(runners)
+        self._routes = {}
+
+    @property
+    def root(self):
+        """The first runner's workspace root, if it has one."""
+        return next((r.root for r in self.runners if isinstance(getattr(r, "root", None), str)),
+                    None)
+
+    def specs(self) -> list:
+        specs, routes = [], {}
+        for runner in self.runners:
+            for spec in runner.specs() or ():
+                if spec["name"] in routes:
+                    raise ValueError(f"the tool name {spec['name']!r} is offered twice")
+                routes[spec["name"]] = runner
+                specs.append(spec)
+        self._routes = routes
+        return specs
+
+    def run(self, call, signal=None) -> ToolResult:
+        name = call.get("name") if isinstance(call, dict) else None
+        runner = self._routes.get(name) if isinstance(name, str) else None
+        if runner is None:
+            shown = _echo(name) if isinstance(name, str) else repr(name)
+            return ToolResult(ok=False, error=f"unknown tool {shown}; the available tools are: "
+                                              f"{', '.join(self._routes) or 'none'}")
+        return runner.run(call, signal)
 
 
-# ---- coding_tools ------------------------------------------------------------
+# --- workspace paths ---
 
 _READ_DEFAULT_LIMIT = 2000      # lines read_file returns unless asked for fewer or more
-_LINE_MAX_CHARS = 2000          # read_file and search cut longer lines
+_LINE_MAX_CHARS = 2000          # read_file cuts longer lines
 _READ_MAX_CHARS = 40_000        # read_file stops here and says where to go on
 _BINARY_SNIFF_BYTES = 8192      # a NUL byte in this much of a file makes it binary
 _FILE_READ_BYTES = 65_536       # one read of the rest of a line too long to keep
 _LIST_MAX_FILES = 500           # list_files names at most this many files
-_SEARCH_MAX_MATCHES = 200       # search shows at most this many matching lines
-_SEARCH_LINE_CHARS = 500        # search cuts the lines it shows to this
-_WALK_MAX_ENTRIES = 100_000     # list_files and search stop scanning after this many entries
+_WALK_MAX_ENTRIES = 100_000     # list_files stops scanning after this many entries
+_WALK_MAX_DEPTH = 128           # folders deeper than this are not entered (one descriptor each)
 _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
-_SHELL_KEEP_BYTES = 20_000      # bash keeps this much of the head and of the tail of its output
-_SHELL_READ_BYTES = 65_536      # one read from the shell's pipe
-_SHELL_HIDDEN_ENV = frozenset({OpenAIChat._key_env, AnthropicChat._key_env})  # not for bash
-_SHELL_POLL_SECONDS = 0.05      # how often bash looks at the signal and the clock
-_SHELL_DRAIN_SECONDS = 0.2      # output still read after the shell exits, before the kill
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
 _UTF8_MAX_BYTES = 4
+_NOTED_MAX = 5                  # paths named in a note about what was not looked at
 
 
 def _fs_failure(error, path):
     """An OSError on ``path`` (as the model gave it) as a _ToolFailure the model can act on."""
-    import errno
     if isinstance(error, FileNotFoundError):
         return _ToolFailure(f"no such file or directory: {path}")
     if isinstance(error, PermissionError):
@@ -2667,10 +3229,431 @@ def _fs_failure(error, path):
     return _ToolFailure(f"{error.strerror or error}: {path}")
 
 
+def _fd_path(fd) -> Optional[str]:
+    """The path the kernel gives an open descriptor (Linux), or None where it does not tell."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def _walk_tree(top_fd, visit, *, limit=None):
+    """Walk the folder open as ``top_fd``; ``visit(rel, entry, is_dir)`` is called per entry
+    (``rel`` the path from the top, "/"-separated) and returns whether to enter a folder.
+
+    No link is followed: each folder is opened relative to its parent's descriptor with
+    O_NOFOLLOW, so the walk cannot leave the top's tree however it changes meanwhile.
+    Returns (complete, skipped): whether ``limit`` entries were not reached, and the
+    (folder, reason) pairs of folders that could not be read. Closes ``top_fd``.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    skipped = []
+    frames = []  # [descriptor, path from the top, depth, subfolder names still to enter]
+    seen = 0
+
+    def enter(fd, rel, depth):
+        nonlocal seen
+        subfolders = []
+        try:
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    seen += 1
+                    if limit is not None and seen > limit:
+                        return False
+                    try:
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if visit(rel + entry.name, entry, is_dir) and is_dir:
+                        subfolders.append(entry.name)
+        except OSError as e:
+            skipped.append((rel.rstrip("/") or ".", e.strerror or str(e)))
+        finally:
+            frames.append([fd, rel, depth, sorted(subfolders, reverse=True)])
+        return True
+
+    try:
+        if not enter(top_fd, "", 0):
+            return False, skipped
+        while frames:
+            fd, rel, depth, subfolders = frames[-1]
+            if not subfolders:
+                os.close(fd)
+                frames.pop()
+                continue
+            name = subfolders.pop()
+            if depth >= _WALK_MAX_DEPTH:
+                skipped.append((rel + name, f"deeper than {_WALK_MAX_DEPTH} levels"))
+                continue
+            try:
+                child = os.open(name, flags, dir_fd=fd)
+            except OSError as e:
+                skipped.append((rel + name, e.strerror or str(e)))
+                continue
+            if not enter(child, f"{rel}{name}/", depth + 1):
+                return False, skipped
+        return True, skipped
+    finally:
+        for frame in frames:
+            os.close(frame[0])
+
+
+def _skipped_note(skipped, what):
+    """A line saying which folders were not looked at, or None."""
+    if not skipped:
+        return None
+    named = ", ".join(f"{path} ({reason})" for path, reason in skipped[:_NOTED_MAX])
+    more = f" and {len(skipped) - _NOTED_MAX} more" if len(skipped) > _NOTED_MAX else ""
+    return f"[... not {what}: {named}{more}]"
+
+
+class _Root:
+    """The folder the coding tools work in, and every way they reach into it.
+
+    Paths given by the model are resolved (links included) and must lie inside the root;
+    what is then opened is checked again through its descriptor, so a folder swapped for a
+    link between the check and the open cannot lead out. Folders are walked without
+    following links. Writes go to a temporary file in the same folder, renamed over the
+    target, so a file is never left cut.
+    """
+
+    def __init__(self, root):
+        real = os.path.realpath(root)
+        if not os.path.isdir(real):
+            raise ValueError(f"root is not a directory: {root}")
+        self.path = real
+        self._prefix = real if real.endswith(os.sep) else real + os.sep
+
+    def inside(self, real):
+        return real == self.path or real.startswith(self._prefix)
+
+    def relative(self, real):
+        return "." if real == self.path else real[len(self._prefix):]
+
+    def resolve(self, path):
+        """The real path of ``path`` (relative to the root), which must lie inside the root."""
+        if "\0" in path:
+            raise _ToolFailure(f"path contains a NUL character: {path!r}")
+        real = os.path.realpath(os.path.join(self.path, path))
+        if not self.inside(real):
+            raise _ToolFailure(f"path is outside the workspace: {path}")
+        return real
+
+    def stat(self, real, shown):
+        try:
+            return os.stat(real)
+        except OSError as e:
+            raise _fs_failure(e, shown) from None
+
+    def open_file(self, real, shown):
+        """``real`` opened for binary reading, refused unless a regular file inside the root."""
+        mode = self.stat(real, shown).st_mode
+        if stat.S_ISDIR(mode):
+            raise _ToolFailure(f"path is a directory, not a file: {shown}; list_files shows "
+                               f"what it holds")
+        if not stat.S_ISREG(mode):
+            raise _ToolFailure(f"path is not a regular file: {shown}")
+        fd = self._open(real, shown, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                        | getattr(os, "O_NOCTTY", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the stat
+            os.close(fd)
+            raise _ToolFailure(f"path is not a regular file: {shown}")
+        return os.fdopen(fd, "rb")
+
+    def open_dir(self, real, shown):
+        """A descriptor of the folder ``real``, refused unless a folder inside the root."""
+        if not stat.S_ISDIR(self.stat(real, shown).st_mode):
+            raise _ToolFailure(f"path is not a directory: {shown}")
+        return self._open(real, shown, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+    def _open(self, real, shown, flags):
+        try:
+            fd = os.open(real, flags | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise _fs_failure(e, shown) from None
+        opened = _fd_path(fd)
+        if opened is not None and self.inside(opened):
+            return fd
+        if opened is None:  # no kernel answer here: the path must still name what was opened
+            try:
+                now, was = os.fstat(fd), os.stat(os.path.realpath(real))
+                if self.inside(os.path.realpath(real)) and os.path.samestat(now, was):
+                    return fd
+            except OSError:
+                pass
+        os.close(fd)
+        raise _ToolFailure(f"path is outside the workspace: {shown}")
+
+    def files(self, top, wanted):
+        """(sorted paths from the root of the files under the real folder ``top`` that
+        ``wanted(rel, name)`` accepts, whether the scan was complete, its note or None).
+        A link is listed when it leads to a regular file inside the root; none is followed."""
+        base = self.relative(top)
+        prefix = "" if base == "." else base + "/"
+        found = []
+
+        def visit(rel, entry, is_dir):
+            if is_dir:
+                return entry.name not in _SKIP_DIRS
+            try:
+                if entry.is_symlink():
+                    target = os.path.realpath(os.path.join(self.path, prefix + rel))
+                    if not (self.inside(target) and os.path.isfile(target)):
+                        return False
+                elif not entry.is_file(follow_symlinks=False):
+                    return False
+            except OSError:
+                return False
+            if wanted(rel, entry.name):
+                found.append(prefix + rel)
+            return False
+
+        complete, skipped = _walk_tree(self.open_dir(top, base), visit, limit=_WALK_MAX_ENTRIES)
+        found.sort()
+        return found, complete, _skipped_note(skipped, "listed")
+
+    def write(self, real, shown, data):
+        """Replace the file ``real`` (or create it, and its folders) with ``data``, atomically:
+        a temporary file in the same folder renamed over it, with the file's mode."""
+        folder, name = os.path.split(real)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise _fs_failure(e, shown) from None
+        dir_fd = self.open_dir(folder, shown)
+        temp = None
+        try:
+            try:
+                old = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is not None and not stat.S_ISREG(old.st_mode):
+                kind = "a directory" if stat.S_ISDIR(old.st_mode) else "not a regular file"
+                raise _ToolFailure(f"path is {kind}: {shown}")
+            temp = f".{name[:200]}.lich-{os.getpid()}-{random.getrandbits(32):08x}.tmp"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o666, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                if old is not None:
+                    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+                    if (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
+                        try:
+                            os.fchown(fd, old.st_uid, old.st_gid)
+                        except OSError:
+                            pass
+                f.write(data)
+            os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            temp = None
+        except OSError as e:
+            raise _fs_failure(e, shown) from None
+        finally:
+            if temp is not None:
+                try:
+                    os.unlink(temp, dir_fd=dir_fd)
+                except OSError:
+                    pass
+            os.close(dir_fd)
+
+
+# --- globs ---
+
+_GLOB_MAX_ALTERNATIVES = 64  # {a,b}{c,d}...: more than this many spelled-out patterns is refused
+_STAR = "*"
+
+
+def _expand_braces(pattern):
+    """The patterns ``{a,b}`` alternatives spell out (nested ones too)."""
+    start = pattern.find("{")
+    while start >= 0:
+        depth, i, commas = 0, start, []
+        while i < len(pattern):
+            if pattern[i] == "{":
+                depth += 1
+            elif pattern[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            elif pattern[i] == "," and depth == 1:
+                commas.append(i)
+            i += 1
+        if i < len(pattern) and commas:
+            head, tail = pattern[:start], pattern[i + 1:]
+            bounds = [start] + commas + [i]
+            expanded = []
+            for a, b in zip(bounds, bounds[1:]):
+                for each in _expand_braces(head + pattern[a + 1:b] + tail):
+                    expanded.append(each)
+                    if len(expanded) > _GLOB_MAX_ALTERNATIVES:
+                        raise _ToolFailure(f"the glob {pattern!r} spells out more than "
+                                           f"{_GLOB_MAX_ALTERNATIVES} patterns")
+            return expanded
+        start = pattern.find("{", start + 1)
+    return [pattern]
+
+
+def _glob_tokens(segment):
+    """A glob path segment as tokens: "*", "?", a character, or (negated, set of ranges)."""
+    tokens = []
+    i, n = 0, len(segment)
+    while i < n:
+        c = segment[i]
+        if c == "*":
+            if not tokens or tokens[-1] != _STAR:  # ** inside a name is *
+                tokens.append(_STAR)
+        elif c == "[":
+            j = i + 1
+            negated = j < n and segment[j] in "!^"
+            j += negated
+            end = segment.find("]", j + 1 if j < n and segment[j] == "]" else j)
+            if end < 0:
+                tokens.append(c)
+            else:
+                body, ranges, k = segment[j:end], [], 0
+                while k < len(body):
+                    if k + 2 < len(body) and body[k + 1] == "-":
+                        ranges.append((body[k], body[k + 2]))
+                        k += 3
+                    else:
+                        ranges.append((body[k], body[k]))
+                        k += 1
+                tokens.append((negated, tuple(ranges)))
+                i = end
+        else:
+            tokens.append(c)
+        i += 1
+    return tokens
+
+
+def _token_matches(token, c):
+    if token == "?":
+        return True
+    if isinstance(token, tuple):
+        negated, ranges = token
+        return any(low <= c <= high for low, high in ranges) != negated
+    return token == c
+
+
+def _segment_matches(tokens, name):
+    """Whether ``name`` matches a segment's tokens: the star-backtracking walk, O(n*m) at worst."""
+    p = i = 0
+    star, mark = -1, 0
+    while i < len(name):
+        if p < len(tokens) and tokens[p] != _STAR and _token_matches(tokens[p], name[i]):
+            p += 1
+            i += 1
+        elif p < len(tokens) and tokens[p] == _STAR:
+            star, mark = p, i
+            p += 1
+        elif star >= 0:
+            p = star + 1
+            mark += 1
+            i = mark
+        else:
+            return False
+    while p < len(tokens) and tokens[p] == _STAR:
+        p += 1
+    return p == len(tokens)
+
+
+def _path_matches(segments, parts):
+    """Whether the path ``parts`` match glob ``segments`` ("**" spans any number of folders)."""
+    def closure(states):
+        for p in sorted(states):
+            if p < len(segments) and segments[p] == "**":
+                states.add(p + 1)
+        return states
+
+    states = closure({0})
+    for part in parts:
+        following = set()
+        for p in states:
+            if p < len(segments):
+                if segments[p] == "**":
+                    following.add(p)
+                elif _segment_matches(segments[p], part):
+                    following.add(p + 1)
+        states = closure(following)
+        if not states:
+            return False
+    return len(segments) in states
+
+
+class _Glob:
+    """A glob test ``(path relative to the folder, file name) -> bool``: ``**`` spans folders,
+    ``*`` and ``?`` stay within a name, ``[...]`` is a class and ``{a,b}`` an alternative; a
+    pattern without "/" tests the file name at any depth. Matching never backtracks
+    without bound, whatever the pattern."""
+
+    def __init__(self, pattern):
+        while pattern.startswith("./"):
+            pattern = pattern[2:]
+        self.by_name = "/" not in pattern
+        self.alternatives = [[s if s == "**" else _glob_tokens(s) for s in each.split("/")]
+                             for each in _expand_braces(pattern)]
+
+    def __call__(self, rel, name):
+        parts = [name] if self.by_name else rel.split("/")
+        return any(_path_matches(segments, parts) for segments in self.alternatives)
+
+
+def _match_all(rel, name):
+    return True
+
+
+def _gitignore_rules(text):
+    """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments)."""
+    rules = []
+    for line in text.splitlines():
+        line = line.rstrip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        line = line[1:] if negated else line
+        folders_only = line.endswith("/")
+        line = line.rstrip("/")
+        anchored = "/" in line
+        line = line.lstrip("/")
+        if line:
+            try:
+                rules.append((negated, folders_only, anchored, _Glob(line).alternatives))
+            except _ToolFailure:
+                continue
+    return rules
+
+
+def _ignored(rules, rel, name, is_dir):
+    """Whether the .gitignore ``rules`` ignore the path ``rel`` from the root (last rule wins)."""
+    ignored = False
+    for negated, folders_only, anchored, alternatives in rules:
+        if folders_only and not is_dir:
+            continue
+        parts = rel.split("/") if anchored else [name]
+        if any(_path_matches(segments, parts) for segments in alternatives):
+            ignored = not negated
+    return ignored
+
+
+# --- file tools and search ---
+
+_SEARCH_MAX_MATCHES = 200       # search shows at most this many matching lines
+_SEARCH_LINE_CHARS = 500        # search cuts the lines it shows to this
+_SEARCH_SECONDS = 30            # a search stops after this long, saying so
+_SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of about this size
+_SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
+_PROCESS_LINE_MAX_BYTES = 16 << 10  # of a line a search process prints, what is kept
+_PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
+_WORKER_BOOT = (  # the search worker: this very file, loaded under another name
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
+    "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+    "spec.loader.exec_module(module)\n"
+    "module._search_worker(sys.argv[2])\n")
+
+
 def _read_lines(f, max_chars):
     """(text, cut) per line of the binary file ``f``: at most ``max_chars`` characters of the
     line (undecodable bytes replaced) and how many more it had; memory stays bounded."""
-    import codecs
     cap = max_chars * _UTF8_MAX_BYTES + 2
     while True:
         raw = f.readline(cap)
@@ -2700,184 +3683,223 @@ def _is_binary(f):
     return b"\0" in head
 
 
-def _glob_regex(pattern):
-    """A regular expression for a glob: ``**`` spans folders, ``*`` and ``?`` stay within one
-    name, ``[...]`` is a class and ``{a,b}`` an alternative."""
-    out = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-            continue
-        if pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-            continue
-        if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] in "!^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            j = pattern.find("]", j)
-            if j < 0:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1:j].replace("\\", "\\\\")
-                if body[:1] in ("!", "^"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j
-        elif c == "{" and pattern.find("}", i) > i:
-            j = pattern.find("}", i)
-            choices = pattern[i + 1:j].split(",")
-            out.append("(?:" + "|".join(_glob_regex(choice) for choice in choices) + ")")
-            i = j
-        else:
-            out.append(re.escape(c))
-        i += 1
-    return "".join(out)
+def _search_text(regex, text, number, found):
+    """``found(line number, line)`` for each line of ``text`` (its first line numbered
+    ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over the whole
+    text, the line only looked at again when a match spans lines."""
+    end = len(text) - 1 if text.endswith("\n") else len(text)  # no line after a last newline
+    pos = counted = 0
+    while pos <= end:
+        match = regex.search(text, pos)
+        if match is None or match.start() > end or (match.start() == end == len(text) - 1
+                                                    and not text[match.start():match.end()]
+                                                    and pos <= end and text[end:] == "\n"
+                                                    and match.start() != pos and False):
+            break
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        line_end = text.find("\n", match.start())
+        line_end = len(text) if line_end < 0 else line_end
+        number += text.count("\n", counted, line_start)
+        counted = line_start
+        line = text[line_start:line_end]
+        if match.end() <= line_end or regex.search(line):
+            found(number, line)
+        pos = line_end + 1
 
 
-def _glob_matcher(pattern):
-    """A test ``(path relative to the folder, file name) -> bool`` for a glob; a pattern
-    without ``/`` tests the file name, at any depth."""
-    while pattern.startswith("./"):
-        pattern = pattern[2:]
-    regex = re.compile(_glob_regex(pattern), re.DOTALL)
-    if "/" in pattern:
-        return lambda rel, name: regex.fullmatch(rel) is not None
-    return lambda rel, name: regex.fullmatch(name) is not None
+def _search_file(regex, f, found, check):
+    """``found(line number, line)`` per matching line of the binary file ``f``, read in blocks
+    of whole lines; ``check()`` between blocks. A file with a NUL byte near its start is skipped."""
+    head = f.read(_BINARY_SNIFF_BYTES)
+    if b"\0" in head:
+        return
+    number, carry = 1, head
+    while True:
+        block = f.read(_SEARCH_BLOCK_BYTES)
+        check()
+        data = carry + block
+        if not data:
+            return
+        cut = data.rfind(b"\n") + 1 if block else len(data)
+        if cut == 0:  # no line end yet
+            if len(data) < _SEARCH_LINE_MAX_BYTES:
+                carry = data
+                continue
+            cut = len(data)
+        chunk, carry = data[:cut], data[cut:]
+        text = chunk.decode("utf-8", "replace")
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+        _search_text(regex, text, number, found)
+        number += text.count("\n")
+        if not block:
+            return
 
 
-def _match_all(rel, name):
-    return True
+def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check):
+    """Search the folder (or file) open as ``fd``: ``emit("m", path, number, line)`` per
+    match and ``emit("x", path, reason)`` per folder not searched. Paths are ``prefix`` plus
+    the path from the folder; links are not followed; ``rules`` are the root's .gitignore."""
+    if not is_folder:
+        with os.fdopen(fd, "rb") as f:
+            _search_file(regex, f, lambda n, line: emit("m", prefix, n, line), check)
+        return
+    files = []
 
-
-class _HeadTail:
-    """A byte sink that keeps the first and the last ``keep`` bytes and counts the rest."""
-
-    def __init__(self, keep):
-        self.keep = keep
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def write(self, data):
-        self.total += len(data)
-        room = self.keep - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.keep:
-                del self.tail[:-self.keep]
-
-    def text(self):
-        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest."""
-        del self.tail[:-self.keep]
-        omitted = self.total - len(self.head) - len(self.tail)
-        if not omitted:
-            return bytes(self.head + self.tail).decode("utf-8", "replace")
-        return (self.head.decode("utf-8", "replace") + f"\n[... {omitted} bytes omitted ...]\n"
-                + self.tail.decode("utf-8", "replace"))
-
-
-def _with_newline(text):
-    return text + "\n" if text and not text.endswith("\n") else text
-
-
-def _kill_group(pgid):
-    """SIGKILL every process of the group ``pgid``; whether there was any left to kill."""
-    import signal as signals
-    try:
-        os.killpg(pgid, signals.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+    def visit(rel, entry, is_dir):
+        path = prefix + rel
+        if rules and _ignored(rules, path, entry.name, is_dir):
+            return False
+        if is_dir:
+            return entry.name not in _SKIP_DIRS
+        if entry.is_file(follow_symlinks=False) and wanted(rel, entry.name):
+            files.append(rel)
         return False
-    return True
+
+    folder_fd = os.dup(fd)
+    try:
+        _, skipped = _walk_tree(fd, visit)
+        for path, reason in skipped:
+            emit("x", prefix + path, reason)
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+            | getattr(os, "O_CLOEXEC", 0)
+        for rel in sorted(files):
+            check()
+            path = prefix + rel
+            try:
+                file_fd = _open_beneath(folder_fd, rel, flags)
+                with os.fdopen(file_fd, "rb") as f:
+                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        _search_file(regex, f, lambda n, line, p=path: emit("m", p, n, line),
+                                     check)
+            except OSError:
+                continue  # vanished or unreadable meanwhile
+    finally:
+        os.close(folder_fd)
 
 
-def _run_shell(command, cwd, timeout, signal):
-    """Run ``command`` with ``/bin/sh -c``: output streamed and capped, the process group
-    killed on timeout, on the signal, and when the shell is done."""
+def _open_beneath(folder_fd, rel, flags):
+    """``rel`` opened from the folder ``folder_fd`` one name at a time, following no link."""
+    parts = rel.split("/")
+    fd = folder_fd
+    try:
+        for part in parts[:-1]:
+            child = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                            | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+            if fd != folder_fd:
+                os.close(fd)
+            fd = child
+        return os.open(parts[-1], flags, dir_fd=fd)
+    finally:
+        if fd != folder_fd:
+            os.close(fd)
+
+
+def _search_worker(job):
+    """The search worker's main: a search of its working folder (or its stdin), printed as
+    JSON lines. Runs in a process of its own, so that lich can stop any regex at once."""
+    job = json.loads(job)
+    regex = re.compile(job["pattern"], re.MULTILINE)
+    wanted = _Glob(job["glob"]) if job["glob"] else _match_all
+    rules = _gitignore_rules(job["gitignore"])
+    out = sys.stdout
+
+    def emit(*record):
+        out.write(json.dumps(record) + "\n")
+
+    fd = os.open(".", os.O_RDONLY) if job["folder"] else 0
+    _search_tree(regex, fd, job["folder"], job["prefix"], wanted, rules, emit, lambda: None)
+    out.flush()
+
+
+class _Matches:
+    """The first matches in (path, line) order, however they arrive, and how many there were."""
+
+    def __init__(self):
+        self.kept = []
+        self.total = 0
+        self.skipped = []
+
+    def add(self, path, number, line):
+        self.total += 1
+        self.kept.append((path, number, line[:_SEARCH_LINE_CHARS]))
+        if len(self.kept) >= 2 * _SEARCH_MAX_MATCHES:
+            self.kept.sort()
+            del self.kept[_SEARCH_MAX_MATCHES:]
+
+    def lines(self):
+        self.kept.sort()
+        lines = [f"{path}:{number}: {line}" for path, number, line in self.kept[:_SEARCH_MAX_MATCHES]]
+        if self.total > _SEARCH_MAX_MATCHES:
+            lines.append(f"... {self.total - _SEARCH_MAX_MATCHES} more matches")
+        return lines
+
+
+def _run_reader(argv, on_line, signal, *, cwd=None, stdin=None, seconds=_SEARCH_SECONDS):
+    """Run ``argv`` in a process group of its own, ``on_line(bytes)`` per line it prints (each
+    cut to _PROCESS_LINE_MAX_BYTES); returns (how it ended: "done", "timeout" or "aborted",
+    exit code, the start of its stderr). The group is killed however the call ends."""
     import selectors
     import subprocess
-    if signal.is_set():
-        return ToolResult(ok=False, error="the command was aborted before it started")
-    # the provider keys stay out of reach: `env` would put them in the model's context
-    env = {k: v for k, v in os.environ.items() if k not in _SHELL_HIDDEN_ENV}
-    proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env)
-    sink = _HeadTail(_SHELL_KEEP_BYTES)
-    stopped = None
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=stdin if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=_tool_environment())
+    errors = bytearray()
+    pending = bytearray()
+    ended = "done"
     try:
-        deadline = time.monotonic() + timeout
-        drain_until = None
-        fd = proc.stdout.fileno()
+        deadline = time.monotonic() + seconds
         with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while True:  # read until EOF: every process holding the pipe is gone
-                now = time.monotonic()
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            selector.register(proc.stderr, selectors.EVENT_READ)
+            open_pipes = 2
+            while open_pipes:
                 if signal.is_set():
-                    stopped = "aborted"
+                    ended = "aborted"
                     break
+                now = time.monotonic()
                 if now >= deadline:
-                    stopped = "timeout"
+                    ended = "timeout"
                     break
-                if drain_until is None and proc.poll() is not None:
-                    drain_until = now + _SHELL_DRAIN_SECONDS  # a background child holds the pipe
-                if drain_until is not None and now >= drain_until:
-                    break
-                wait = min(_SHELL_POLL_SECONDS, deadline - now)
-                if selector.select(wait):
-                    chunk = os.read(fd, _SHELL_READ_BYTES)
+                for key, _ in selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                    chunk = os.read(key.fd, _FILE_READ_BYTES)
                     if not chunk:
-                        break
-                    sink.write(chunk)
-        while stopped is None and proc.poll() is None:  # the shell closed its output early
-            now = time.monotonic()
-            if now >= deadline:
-                stopped = "timeout"
-            elif signal.wait(min(_SHELL_POLL_SECONDS, deadline - now)):
-                stopped = "aborted"
+                        selector.unregister(key.fileobj)
+                        open_pipes -= 1
+                    elif key.fileobj is proc.stderr:
+                        errors += chunk[:max(0, _PROCESS_LINE_MAX_BYTES - len(errors))]
+                    else:
+                        pending += chunk
+                        _split_lines(pending, on_line)
+        if ended == "done" and pending:
+            on_line(bytes(pending))
     finally:
-        leftovers = _kill_group(proc.pid)
+        _kill_group(proc.pid)
         proc.stdout.close()
+        proc.stderr.close()
         proc.wait()
-    text = sink.text()
-    if stopped == "timeout":
-        return ToolResult(ok=False, output=text, error=f"the command timed out after {timeout:g} "
-                                                       f"seconds and was killed")
-    if stopped == "aborted":
-        return ToolResult(ok=False, output=text, error="the command was aborted and killed")
-    if leftovers:
-        text = _with_newline(text) + "[background processes left running were killed]\n"
-    code = proc.returncode
-    text = _with_newline(text) + f"[exit code {code}]"
-    if code == 0:
-        return ToolResult(ok=True, output=text)
-    if code < 0:
-        return ToolResult(ok=False, output=text, error=f"the command was killed by signal {-code}")
-    return ToolResult(ok=False, output=text, error=f"the command exited with code {code}")
+    return ended, proc.returncode, errors.decode("utf-8", "replace")
+
+
+def _split_lines(pending, on_line):
+    """Hand every whole line of ``pending`` to ``on_line``; keep the rest, bounded."""
+    start = 0
+    while True:
+        end = pending.find(b"\n", start)
+        if end < 0:
+            break
+        on_line(bytes(pending[start:min(end, start + _PROCESS_LINE_MAX_BYTES)]))
+        start = end + 1
+    del pending[:start]
+    if len(pending) > 2 * _PROCESS_LINE_MAX_BYTES:  # a line without end: its head is kept
+        del pending[_PROCESS_LINE_MAX_BYTES:-_PROCESS_LINE_MAX_BYTES]
 
 
 class _Workspace:
     """The coding tools over one root folder; every path is confined to it."""
 
     def __init__(self, root, approve, shell_timeout):
-        real = os.path.realpath(root)
-        if not os.path.isdir(real):
-            raise ValueError(f"root is not a directory: {root}")
-        self.root = real
-        self._prefix = real if real.endswith(os.sep) else real + os.sep
+        self.root = _Root(root)
         self.approve = approve
         self.shell_timeout = shell_timeout
 
@@ -2891,12 +3913,10 @@ class _Workspace:
         """
         if offset < 1 or limit < 1:
             raise _ToolFailure("offset and limit must be 1 or more")
-        real = self._resolve(path)
         lines = []
-        size = 0
-        number = 0
+        size = number = 0
         go_on = None
-        with self._open_file(real, path) as f:
+        with self.root.open_file(self.root.resolve(path), path) as f:
             if _is_binary(f):
                 raise _ToolFailure(f"path is a binary file, not text: {path}")
             for number, (text, cut) in enumerate(_read_lines(f, _LINE_MAX_CHARS), 1):
@@ -2926,19 +3946,18 @@ class _Workspace:
             pattern: A glob the file paths, relative to that folder, must match, such as
                 "**/*.py" or "src/*.{js,ts}"; one without "/" matches file names at any depth.
         """
-        real = self._resolve(path)
-        self._require_dir(real, path)
-        found, complete = self._walk(real, _glob_matcher(pattern))
-        found.sort()
+        found, complete, note = self.root.files(self.root.resolve(path), _Glob(pattern))
         lines = found[:_LIST_MAX_FILES]
         if len(found) > _LIST_MAX_FILES:
             lines.append(f"... {len(found) - _LIST_MAX_FILES} more")
         if not complete:
-            lines.append(_scan_note())
+            lines.append(f"[... stopped after scanning {_WALK_MAX_ENTRIES} entries; narrow the "
+                         f"path or pattern]")
+        if note:
+            lines.append(note)
         return "\n".join(lines) if lines else f"no files match {pattern} under {path}"
 
-    def search(self, pattern: str, path: str = ".",
-               glob: Optional[str] = None,
+    def search(self, pattern: str, path: str = ".", glob: Optional[str] = None,
                *, signal: threading.Event) -> str:
         """Search the text files of the workspace, line by line, for a regular expression;
         answers with "file:line: text" lines.
@@ -2948,51 +3967,166 @@ class _Workspace:
             path: The folder or file to search, relative to the workspace root.
             glob: Only search the files matching this glob, such as "*.py" or "src/**/*.ts".
         """
-        import stat
         try:
-            regex = re.compile(pattern)
+            regex = re.compile(pattern, re.MULTILINE)
         except re.error as e:
             raise _ToolFailure(f"invalid regular expression: {e}") from None
-        real = self._resolve(path)
-        mode = self._stat(real, path).st_mode
+        if signal.is_set():
+            raise _ToolFailure("the search was aborted")
+        real = self.root.resolve(path)
+        mode = self.root.stat(real, path).st_mode
         if stat.S_ISDIR(mode):
-            files, complete = self._walk(real, _glob_matcher(glob) if glob else _match_all)
-            files.sort()
+            fd = self.root.open_dir(real, path)
         elif stat.S_ISREG(mode):
-            files, complete = [self._relative(real)], True
+            with self.root.open_file(real, path) as f:
+                fd = os.dup(f.fileno())
         else:
             raise _ToolFailure(f"path is not a regular file or a directory: {path}")
-        lines = []
-        matches = 0
-        for shown in files:
-            if signal.is_set():
-                raise _ToolFailure("the search was aborted")
-            try:
-                with self._open_file(os.path.join(self.root, shown), shown) as f:
-                    if _is_binary(f):
-                        continue
-                    for number, (text, _) in enumerate(_read_lines(f, _LINE_MAX_CHARS), 1):
-                        if regex.search(text):
-                            matches += 1
-                            if matches <= _SEARCH_MAX_MATCHES:
-                                lines.append(f"{shown}:{number}: {text[:_SEARCH_LINE_CHARS]}")
-            except (OSError, _ToolFailure):
-                continue  # vanished or unreadable meanwhile
-        if matches > _SEARCH_MAX_MATCHES:
-            lines.append(f"... {matches - _SEARCH_MAX_MATCHES} more matches")
-        if not complete:
-            lines.append(_scan_note())
+        folder = stat.S_ISDIR(mode)
+        rel = self.root.relative(real)
+        prefix = ("" if rel == "." else rel + "/") if folder else rel
+        wanted = _Glob(glob) if glob else _match_all
+        gitignore = self._gitignore()
+        matches = _Matches()
+        try:
+            ended = self._search_with_rg(pattern, fd, folder, prefix, glob, wanted, gitignore,
+                                         matches, signal)
+            if ended is None:
+                ended = self._search_in_worker(pattern, fd, folder, prefix, glob, gitignore,
+                                               matches, signal)
+            if ended is None:
+                ended = self._search_here(regex, fd, folder, prefix, wanted, gitignore, matches,
+                                          signal)
+        finally:
+            os.close(fd)
+        if ended == "aborted":
+            raise _ToolFailure("the search was aborted")
+        lines = matches.lines()
+        note = _skipped_note(matches.skipped, "searched")
+        if note:
+            lines.append(note)
+        if ended == "timeout":
+            lines.append(f"[... the search stopped at its time limit of {_SEARCH_SECONDS} s; "
+                         f"{'these are the matches found so far; ' if matches.total else ''}"
+                         f"narrow the path, glob or pattern]")
         return "\n".join(lines) if lines else "no matches"
 
-    def write_file(self, path: str, content: str, call: dict) -> str:
+    def _gitignore(self):
+        """The text of the root's .gitignore, or ""."""
+        try:
+            with self.root.open_file(os.path.join(self.root.path, ".gitignore"), ".gitignore") as f:
+                return f.read(_EDIT_MAX_BYTES).decode("utf-8", "replace")
+        except _ToolFailure:
+            return ""
+
+    def _search_with_rg(self, pattern, fd, folder, prefix, glob, wanted, gitignore, matches,
+                        signal):
+        """The search done by ripgrep, when it is on PATH and takes the pattern; else None."""
+        rg = shutil.which("rg")
+        if rg is None:
+            return None
+        argv = [rg, "--no-config", "--line-number", "--with-filename", "--no-heading", "--null",
+                "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages"]
+        for name in sorted(_SKIP_DIRS):
+            argv += ["--glob", f"!{name}/"]
+        if glob and "/" not in glob:
+            argv += ["--glob", glob]
+        rules = _gitignore_rules(gitignore) if gitignore else []
+        argv += ["--regexp", pattern, "--", "." if folder else "-"]
+        checked = {}
+
+        def on_line(line):
+            name, _, rest = line.partition(b"\0")
+            number, _, text = rest.partition(b":")
+            if not number.isdigit():
+                return
+            if folder:
+                rel = os.fsdecode(name)
+                rel = rel[2:] if rel.startswith("./") else rel
+                keep = checked.get(rel)
+                if keep is None:
+                    keep = checked[rel] = wanted(rel, rel.rpartition("/")[2]) and not (
+                        rules and _rg_path_ignored(rules, prefix, rel))
+                if not keep:
+                    return
+                path = prefix + rel
+            else:
+                path = prefix
+            matches.add(path, int(number), text.rstrip(b"\r").decode("utf-8", "replace"))
+
+        cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
+        if folder and cwd is None:
+            cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
+        ended, code, errors = _run_reader(argv, on_line, signal, cwd=cwd,
+                                          stdin=None if folder else fd)
+        if ended == "done" and code == 2 and not matches.total and "regex" in errors:
+            return None  # a Python pattern ripgrep does not take: the worker searches
+        return ended
+
+    def _search_in_worker(self, pattern, fd, folder, prefix, glob, gitignore, matches, signal):
+        """The search done by lich itself in a process of its own; None where it cannot start."""
+        source = globals().get("__file__")
+        if not sys.executable or not source or not os.path.isfile(source):
+            return None
+        job = json.dumps({"pattern": pattern, "glob": glob, "gitignore": gitignore,
+                          "folder": folder, "prefix": prefix})
+
+        def on_line(line):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return
+            if record[0] == "m":
+                matches.add(record[1], record[2], record[3])
+            elif record[0] == "x":
+                matches.skipped.append((record[1], record[2]))
+
+        cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
+        if folder and cwd is None:
+            cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
+        try:
+            ended, code, errors = _run_reader([sys.executable, "-c", _WORKER_BOOT, source, job],
+                                              on_line, signal, cwd=cwd,
+                                              stdin=None if folder else fd)
+        except OSError:
+            return None
+        if ended == "done" and code != 0:
+            last = errors.strip().splitlines()[-1:] or [f"exit code {code}"]
+            raise _ToolFailure(f"the search failed: {last[0]}")
+        return ended
+
+    def _search_here(self, regex, fd, folder, prefix, wanted, gitignore, matches, signal):
+        """The search done in this process: the signal is seen between blocks, but a regex
+        that backtracks without end is not stopped (used only where no process can start)."""
+        deadline = time.monotonic() + _SEARCH_SECONDS
+
+        def check():
+            if signal.is_set():
+                raise _Stopped("aborted")
+            if time.monotonic() >= deadline:
+                raise _Stopped("timeout")
+
+        def emit(kind, *record):
+            if kind == "m":
+                matches.add(*record)
+            else:
+                matches.skipped.append(record)
+
+        try:
+            _search_tree(regex, os.dup(fd), folder, prefix, wanted, _gitignore_rules(gitignore),
+                         emit, check)
+        except _Stopped as stopped:
+            return stopped.args[0]
+        return "done"
+
+    def write_file(self, path: str, content: str, call: ToolCall) -> str:
         """Create or overwrite a text file of the workspace; missing folders are created.
 
         Args:
             path: The file, relative to the workspace root.
             content: The whole new text of the file.
         """
-        import stat
-        real = self._resolve(path)
+        real = self.root.resolve(path)
         try:
             mode = os.stat(real).st_mode
         except FileNotFoundError:
@@ -3008,15 +4142,10 @@ class _Workspace:
         except UnicodeEncodeError as e:
             raise _ToolFailure(f"content cannot be written as UTF-8: {e}") from None
         self._approve(call)
-        try:
-            os.makedirs(os.path.dirname(real), exist_ok=True)
-            with open(real, "wb") as f:
-                f.write(data)
-        except OSError as e:
-            raise _fs_failure(e, path) from None
+        self.root.write(self.root.resolve(path), path, data)  # resolved again: it may have changed
         return f"wrote {len(content)} characters to {path}"
 
-    def edit_file(self, path: str, old_text: str, new_text: str, call: dict) -> str:
+    def edit_file(self, path: str, old_text: str, new_text: str, call: ToolCall) -> str:
         """Replace old_text, which must occur exactly once in the file, with new_text.
 
         Args:
@@ -3027,18 +4156,14 @@ class _Workspace:
         """
         if not old_text:
             raise _ToolFailure("old_text is empty; copy the exact text to replace from the file")
-        real = self._resolve(path)
-        self._edited(real, path, old_text, new_text)
+        self._edited(self.root.resolve(path), path, old_text, new_text)
         self._approve(call)
+        real = self.root.resolve(path)
         data = self._edited(real, path, old_text, new_text)  # the file may have changed meanwhile
-        try:
-            with open(real, "wb") as f:
-                f.write(data)
-        except OSError as e:
-            raise _fs_failure(e, path) from None
+        self.root.write(real, path, data)
         return f"replaced 1 occurrence of old_text in {path}"
 
-    def bash(self, command: str, call: dict, signal: threading.Event) -> ToolResult:
+    def bash(self, command: str, call: ToolCall, signal: threading.Event) -> ToolResult:
         """Run a shell command.
 
         Args:
@@ -3047,93 +4172,15 @@ class _Workspace:
         if not command.strip():
             raise _ToolFailure("command is empty")
         self._approve(call)
-        return _run_shell(command, self.root, self.shell_timeout, signal)
-
-    def _resolve(self, path):
-        """The real path of ``path`` (relative to the root), which must lie inside the root."""
-        if "\0" in path:
-            raise _ToolFailure(f"path contains a NUL character: {path!r}")
-        real = os.path.realpath(os.path.join(self.root, path))
-        if not self._inside(real):
-            raise _ToolFailure(f"path is outside the workspace: {path}")
-        return real
-
-    def _inside(self, real):
-        return real == self.root or real.startswith(self._prefix)
-
-    def _relative(self, real):
-        return "." if real == self.root else real[len(self._prefix):]
-
-    def _stat(self, real, path):
-        try:
-            return os.stat(real)
-        except OSError as e:
-            raise _fs_failure(e, path) from None
-
-    def _require_dir(self, real, path):
-        import stat
-        if not stat.S_ISDIR(self._stat(real, path).st_mode):
-            raise _ToolFailure(f"path is not a directory: {path}")
-
-    def _open_file(self, real, path):
-        """``real`` opened for binary reading, refused unless a regular file; never blocks."""
-        import stat
-        mode = self._stat(real, path).st_mode
-        if stat.S_ISDIR(mode):
-            raise _ToolFailure(f"path is a directory, not a file: {path}; list_files shows "
-                               f"what it holds")
-        if not stat.S_ISREG(mode):
-            raise _ToolFailure(f"path is not a regular file: {path}")
-        try:
-            fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except OSError as e:
-            raise _fs_failure(e, path) from None
-        f = os.fdopen(fd, "rb")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the stat
-            f.close()
-            raise _ToolFailure(f"path is not a regular file: {path}")
-        return f
-
-    def _walk(self, top, matches):
-        """(paths from the root of the files under the real folder ``top`` that ``matches``,
-        whether the scan was complete); symbolic links to folders are not followed."""
-        base = self._relative(top)
-        prefix = "" if base == "." else base + "/"
-        found = []
-        seen = 0
-        pending = [""]
-        while pending:
-            folder = pending.pop()
-            try:
-                with os.scandir(os.path.join(top, folder)) as it:
-                    entries = list(it)
-            except OSError:
-                continue
-            for entry in entries:
-                seen += 1
-                if seen > _WALK_MAX_ENTRIES:
-                    return found, False
-                rel = folder + entry.name
-                try:
-                    if entry.is_symlink():
-                        target = os.path.realpath(entry.path)
-                        if not (self._inside(target) and os.path.isfile(target)):
-                            continue
-                    elif entry.is_dir(follow_symlinks=False):
-                        if entry.name not in _SKIP_DIRS:
-                            pending.append(rel + "/")
-                        continue
-                    elif not entry.is_file(follow_symlinks=False):
-                        continue
-                except OSError:
-                    continue
-                if matches(rel, entry.name):
-                    found.append(prefix + rel)
-        return found, True
+        return _run_shell(command, self.root.path, self.shell_timeout, signal)
 
     def _edited(self, real, path, old_text, new_text):
-        """The bytes of the file with its one ``old_text`` replaced; _ToolFailure otherwise."""
-        with self._open_file(real, path) as f:
+        """The bytes of the file with its one ``old_text`` replaced; _ToolFailure otherwise.
+
+        In a file with CRLF line ends, ``old_text`` matches across them as across LF (what
+        read_file shows), and ``new_text`` is written with the file's own line ends.
+        """
+        with self.root.open_file(real, path) as f:
             data = f.read(_EDIT_MAX_BYTES + 1)
         if len(data) > _EDIT_MAX_BYTES:
             raise _ToolFailure(f"{path} is too large to edit (over {_EDIT_MAX_BYTES} bytes); "
@@ -3141,15 +4188,22 @@ class _Workspace:
         if b"\0" in data[:_BINARY_SNIFF_BYTES]:
             raise _ToolFailure(f"path is a binary file, not text: {path}")
         text = data.decode("utf-8", "surrogateescape")
-        count = text.count(old_text)
-        if count == 0:
+        crlf = "\r\n" in text
+        if crlf:
+            new_text = new_text.replace("\r\n", "\n").replace("\n", "\r\n")
+        spans = [(m.start(), m.end()) for m in re.finditer(re.escape(old_text), text)]
+        if not spans and crlf and "\n" in old_text:
+            loose = re.escape(old_text.replace("\r\n", "\n")).replace("\\\n", "\n")
+            spans = [(m.start(), m.end()) for m in re.finditer(loose.replace("\n", "\r?\n"), text)]
+        if not spans:
             raise _ToolFailure(f"old_text was not found in {path}; read the file and copy the "
                                f"text exactly, whitespace included")
-        if count > 1:
-            raise _ToolFailure(f"old_text occurs {count} times in {path}; include more of the "
-                               f"surrounding text so that it occurs exactly once")
+        if len(spans) > 1:
+            raise _ToolFailure(f"old_text occurs {len(spans)} times in {path}; include more of "
+                               f"the surrounding text so that it occurs exactly once")
+        start, end = spans[0]
         try:
-            return text.replace(old_text, new_text, 1).encode("utf-8", "surrogateescape")
+            return (text[:start] + new_text + text[end:]).encode("utf-8", "surrogateescape")
         except UnicodeEncodeError as e:
             raise _ToolFailure(f"new_text cannot be written as UTF-8: {e}") from None
 
@@ -3158,8 +4212,154 @@ class _Workspace:
             raise _ToolFailure("the user declined this call")
 
 
-def _scan_note():
-    return f"[... stopped after scanning {_WALK_MAX_ENTRIES} entries; narrow the path or pattern]"
+class _Stopped(Exception):
+    """A search in this process stopped: ``args[0]`` is "aborted" or "timeout"."""
+
+
+def _rg_path_ignored(rules, prefix, rel):
+    """Whether the root's .gitignore ignores the file ``prefix + rel`` or a folder above it."""
+    parts = (prefix + rel).split("/")
+    for i in range(1, len(parts) + 1):
+        if _ignored(rules, "/".join(parts[:i]), parts[i - 1], i < len(parts)):
+            return True
+    return False
+
+
+# --- shell ---
+
+_SHELL_KEEP_BYTES = 20_000      # bash keeps this much of the head and of the tail of its output
+_SHELL_READ_BYTES = 65_536      # one read from the shell's pipe
+_SHELL_DRAIN_SECONDS = 0.2      # output still read after the shell exits, before the kill
+# The shell that runs a command. A watcher waits on fd 3, a pipe whose other end only lich
+# holds: a line from lich means the call ended; end of file means lich died (even by
+# SIGKILL), and the watcher kills the whole process group. Then the command replaces this
+# shell, its stdin empty and fd 3 closed.
+_SHELL_SUPERVISOR = ('exec 3<&0; { read _ <&3 || kill -KILL 0; } >/dev/null 2>&1 & '
+                     'exec /bin/sh -c "$1" </dev/null 3<&-')
+
+
+def _tool_environment():
+    """The environment of a tool's process: lich's, without the provider keys (`env` would
+    show them to the model)."""
+    return {k: v for k, v in os.environ.items() if k not in _PROVIDER_KEY_ENVS}
+
+
+def _kill_group(pgid):
+    """SIGKILL every process of the group ``pgid``; whether there was any left to kill."""
+    import signal as signals
+    try:
+        os.killpg(pgid, signals.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+class _HeadTail:
+    """A byte sink that keeps the first and the last ``keep`` bytes and counts the rest."""
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def write(self, data):
+        self.total += len(data)
+        room = self.keep - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            if len(self.tail) > 2 * self.keep:
+                del self.tail[:-self.keep]
+
+    def text(self):
+        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest."""
+        tail = self.tail[-self.keep:]
+        omitted = self.total - len(self.head) - len(tail)
+        if not omitted:
+            return bytes(self.head + tail).decode("utf-8", "replace")
+        return (self.head.decode("utf-8", "replace") + f"\n[... {omitted} bytes omitted ...]\n"
+                + tail.decode("utf-8", "replace"))
+
+
+def _with_newline(text):
+    return text + "\n" if text and not text.endswith("\n") else text
+
+
+def _run_shell(command, cwd, timeout, signal):
+    """Run ``command`` with ``/bin/sh -c``: output streamed and capped, the process group
+    killed on timeout, on the signal, when the shell is done, and when lich dies."""
+    import selectors
+    import subprocess
+    if signal.is_set():
+        return ToolResult(ok=False, error="the command was aborted before it started")
+    watch_read, watch_write = os.pipe()
+    try:
+        proc = subprocess.Popen(["/bin/sh", "-c", _SHELL_SUPERVISOR, "lich-shell", command],
+                                cwd=cwd, stdin=watch_read, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=_tool_environment())
+    finally:
+        os.close(watch_read)
+    sink = _HeadTail(_SHELL_KEEP_BYTES)
+    stopped = None
+    held = False  # the shell exited while others still held its output: they were killed
+    try:
+        deadline = time.monotonic() + timeout
+        drain_until = None
+        fd = proc.stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while True:  # read until EOF: every process holding the pipe is gone
+                now = time.monotonic()
+                if signal.is_set():
+                    stopped = "aborted"
+                    break
+                if now >= deadline:
+                    stopped = "timeout"
+                    break
+                if drain_until is None and proc.poll() is not None:
+                    drain_until = now + _SHELL_DRAIN_SECONDS  # a background child holds the pipe
+                if drain_until is not None and now >= drain_until:
+                    held = True
+                    break
+                if selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                    chunk = os.read(fd, _SHELL_READ_BYTES)
+                    if not chunk:
+                        break
+                    sink.write(chunk)
+        while stopped is None and proc.poll() is None:  # the shell closed its output early
+            now = time.monotonic()
+            if now >= deadline:
+                stopped = "timeout"
+            elif signal.wait(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                stopped = "aborted"
+    finally:
+        try:
+            os.write(watch_write, b"\n")  # the call is over: the watcher may go
+        except OSError:
+            pass
+        os.close(watch_write)
+        _kill_group(proc.pid)
+        proc.stdout.close()
+        proc.wait()
+    text = sink.text()
+    if stopped == "timeout":
+        return ToolResult(ok=False, output=text, error=f"the command timed out after {timeout:g} "
+                                                       f"seconds and was killed")
+    if stopped == "aborted":
+        return ToolResult(ok=False, output=text, error="the command was aborted and killed")
+    if held:
+        text = _with_newline(text) + "[background processes left running were killed]\n"
+    code = proc.returncode
+    text = _with_newline(text) + f"[exit code {code}]"
+    if code == 0:
+        return ToolResult(ok=True, output=text)
+    if code < 0:
+        return ToolResult(ok=False, output=text, error=f"the command was killed by signal {-code}")
+    return ToolResult(ok=False, output=text, error=f"the command exited with code {code}")
 
 
 def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None,
@@ -3171,8 +4371,8 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     included, and must lie inside ``root``. ``approve(call) -> bool``, when given, is asked
     before each write or shell call whose arguments are valid; ``False`` declines it.
     ``bash`` runs ``/bin/sh -c`` in ``root`` in a process group of its own, which is killed
-    after ``shell_timeout`` seconds, when the signal is set, and when the shell exits
-    (background processes do not outlive the call).
+    after ``shell_timeout`` seconds, when the signal is set, when the shell exits and when
+    lich exits. The returned Tools has ``root``, the real path of the folder.
     """
     if approve is not None and not callable(approve):
         raise TypeError(f"approve must be callable or None, not {approve!r}")
@@ -3182,19 +4382,21 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
         raise ValueError(f"shell_timeout must be above 0, not {shell_timeout}")
     workspace = _Workspace(root, approve, shell_timeout)
     tools = Tools()
+    tools.root = workspace.root.path
     tools.register(workspace.read_file)
     tools.register(workspace.list_files)
     tools.register(workspace.search)
     if allow_write:
-        tools._register(workspace.write_file, None, None, call_param="call")
-        tools._register(workspace.edit_file, None, None, call_param="call")
+        tools.register(workspace.write_file)
+        tools.register(workspace.edit_file)
     if allow_shell:
-        tools._register(
-            workspace.bash, None,
-            f"Run a shell command with /bin/sh in the workspace root; answers with its output "
-            f"(stdout and stderr together) and its exit code. Stdin is closed; the command is "
-            f"killed after {shell_timeout:g} seconds; background processes do not outlive it.",
-            call_param="call")
+        tools.register(
+            workspace.bash, description=(
+                f"Run a shell command with /bin/sh in the workspace root; answers with its "
+                f"output (stdout and stderr together) and its exit code. Stdin is empty; the "
+                f"command is killed after {shell_timeout:g} seconds. Every process it starts "
+                f"is killed when it ends, except those that leave its process group (setsid, "
+                f"daemons)."))
     return tools
 
 
