@@ -88,6 +88,17 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # many clients connecting at once are queued, not reset
     daemon_threads = True
 
+    def get_request(self):
+        connection, address = super().get_request()
+        # as real servers do: no small write waits for the client's delayed ACK (Nagle)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return connection, address
+
+    def handle_error(self, request, client_address):
+        # a client that hangs up mid-answer (a reset, a cut-off read) is what many tests do
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
 
 class LoopbackServer:
     """A real HTTP server on 127.0.0.1 in a daemon thread.
