@@ -1,5 +1,6 @@
 """Tests for lich.py; the sections follow lich.py's banners, fixtures and helpers first."""
 
+import io
 import json
 import os
 import re
@@ -50,16 +51,18 @@ class Reply:
 
     ``body`` is bytes, str, or a JSON-ready value (sent as application/json). With
     ``chunks``, the body is sent in chunked encoding piece by piece, ``delay`` seconds
-    apart; ``reset_after`` chunks have gone out, the connection is reset instead of
-    finished (``reset_after=0``: before any header).
+    apart, and ``hold`` (an Event) keeps the last piece, the end of the body with it, back
+    until it is set; ``reset_after`` chunks have gone out, the connection is reset instead
+    of finished (``reset_after=0``: before any header).
     """
 
     def __init__(self, status=200, body=b"", *, headers=None, chunks=None, delay=0.0,
-                 reset_after=None, content_type=None):
+                 hold=None, reset_after=None, content_type=None):
         self.status = status
         self.headers = dict(headers or {})
         self.chunks = None if chunks is None else [_as_bytes(c) for c in chunks]
         self.delay = delay
+        self.hold = hold
         self.reset_after = reset_after
         if isinstance(body, (bytes, str)):
             self.body = _as_bytes(body)
@@ -184,6 +187,8 @@ class LoopbackServer:
                     return
                 if reply.delay:
                     time.sleep(reply.delay)
+                if i == last and reply.hold is not None:
+                    reply.hold.wait(60)
                 data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk else b""
                 if i == last and reply.reset_after is None:
                     data += b"0\r\n\r\n"  # with the last piece, as servers that buffer do
@@ -648,42 +653,76 @@ def finishes(fn, timeout=5.0):
     return box[0]
 
 
-def run_lich(*args, input=None, env=None, timeout=60, cwd=None):
-    """Run ``python lich.py ARGS`` as a subprocess; returns the CompletedProcess (text)."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, str(LICH_PY), *args], input=input, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False)
+@pytest.fixture
+def lich_model(server, monkeypatch):
+    """LICH_MODEL names the loopback server: for main() here and for the processes started."""
+    monkeypatch.setenv("LICH_MODEL", f"openai:gpt-test@{server.url}/v1")
 
 
-def cli_env(server, tmp_path, **extra):
-    """Environment for a CLI subprocess: the loopback server as the model, sessions in tmp."""
-    env = {"LICH_MODEL": f"openai:gpt-test@{server.url}/v1",
-           "LICH_SESSION_DIR": str(tmp_path / "sessions")}
-    env.update(extra)
-    return env
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The command line in this process: ``cli(*ARGS, stdin=None, env=None, cwd=None)`` runs
+    ``lich.main(ARGS)`` and returns (exit code, stdout, stderr).
+
+    stdin is a pipe's stream over ``stdin`` (str or bytes; empty when None), never a
+    terminal; ``env`` updates os.environ and ``cwd`` is the working folder, for the call only.
+    """
+
+    def run(*args, stdin=None, env=None, cwd=None):
+        data = stdin.encode() if isinstance(stdin, str) else stdin or b""
+        with monkeypatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            if cwd is not None:
+                patch.chdir(cwd)
+            patch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+            capsys.readouterr()  # what came before is not the command's
+            code = lich.main(list(args))
+            return (code, *capsys.readouterr())
+
+    return run
 
 
-def start_lich(*args, env):
-    full = dict(os.environ)
-    full.update(env)
-    return subprocess.Popen([sys.executable, str(LICH_PY), *args], env=full, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Process:
+    """``python ARGV`` as a child process, for what only a process shows: signals, a real
+    stdin, exit codes, the script's own --help, what ``import lich`` loads, memory, SIGKILL.
+
+    Its environment is os.environ updated with ``env``; stdin carries ``input`` (bytes make
+    every pipe binary) or is closed; stdout and stderr are pipes that ``wait`` reads.
+    """
+
+    def __init__(self, *argv, input=None, env=None, cwd=None):
+        self.input = input
+        self.popen = subprocess.Popen(
+            [sys.executable, *map(str, argv)], env={**os.environ, **(env or {})}, cwd=cwd,
+            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=not isinstance(input, bytes))
+
+    def wait(self, timeout=60):
+        """(exit code, stdout, stderr) once the process has ended."""
+        try:
+            out, err = self.popen.communicate(self.input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise
+        return self.popen.returncode, out, err
 
 
 class Pty:
-    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal."""
+    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal.
 
-    def __init__(self, *args, env):
+    ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
+    """
+
+    def __init__(self, *args, env=None):
         import pty
 
         self.master, slave = pty.openpty()
-        full = dict(os.environ)
-        full.update(env)
         self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env=full, close_fds=True)
+                                     stderr=slave, env={**os.environ, **(env or {})}, close_fds=True)
         os.close(slave)
         self.output = ""
+        self.transcript = ""
         import codecs
 
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -703,9 +742,15 @@ class Pty:
                 except OSError:
                     data = b""
                 assert data, f"the terminal closed before {text!r}; got {self.output!r}"
-                self.output += self.decoder.decode(data).replace("\r\n", "\n")
+                self._shown(data)
         head, _, self.output = self.output.partition(text)
         return head + text
+
+    def _shown(self, data):
+        text = self.decoder.decode(data).replace("\r\n", "\n")
+        self.output += text
+        self.transcript += text
+        return text
 
     def send(self, line):
         os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
@@ -723,7 +768,7 @@ class Pty:
                     data = os.read(self.master, 65536) if ready else b""
                 except OSError:  # the terminal closed: the process is gone
                     break
-                self.rest += self.decoder.decode(data).replace("\r\n", "\n")
+                self.rest += self._shown(data)
                 if not ready and self.proc.poll() is not None:
                     break
             self.proc.wait(timeout=10)
@@ -1888,10 +1933,9 @@ def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(serv
     server.responder = crash_model
     config = {"lich": str(HERE), "url": server.url, "root": str(tmp_path), "seed": 20261130, "kills": 110,
               "max_points": 400}
-    proc = subprocess.run([sys.executable, "-c", CRASH_DRIVER, json.dumps(config)], capture_output=True,
-                          text=True, timeout=300, check=False, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outcome = json.loads(proc.stdout)
+    code, out, err = Process("-c", CRASH_DRIVER, json.dumps(config)).wait(timeout=300)
+    assert code == 0, err[-3000:]
+    outcome = json.loads(out)
     [reference_path] = (tmp_path / "reference" / "sessions").iterdir()
     reference = records(reference_path)
     assert reference[-1] == meta(event="run_end", stopped_reason="final",
@@ -4953,10 +4997,9 @@ print(json.dumps({"growth": growth, "control": control, "tool": run.messages[2][
 
 
 def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
-    proc = subprocess.run([sys.executable, "-c", SHELL_FLOOD, str(HERE), str(ws), str(tmp_path / "s")],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    code, out, err = Process("-c", SHELL_FLOOD, HERE, ws, tmp_path / "s").wait(timeout=120)
+    assert code == 0, err
+    report = json.loads(out)
     assert (report["growth"] < 100 << 10, report["control"] >= 50 << 10) == (True, True), report
     assert (report["stopped"], report["tool"]) == (
         "final", "a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000 + "\n[exit code 0]")
@@ -4970,23 +5013,28 @@ def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
 # --- options and defaults ---
 
 
-def test_options_reach_the_request(server, tmp_path):
+def test_main_returns_codes_in_process(cli):
+    assert cli("--version") == (0, f"lich {lich.__version__}\n", "")
+    code, out, err = cli("--max-turns", "x", "hi")
+    assert (code, out, err.splitlines()[-1]) == (
+        2, "", "lich: error: argument --max-turns: expected a whole number >= 1, got 'x'")
+
+
+def test_options_reach_the_request(server, cli):
     queue(server, openai_reply("ok"))
-    env = cli_env(server, tmp_path, LICH_MODEL="")
-    proc = run_lich("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
-                    "--temperature", "0.25", "--no-stream", "hi", env=env)
-    assert proc.returncode == 0, proc.stderr
+    assert cli("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
+               "--temperature", "0.25", "--no-stream", "hi", env={"LICH_MODEL": ""}) == (0, "ok\n", "")
     body = server.requests[0]["json"]
     assert (body["model"], body["temperature"], body["messages"][0]) == (
         "my-model", 0.25, {"role": "system", "content": "Be brief."})
 
 
-def test_write_and_shell_tools_are_offered_only_when_allowed(server, tmp_path):
+def test_write_and_shell_tools_are_offered_only_when_allowed(server, lich_model, cli):
     names = []
     for args in ([], ["--allow", "write"], ["--allow", "shell"], ["--allow", "write", "--allow", "shell"],
                  ["--yolo"]):
         queue(server, openai_reply("ok"))
-        assert run_lich("--no-stream", *args, "hi", env=cli_env(server, tmp_path)).returncode == 0
+        assert cli("--no-stream", *args, "hi") == (0, "ok\n", "")
         names.append([t["function"]["name"] for t in server.requests[-1]["json"]["tools"]])
     base = ["read_file", "list_files", "search"]
     assert names == [base, base + ["write_file", "edit_file"], base + ["bash"],
@@ -4998,17 +5046,20 @@ def test_write_and_shell_tools_are_offered_only_when_allowed(server, tmp_path):
     (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
     (["--context-budget", "-1", "x"], "argument --context-budget: expected a whole number >= 0, got '-1'"),
 ], ids=["max-turns", "allow", "budget"])
-def test_usage_errors_exit_2(server, tmp_path, args, message):
-    proc = run_lich(*args, env=cli_env(server, tmp_path))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == f"lich: error: {message}"
+def test_usage_errors_exit_2(lich_model, cli, args, message):
+    code, out, err = cli(*args)
+    assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
 
 
-def test_no_model_configured_exits_2_naming_the_variables(tmp_path):
-    proc = run_lich("hi")
-    assert (proc.returncode, proc.stdout) == (2, "")
+def test_no_model_configured_exits_2_naming_the_variables(cli):
+    code, out, err = cli("hi")
+    assert (code, out) == (2, "")
     for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL"):
-        assert name in proc.stderr
+        assert name in err
+    assert err == (
+        "lich: no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
+        "anthropic:claude-sonnet-4-5), or set OPENAI_API_KEY or ANTHROPIC_API_KEY; for a local "
+        "OpenAI-compatible server such as Ollama set OPENAI_BASE_URL=http://localhost:11434/v1\n")
 
 
 @pytest.mark.parametrize("env, model", [
@@ -5016,83 +5067,73 @@ def test_no_model_configured_exits_2_naming_the_variables(tmp_path):
     ({"ANTHROPIC_API_KEY": "k"}, "claude-sonnet-4-5"),
     ({"OPENAI_API_KEY": "k", "ANTHROPIC_API_KEY": "k"}, "gpt-4.1-mini"),
 ], ids=["openai", "anthropic", "both"])
-def test_default_model_follows_the_keys(server, tmp_path, env, model):
+def test_default_model_follows_the_keys(server, cli, env, model):
     base = {"ANTHROPIC_BASE_URL": server.url}
     if "gpt" in model:
         base["OPENAI_BASE_URL"] = server.url + "/v1"
     queue(server, openai_reply("ok") if "gpt" in model else anthropic_reply(text_block("ok")))
-    proc = run_lich("--no-stream", "hi", env={**base, **env})
-    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr
+    assert cli("--no-stream", "hi", env={**base, **env}) == (0, "ok\n", "")
     assert server.requests[0]["json"]["model"] == model
 
 
-def test_unknown_provider_is_a_usage_error(server, tmp_path):
-    proc = run_lich("-m", "gemini:x", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 2 and proc.stderr.startswith("lich: unknown provider")
+def test_unknown_provider_is_a_usage_error(lich_model, cli):
+    assert cli("-m", "gemini:x", "hi") == (
+        2, "", "lich: unknown provider 'gemini' in 'gemini:x'; known providers: anthropic, openai\n")
 
 
-def test_verbose_adds_debug_logs_usage_and_tracebacks(server, tmp_path):
+def test_verbose_adds_debug_logs_usage_and_tracebacks(server, lich_model, cli):
     queue(server, openai_reply("ok"))
-    proc = run_lich("-v", "--no-stream", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 0
-    assert "lich: debug: openai: POST " in proc.stderr
-    assert proc.stderr.splitlines()[-1] == "lich: usage: 7 input tokens, 3 output tokens"
+    code, out, err = cli("-v", "--no-stream", "hi")
+    assert (code, out) == (0, "ok\n")
+    assert "lich: debug: openai: POST " in err
+    assert err.splitlines()[-1] == "lich: usage: 7 input tokens, 3 output tokens"
     queue(server, Reply(404, {"error": {"message": "gone", "code": "model_not_found"}}))
-    proc = run_lich("-v", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith("lich: error: not_found: ")
+    code, out, err = cli("-v", "hi")
+    assert (code, out) == (1, "") and "Traceback (most recent call last)" in err
+    assert err.splitlines()[-1].startswith("lich: error: not_found: ")
 
 
-def test_quiet_hides_tool_lines(server, tmp_path, workspace):
+def test_quiet_hides_tool_lines(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("ok"))
-    proc = run_lich("-q", "--no-stream", "--root", str(workspace), "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ok\n", "")
+    assert cli("-q", "--no-stream", "--root", str(workspace), "hi") == (0, "ok\n", "")
 
 
 @pytest.mark.parametrize("env, expected", [
     ({"XDG_STATE_HOME": "STATE"}, "STATE/lich/sessions"),
     ({}, "HOME/.local/state/lich/sessions"),
 ], ids=["xdg", "home"])
-def test_default_session_dir(server, tmp_path, env, expected):
+def test_default_session_dir(server, cli, tmp_path, env, expected):
     queue(server, openai_reply("ok"))
     env = {k: str(tmp_path / v) for k, v in env.items()}
     full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
             **env}
-    assert run_lich("--no-stream", "hi", env=full).returncode == 0
+    assert cli("--no-stream", "hi", env=full) == (0, "ok\n", "")
     assert len(list((tmp_path / expected).iterdir())) == 1
 
 
-def test_context_budget_compresses_and_zero_turns_it_off(server, tmp_path, workspace):
-    env = cli_env(server, tmp_path)
+def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli, tmp_path):
     history = tmp_path / "sessions"
     history.mkdir()
     lines = [msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)]
     write_records(history / "20260101T000000Z-1.jsonl", *lines)
     queue(server, openai_reply("summary"), openai_reply("answer"))
-    proc = run_lich("--no-stream", "--context-budget", "100", "--resume", "20260101T000000Z-1", "go", env=env)
-    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
+    assert cli("--no-stream", "--context-budget", "100", "--resume", "20260101T000000Z-1", "go") == (
+        0, "answer\n", "(history compressed: 7 characters of summary)\n")
     assert server.requests[0]["json"]["messages"][0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT
-    assert proc.stderr == "(history compressed: 7 characters of summary)\n"
     queue(server, openai_reply("answer"))
-    proc = run_lich("--no-stream", "--context-budget", "0", "--resume", "20260101T000000Z-1", "go", env=env)
-    assert proc.returncode == 0 and len(server.requests) == 3
+    assert cli("--no-stream", "--context-budget", "0", "--resume", "20260101T000000Z-1", "go") == (
+        0, "answer\n", "")
+    assert len(server.requests) == 3
     assert len(server.requests[2]["json"]["messages"]) == 14
-
-
-def test_main_returns_codes_in_process(capsys):
-    assert lich.main(["--version"]) == 0
-    assert capsys.readouterr().out == f"lich {lich.__version__}\n"
-    assert lich.main(["--max-turns", "x", "hi"]) == 2
 
 
 # --- one-shot runs ---
 
 
-def test_one_shot_prints_only_the_answer(server, tmp_path, workspace):
+def test_one_shot_prints_only_the_answer(server, lich_model, cli, tmp_path, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("It says hello."))
-    proc = run_lich("--no-stream", "--root", str(workspace), "what is in a.txt?",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "It says hello.\n", "→ read_file a.txt ✓\n")
+    assert cli("--no-stream", "--root", str(workspace), "what is in a.txt?") == (
+        0, "It says hello.\n", "→ read_file a.txt ✓\n")
     first = server.requests[0]["json"]
     assert first["messages"][1] == {"role": "user", "content": "what is in a.txt?"}
     assert first["messages"][0]["role"] == "system" and str(workspace) in first["messages"][0]["content"]
@@ -5102,18 +5143,16 @@ def test_one_shot_prints_only_the_answer(server, tmp_path, workspace):
     assert [m["role"] for m in lich.read_session_messages(path)] == ["system", "user", "assistant", "tool", "assistant"]
 
 
-def test_one_shot_streams_the_answer(server, tmp_path):
+def test_one_shot_streams_the_answer(server, lich_model, cli):
     queue(server, stream_reply("Hi ", "there"))
-    proc = run_lich("hello", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "Hi there\n", "")
+    assert cli("hello") == (0, "Hi there\n", "")
     assert server.requests[0]["json"]["stream"] is True
 
 
-def test_a_failed_tool_shows_its_reason(server, tmp_path, workspace):
+def test_a_failed_tool_shows_its_reason(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "../etc/passwd"}')), openai_reply("No."))
-    proc = run_lich("--no-stream", "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
-    assert proc.stderr == "→ read_file ../etc/passwd ✗ path is outside the workspace: ../etc/passwd\n"
-    assert proc.returncode == 0
+    assert cli("--no-stream", "--root", str(workspace), "read it") == (
+        0, "No.\n", "→ read_file ../etc/passwd ✗ path is outside the workspace: ../etc/passwd\n")
 
 
 @pytest.mark.parametrize("prompt, piped, expected", [
@@ -5121,24 +5160,32 @@ def test_a_failed_tool_shows_its_reason(server, tmp_path, workspace):
     ([], "just the prompt\n", "just the prompt\n"),
     (["q"], "has ``` fences\n", "````\nhas ``` fences\n````\n\nq"),
 ], ids=["context-then-prompt", "stdin-is-the-prompt", "longer-fence"])
-def test_piped_stdin(server, tmp_path, prompt, piped, expected):
+def test_piped_stdin(server, lich_model, cli, prompt, piped, expected):
     queue(server, openai_reply("ok"))
-    proc = run_lich("--no-stream", *prompt, input=piped, env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "ok\n")
+    assert cli("--no-stream", *prompt, stdin=piped) == (0, "ok\n", "")
     assert server.requests[0]["json"]["messages"][-1] == {"role": "user", "content": expected}
 
 
-def test_no_prompt_and_empty_stdin_is_a_usage_error(server, tmp_path):
-    proc = run_lich(input="", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
+def test_no_prompt_and_empty_stdin_is_a_usage_error(lich_model, cli):
+    assert cli(stdin="") == (2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
 
 
-def test_json_lines(server, tmp_path, workspace):
+def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, lich_model, cli, tmp_path):
+    piped = ("log line\n" * 1_000_000) + "`" * 1_000_000 + "\nend\n"
+    queue(server, openai_reply("summarised"))
+    assert cli("--no-stream", "summarise", stdin=piped) == (0, "summarised\n", "")
+    fence = "`" * 1_000_001
+    expected = f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\nsummarise"
+    assert server.requests[0]["json"]["messages"][-1] == user(expected)
+    [path] = sessions_in(tmp_path)
+    assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
+
+
+def test_json_lines(server, lich_model, cli, tmp_path, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("done"))
-    proc = run_lich("--json", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert (proc.returncode, proc.stderr) == (0, "")
+    code, out, err = cli("--json", "--root", str(workspace), "go")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert (code, err) == (0, "")
     assert [e["type"] for e in lines] == ["turn_start", "llm_start", "llm_end", "tool_call_start",
                                           "tool_call_end", "turn_start", "llm_start", "llm_end",
                                           "final", "turn_end", "run_end"]
@@ -5155,11 +5202,11 @@ def test_json_lines(server, tmp_path, workspace):
     assert "stream" not in server.requests[0]["json"]
 
 
-def test_json_lines_on_a_provider_error(server, tmp_path):
+def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
     queue(server, Reply(400, {"error": {"message": "bad thing", "type": "invalid_request_error",
                                         "code": None}}))
-    proc = run_lich("--json", "go", env=cli_env(server, tmp_path))
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    code, out, err = cli("--json", "go")
+    lines = [json.loads(line) for line in out.splitlines()]
     assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error", "run_end"]
     [path] = sessions_in(tmp_path)
     assert lines[3] == {"type": "run_end", "stopped_reason": "error",
@@ -5168,47 +5215,65 @@ def test_json_lines_on_a_provider_error(server, tmp_path):
                                  "kind": "bad_request", "status": 400, "retryable": False,
                                  "retry_after": None}
     assert "bad thing" in lines[2]["error"]["message"]
-    assert proc.returncode == 1
-    assert proc.stderr == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
+    assert code == 1
+    assert err == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
 
 
-def test_one_shot_runs_allowed_tools_without_asking(server, tmp_path, workspace):
+def test_one_shot_runs_allowed_tools_without_asking(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
                              ("c2", "bash", '{"command": "echo shell-ran"}')), openai_reply("done"))
-    proc = run_lich("--yolo", "--no-stream", "--root", str(workspace), "make it", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "done\n")
-    assert proc.stderr == "→ write_file new.txt ✓\n→ bash echo shell-ran ✓\n"
+    assert cli("--yolo", "--no-stream", "--root", str(workspace), "make it") == (
+        0, "done\n", "→ write_file new.txt ✓\n→ bash echo shell-ran ✓\n")
     assert (workspace / "new.txt").read_text() == "made"
     tool_messages = server.requests[1]["json"]["messages"][-2:]
     assert "shell-ran" in tool_messages[1]["content"]
 
 
-def test_max_turns_budget_exits_3_with_the_last_text(server, tmp_path, workspace):
+def test_max_turns_budget_exits_3_with_the_last_text(server, lich_model, cli, workspace):
     call = ("c1", "list_files", "{}")
     queue(server, Reply(200, openai_reply("still looking", call, finish="tool_calls")),
           Reply(200, openai_reply("one more look", ("c2", "list_files", "{}"), finish="tool_calls")))
-    proc = run_lich("--no-stream", "--max-turns", "2", "--root", str(workspace), "look",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (3, "one more look\n")
-    assert proc.stderr.splitlines() == [
+    code, out, err = cli("--no-stream", "--max-turns", "2", "--root", str(workspace), "look")
+    assert (code, out) == (3, "one more look\n")
+    assert err.splitlines() == [
         "→ list_files ✓", "→ list_files ✗ turn_budget_exhausted",
         "lich: stopped: the turn budget (2) ran out before a final answer; raise --max-turns or continue with -c"]
     assert len(server.requests) == 2
 
 
-def test_provider_error_exits_1_without_traceback(server, tmp_path):
+def test_provider_error_exits_1_without_traceback(server, lich_model, cli, tmp_path):
     queue(server, Reply(404, {"error": {"message": "The model does not exist", "type": "invalid_request_error",
                                         "code": "model_not_found"}}))
-    proc = run_lich("hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (1, "")
-    assert proc.stderr == ("lich: error: not_found: openai: HTTP 404 (model_not_found): "
-                           "The model does not exist\n")
+    assert cli("hi") == (1, "", ("lich: error: not_found: openai: HTTP 404 (model_not_found): "
+                                 "The model does not exist\n"))
     [path] = sessions_in(tmp_path)
     assert records(path)[-1] == meta(event="run_error", error="ProviderError: openai: HTTP 404 "
                                      "(model_not_found): The model does not exist")
 
 
-def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
+def test_one_provider_is_retried(server, lich_model, cli):
+    queue(server, Reply(500, "upstream hiccup"), openai_reply("second time lucky"))
+    assert cli("--no-stream", "hi") == (0, "second time lucky\n", "")
+    assert len(server.requests) == 2
+
+
+def test_streamed_compression_summary_is_not_shown_as_the_answer(server, lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl",
+                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
+    queue(server, stream_reply("SUMMARY ", "TEXT"), stream_reply("the ", "answer"))
+    assert cli("--context-budget", "100", "--resume", "20260101T000000Z-1", "go") == (
+        0, "the answer\n", "(history compressed: 12 characters of summary)\n")
+
+
+def test_deeply_nested_tool_arguments_on_the_command_line(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
+    assert cli("--no-stream", "--root", str(workspace), "go") == (
+        0, "ok\n", "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n")
+
+
+def test_api_keys_never_appear_in_any_output(server, cli, tmp_path, workspace):
     env = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET, "OPENAI_BASE_URL": server.url + "/v1",
            "ANTHROPIC_BASE_URL": server.url, "LICH_SESSION_DIR": str(tmp_path / "sessions")}
     echo = {"error": {"message": f"Incorrect API key provided: {SECRET}", "type": "invalid_request_error",
@@ -5229,8 +5294,8 @@ def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
     outputs = []
     for args, replies in runs:
         queue(server, *replies)
-        proc = run_lich(*args, "--root", str(workspace), "hi", env=env)
-        outputs.append(proc.stdout + proc.stderr)
+        _, out, err = cli(*args, "--root", str(workspace), "hi", env=env)
+        outputs.append(out + err)
     assert all(SECRET not in o for o in outputs), [o for o in outputs if SECRET in o]
     assert "redacted" in outputs[3]
     for path in sessions_in(tmp_path):
@@ -5238,44 +5303,7 @@ def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
     assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
 
 
-def test_streamed_compression_summary_is_not_shown_as_the_answer(server, tmp_path):
-    d = tmp_path / "sessions"
-    d.mkdir()
-    write_records(d / "20260101T000000Z-1.jsonl",
-                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
-    queue(server, stream_reply("SUMMARY ", "TEXT"), stream_reply("the ", "answer"))
-    proc = run_lich("--context-budget", "100", "--resume", "20260101T000000Z-1", "go",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "the answer\n")
-    assert proc.stderr == "(history compressed: 12 characters of summary)\n"
-
-
-def test_one_provider_is_retried(server, tmp_path):
-    queue(server, Reply(500, "upstream hiccup"), openai_reply("second time lucky"))
-    proc = run_lich("--no-stream", "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, len(server.requests)) == (0, "second time lucky\n", 2)
-
-
-def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
-    piped = ("log line\n" * 1_000_000) + "`" * 1_000_000 + "\nend\n"
-    queue(server, openai_reply("summarised"))
-    proc = run_lich("--no-stream", "summarise", input=piped, env=cli_env(server, tmp_path), timeout=60)
-    assert (proc.returncode, proc.stdout) == (0, "summarised\n"), proc.stderr[-2000:]
-    fence = "`" * 1_000_001
-    expected = f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\nsummarise"
-    assert server.requests[0]["json"]["messages"][-1] == user(expected)
-    [path] = sessions_in(tmp_path)
-    assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
-
-
-def test_deeply_nested_tool_arguments_on_the_command_line(server, tmp_path, workspace):
-    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
-    proc = run_lich("--no-stream", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "ok\n")
-    assert proc.stderr == "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n"
-
-
-def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(server, tmp_path, workspace):
+def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(server, cli, tmp_path, workspace):
     keys = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET}
     env = {**keys, "OPENAI_BASE_URL": server.url + "/v1", "ANTHROPIC_BASE_URL": server.url,
            "LICH_SESSION_DIR": str(tmp_path / "sessions"), "NO_COLOR": "1"}
@@ -5300,9 +5328,9 @@ def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(ser
     outputs, codes = [], []
     for args, extra, replies in runs:
         queue(server, *replies)
-        proc = run_lich("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
-        outputs.append(proc.stdout + proc.stderr)
-        codes.append(proc.returncode)
+        code, out, err = cli("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
+        outputs.append(out + err)
+        codes.append(code)
     assert codes == [1] * 6 + [0, 0, 0, 1] + [0, 0, 2, 0]
     assert [o for o in outputs if SECRET in o] == []
     assert "[redacted]" in outputs[0] and "[redacted]" in outputs[1]
@@ -5318,12 +5346,12 @@ def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(ser
 # --- interactive chat ---
 
 
-def test_interactive_chat_resume_clear_sessions_exit(server, tmp_path):
+def test_interactive_chat_resume_clear_sessions_exit(server, lich_model, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
     write_records(d / "20260101T000000Z-1.jsonl", msg(user("earlier q")), msg(assistant("earlier a")))
     os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
-    term = Pty(env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term = Pty(env={"NO_COLOR": "1"})
     term.expect(PROMPT)
     term.send("/resume 20260101T000000Z-1")
     assert "resumed 20260101T000000Z-1: 2 messages" in term.expect(PROMPT)
@@ -5359,7 +5387,7 @@ def test_interactive_chat_resume_clear_sessions_exit(server, tmp_path):
         assert path.name[:-len(".jsonl")] in listing
 
 
-def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, workspace):
+def test_interactive_approvals_yes_no_always_and_ctrl_d(server, lich_model, workspace):
     write = ("write_file", '{"path": "out.txt", "content": "%s"}')
     queue(server,
           tool_reply(("c1", write[0], write[1] % "first")),
@@ -5367,7 +5395,7 @@ def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, worksp
           tool_reply(("c3", write[0], write[1] % "third"), ("c4", "edit_file",
                      '{"path": "out.txt", "old_text": "third", "new_text": "fourth"}'), ("c5", write[0], '{"path": "b.txt", "content": "x"}')),
           stream_reply("All written."))
-    term = Pty("--allow", "write", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
     term.expect(PROMPT)
     term.send("write things")
     term.expect("allow? [y]es / [n]o / [a]lways ")
@@ -5390,22 +5418,26 @@ def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, worksp
     assert term.close() == 0
 
 
-def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
+def test_a_chat_turn_given_up_on_cannot_come_back(server, lich_model, tmp_path, workspace):
     import signal as signals
 
-    # the first answer takes 2.5 s and asks for a write: Ctrl-C gives up on it after 1 s
-    slow = Reply(200, chunks=["", json.dumps(openai_reply(
+    # the first answer, which asks for a write, is held back until Ctrl-C has given up on it
+    late = threading.Event()
+    slow = Reply(200, chunks=[json.dumps(openai_reply(
         "LATE TEXT", ("c1", "write_file", '{"path": "late.txt", "content": "no"}'),
-        finish="tool_calls"))], delay=1.25, content_type="application/json")
+        finish="tool_calls"))], hold=late, content_type="application/json")
     queue(server, slow, stream_reply("Fresh answer."))
-    term = Pty("--yolo", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
-    term.expect(PROMPT)
-    term.send("slow one")
-    wait_for_request(server)
-    term.proc.send_signal(signals.SIGINT)
-    assert "interrupted" in term.expect(PROMPT)
-    term.send("next one")
-    assert "Fresh answer.\n" in term.expect(PROMPT)
+    term = Pty("--yolo", "--root", str(workspace), env={"NO_COLOR": "1"})
+    try:
+        term.expect(PROMPT)
+        term.send("slow one")
+        wait_for_request(server)
+        term.proc.send_signal(signals.SIGINT)
+        assert "interrupted" in term.expect(PROMPT)
+        term.send("next one")
+        assert "Fresh answer.\n" in term.expect(PROMPT)
+    finally:
+        late.set()  # the given-up run gets its answer now
     ended = meta(event="run_error", error="AbortError: chat stream aborted")
     deadline = time.monotonic() + 15
     while not any(ended in records(p) for p in sessions_in(tmp_path)):  # its answer came
@@ -5414,6 +5446,7 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
     term.send("/exit")
     assert term.close() == 0
     assert "LATE TEXT" not in term.rest and "write_file" not in term.rest
+    assert "LATE TEXT" not in term.transcript and "write_file" not in term.transcript
     assert not (workspace / "late.txt").exists()
     assert len(server.requests) == 2
     assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["next one"]
@@ -5424,21 +5457,25 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
         ("user", "next one"), ("assistant", "Fresh answer.")]
 
 
-def test_the_spinner_runs_while_waiting_on_a_terminal(server, tmp_path):
-    queue(server, Reply(200, chunks=["", openai_sse(delta_chunk(content="done"), delta_chunk(finish="stop"))],
-                        delay=0.4))
-    term = Pty(env=cli_env(server, tmp_path))
+def test_the_spinner_runs_while_waiting_on_a_terminal(server, lich_model):
+    answered = threading.Event()  # the answer waits until the spinner was seen
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="done"), delta_chunk(finish="stop"))],
+                        hold=answered))
+    term = Pty()
     term.expect(PROMPT)
     term.send("hi")
-    shown = term.expect(PROMPT)
+    try:
+        shown = term.expect("⠋ thinking")
+    finally:
+        answered.set()
+    shown += term.expect(PROMPT)
     assert "⠋ thinking" in shown and "\x1b[K" in shown and "done" in shown
     term.send("/exit")
     assert term.close() == 0
 
 
-def test_api_key_marker_appears_nowhere_in_interactive_chat(server, tmp_path, workspace):
-    env = {**cli_env(server, tmp_path), "OPENAI_API_KEY": SECRET, "NO_COLOR": "1"}
-    term = Pty("-v", "--root", str(workspace), env=env)
+def test_api_key_marker_appears_nowhere_in_interactive_chat(server, lich_model, tmp_path, workspace):
+    term = Pty("-v", "--root", str(workspace), env={"OPENAI_API_KEY": SECRET, "NO_COLOR": "1"})
     term.expect(PROMPT)
     queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), stream_reply("It says hello."))
     term.send("read a.txt")
@@ -5453,37 +5490,34 @@ def test_api_key_marker_appears_nowhere_in_interactive_chat(server, tmp_path, wo
     term.expect(PROMPT)
     term.send("/exit")
     assert term.close() == 0
-    assert SECRET not in term.output and SECRET not in "".join(p.read_text() for p in sessions_in(tmp_path))
+    assert SECRET not in term.transcript and SECRET not in "".join(p.read_text() for p in sessions_in(tmp_path))
     assert [r["headers"]["authorization"] for r in server.requests] == [f"Bearer {SECRET}"] * 3
 
 
 # --- sessions ---
 
 
-def test_sessions_options(server, tmp_path):
+def test_sessions_options(server, lich_model, cli, tmp_path):
     queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
-    env = cli_env(server, tmp_path)
-    assert run_lich("--no-stream", "--label", "my run", "hi", env=env).returncode == 0
-    assert run_lich("--no-stream", "--no-session", "hi", env=env).returncode == 0
+    assert cli("--no-stream", "--label", "my run", "hi") == (0, "one\n", "")
+    assert cli("--no-stream", "--no-session", "hi") == (0, "two\n", "")
     other = tmp_path / "elsewhere"
-    assert run_lich("--no-stream", "--session-dir", str(other), "hi", env=env).returncode == 0
+    assert cli("--no-stream", "--session-dir", str(other), "hi") == (0, "three\n", "")
     [labelled] = sessions_in(tmp_path)
     assert labelled.name.endswith("-my-run.jsonl")
     assert len(list(other.iterdir())) == 1
 
 
-def test_resume_by_id_prefix_latest_and_continue(server, tmp_path):
-    env = cli_env(server, tmp_path)
+def test_resume_by_id_prefix_latest_and_continue(server, lich_model, cli, tmp_path):
     queue(server, openai_reply("first answer"))
-    assert run_lich("--no-stream", "--label", "first", "first question", env=env).returncode == 0
+    assert cli("--no-stream", "--label", "first", "first question") == (0, "first answer\n", "")
     [first] = sessions_in(tmp_path)
     first_id = first.name[:-len(".jsonl")]
     for ref_args in (["--resume", first_id], ["--resume", first_id[:-4]], ["--resume", "latest"], ["-c"]):
         resumed = lich.read_session_messages(first if "--resume" in ref_args[:1] and ref_args[1] != "latest"
                                              else sessions_in(tmp_path)[-1])
         queue(server, openai_reply("again"))
-        proc = run_lich("--no-stream", *ref_args, "next", env=env)
-        assert (proc.returncode, proc.stdout) == (0, "again\n"), (ref_args, proc.stderr)
+        assert cli("--no-stream", *ref_args, "next") == (0, "again\n", ""), ref_args
         assert server.requests[-1]["json"]["messages"][1:] == [
             {"role": m["role"], "content": m["content"]} for m in resumed[1:]] + [
             {"role": "user", "content": "next"}]
@@ -5494,14 +5528,18 @@ def test_resume_by_id_prefix_latest_and_continue(server, tmp_path):
     assert len(resumed) == 7  # -c took the run before it, which had resumed the one before
 
 
-@pytest.mark.parametrize("ref", ["nope", "../sessions/x", "/etc/passwd", ""], ids=["unknown", "traversal", "absolute", "empty"])
-def test_resume_unknown_session_exits_2(server, tmp_path, ref):
-    proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"lich: session not found: {ref}\n")
-    assert server.requests == []
+@pytest.mark.parametrize("ref", [
+    "nope", "../sessions/x", "/etc/passwd", "", "../sessions/20260101T000000Z-1", "a\0b", "x" * 10_000,
+    "latest\n",
+], ids=["unknown", "traversal", "absolute", "empty", "traversal-to-a-real-one", "nul", "10000-chars",
+        "newline"])
+def test_resume_of_an_unknown_or_hostile_session_exits_2(server, lich_model, cli, tmp_path, ref):
+    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
+    assert cli("--resume", ref, "hi") == (2, "", f"lich: session not found: {ref}\n")
+    assert server.requests == [] and len(sessions_in(tmp_path)) == 1
 
 
-def test_list_sessions_newest_first(server, tmp_path):
+def test_list_sessions_newest_first(lich_model, cli, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
     write_records(d / "20260101T000000Z-1.jsonl", msg(user("first  question\nmore")), msg(assistant("a")))
@@ -5509,11 +5547,34 @@ def test_list_sessions_newest_first(server, tmp_path):
                   msg(user("again")), msg(assistant("c")))
     os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
     os.utime(d / "20260102T000000Z-1-x.jsonl", (1_700_000_100, 1_700_000_100))
-    proc = run_lich("--list-sessions", env=cli_env(server, tmp_path))
     when = [time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) for t in (1_700_000_100, 1_700_000_000)]
-    assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == (f"20260102T000000Z-1-x  {when[0]}     4 messages  second\n"
-                           f"20260101T000000Z-1  {when[1]}     2 messages  first question more\n")
+    listing = (f"20260102T000000Z-1-x  {when[0]}     4 messages  second\n"
+               f"20260101T000000Z-1  {when[1]}     2 messages  first question more\n")
+    assert cli("--list-sessions") == (0, listing, "")
+
+
+def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli, tmp_path):
+    big = "b" * 10_000_000
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = write_records(
+        d / "20260101T000000Z-1.jsonl",
+        msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
+        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
+        "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
+        msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
+        msg(assistant("", ("c1", "echo", "{}"))))
+    history = lich.read_session_messages(path)
+    assert history == [user(big), {"role": "user", "content": "nested", "x": json.loads(deep(500))},
+                       assistant("crlf"), assistant("", ("c1", "echo", "{}")),
+                       tool_msg("c1", INTERRUPTED, is_error=True)]
+    queue(server, openai_reply("resumed"))
+    assert cli("--no-stream", "--resume", "20260101T000000Z-1", "go on") == (0, "resumed\n", "")
+    sent = server.requests[0]["json"]["messages"]
+    assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
+    assert wire_problem(sent) is None
+    code, out, _ = cli("--list-sessions")
+    assert code == 0 and out.count("\n") == 2
 
 
 DROP_DAC = """
@@ -5532,44 +5593,35 @@ os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 
 
-def run_lich_via(wrapper, *args, env):
-    """``python lich.py ARGS`` started through a small Python ``wrapper`` that execs it."""
-    full = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-c", wrapper, *args], env=full, capture_output=True,
-                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
-
-
-def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server, tmp_path):
+def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server, lich_model, cli, tmp_path):
     sessions = tmp_path / "sessions"
     sessions.mkdir()
     sessions.chmod(0o500)
     queue(server, openai_reply("answer"))
-    args = [str(LICH_PY), "--no-stream", "hi"]
-    if os.geteuid() == 0:
-        proc = run_lich_via(DROP_DAC, *args, env=cli_env(server, tmp_path))
-        if proc.returncode == 99:
+    if os.geteuid() == 0:  # root ignores the folder's mode, unless a process gives that power up
+        code, out, err = Process("-c", DROP_DAC, LICH_PY, "--no-stream", "hi").wait()
+        if code == 99:
             pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
     else:
-        proc = run_lich(*args[1:], env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
-    assert proc.stderr == ("lich: warning: session recording is off: cannot create a session file: "
-                           "Permission denied\n")
+        code, out, err = cli("--no-stream", "hi")
+    assert (code, out, err) == (0, "answer\n", ("lich: warning: session recording is off: cannot create a "
+                                                "session file: Permission denied\n"))
     assert list(sessions.iterdir()) == []
 
 
-def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, tmp_path, workspace):
+def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, lich_model, tmp_path, workspace):
     turns = 12
     calls = [(f"c{i}", "read_file", '{"path": "a.txt"}') for i in range(turns)]
     queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls],
           openai_reply("All read."))
-    limit = 4000
-    proc = run_lich_via(LIMIT_FILE_SIZE, str(limit), str(LICH_PY), "-q", "--no-stream", "-s", "sys",
-                        "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "All read.\n"), proc.stderr
+    limit = 4000  # RLIMIT_FSIZE holds for the whole process: lich runs in one of its own
+    code, out, err = Process("-c", LIMIT_FILE_SIZE, limit, LICH_PY, "-q", "--no-stream", "-s", "sys",
+                             "--root", workspace, "read it").wait()
+    assert (code, out) == (0, "All read.\n"), err
     [path] = sessions_in(tmp_path)
     session_id = path.name[:-len(".jsonl")]
-    assert proc.stderr == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
-                           f"File too large\n")
+    assert err == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
+                   f"File too large\n")
     recorded = records(path)  # every line whole
     expected = [meta(event="run_start", input_chars=7, history_size=0), msg({"role": "system", "content": "sys"}),
                 msg(user("read it"))]
@@ -5582,84 +5634,43 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
     assert history[-1]["role"] != "user"
 
 
-@pytest.mark.parametrize("ref", ["../sessions/20260101T000000Z-1", "a\0b", "x" * 10_000, "latest\n"],
-                         ids=["traversal", "nul", "10000-chars", "newline"])
-def test_hostile_session_refs_on_the_command_line(server, tmp_path, monkeypatch, capsys, ref):
-    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
-    monkeypatch.setenv("LICH_MODEL", f"openai:m@{server.url}/v1")
-    if "\0" in ref:  # no argv can carry a NUL: in process
-        code, err = lich.main(["--resume", ref, "hi"]), capsys.readouterr().err
-    else:
-        proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
-        code, err = proc.returncode, proc.stderr
-    assert (code, err) == (2, f"lich: session not found: {ref}\n")
-    assert server.requests == [] and len(sessions_in(tmp_path)) == 1
-
-
-def test_hostile_session_files_read_leniently_and_resume(server, tmp_path):
-    big = "b" * 10_000_000
-    d = tmp_path / "sessions"
-    d.mkdir()
-    path = write_records(
-        d / "20260101T000000Z-1.jsonl",
-        msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
-        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
-        "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
-        msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
-        msg(assistant("", ("c1", "echo", "{}"))))
-    history = lich.read_session_messages(path)
-    assert history == [user(big), {"role": "user", "content": "nested", "x": json.loads(deep(500))},
-                       assistant("crlf"), assistant("", ("c1", "echo", "{}")),
-                       tool_msg("c1", INTERRUPTED, is_error=True)]
-    queue(server, openai_reply("resumed"))
-    proc = run_lich("--no-stream", "--resume", "20260101T000000Z-1", "go on", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "resumed\n"), proc.stderr[-2000:]
-    sent = server.requests[0]["json"]["messages"]
-    assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
-    assert wire_problem(sent) is None
-    listing = run_lich("--list-sessions", env=cli_env(server, tmp_path))
-    assert listing.returncode == 0 and listing.stdout.count("\n") == 2
-
-
 # --- process ---
 
 
 def test_version_subprocess():
-    proc = run_lich("--version")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"lich {lich.__version__}\n", "")
-
-
-def test_import_does_not_import_requests():
-    code = "import sys, lich; print('requests' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=HERE, timeout=60, check=False)
-    assert proc.stdout == "False\n", proc.stderr
+    assert Process(LICH_PY, "--version").wait() == (0, f"lich {lich.__version__}\n", "")
 
 
 def test_help_lists_the_options():
-    proc = run_lich("--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: lich ")
+    code, out, err = Process(LICH_PY, "--help").wait()
+    assert (code, err) == (0, "") and out.startswith("usage: lich ")
     for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
                    "--session-dir", "--no-session", "--label", "--resume", "--continue", "--list-sessions",
                    "--allow", "--yolo", "--root", "--json", "--no-stream", "--quiet", "--verbose", "--version"):
-        assert option in proc.stdout
+        assert option in out
+
+
+def test_import_does_not_import_requests():
+    assert Process("-c", "import sys, lich; print('requests' in sys.modules)", cwd=HERE).wait() == (
+        0, "False\n", "")
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
-def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, tmp_path, stream):
+def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, lich_model, cli, tmp_path, stream):
     import signal as signals
 
     first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
     keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
     server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
                                 delay=0.25, content_type="text/event-stream" if stream else "application/json"))
-    proc = start_lich(*([] if stream else ["--no-stream"]), "slow question", env=cli_env(server, tmp_path))
+    child = Process(LICH_PY, *([] if stream else ["--no-stream"]), "slow question")
     wait_for_request(server)
-    time.sleep(0.3)
+    # streaming, Ctrl-C comes once the first words are out (one small write: one read)
+    shown = os.read(child.popen.stdout.fileno(), 100).decode() if stream else ""
     started = time.monotonic()
-    proc.send_signal(signals.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 130, err
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert code == 130, err
     assert time.monotonic() - started < 5
     assert "Traceback" not in err
     [path] = sessions_in(tmp_path)
@@ -5667,29 +5678,27 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, tmp_path, strea
     assert recs[:2] == [meta(event="run_start", input_chars=13, history_size=0), recs[1]]
     assert recs[2] == msg(user("slow question"))
     if stream:
-        assert out == "partial \n"
+        assert shown + out == "partial \n"
         assert recs[-1] == meta(event="run_error", error="AbortError: chat stream aborted")
     assert lich.read_session_messages(path) == [recs[1]["message"]]
     queue(server, openai_reply("resumed"))
-    proc = run_lich("--no-stream", "-c", "go on", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "resumed\n")
+    assert cli("--no-stream", "-c", "go on") == (0, "resumed\n", "")
 
 
-def test_ctrl_c_kills_a_running_shell_tool(server, tmp_path, workspace):
+def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspace):
     import signal as signals
 
     queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
-    proc = start_lich("--yolo", "--no-stream", "--root", str(workspace), "run it",
-                      env=cli_env(server, tmp_path))
+    child = Process(LICH_PY, "--yolo", "--no-stream", "--root", workspace, "run it")
     pid_file = workspace / "pid"
     deadline = time.monotonic() + 10
     while not (pid_file.exists() and pid_file.read_text().strip()):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     shell = int(pid_file.read_text())
-    proc.send_signal(signals.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    assert (proc.returncode, out) == (130, ""), err
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert (code, out) == (130, ""), err
     assert err.splitlines()[0].startswith("→ bash echo $$ > pid; sleep 30 & wait")
     assert "✗ " in err and "aborted" in err
     with pytest.raises(ProcessLookupError):
@@ -5701,11 +5710,10 @@ def test_ctrl_c_kills_a_running_shell_tool(server, tmp_path, workspace):
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
-def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
+def test_piped_bytes_that_are_not_utf8_are_replaced(server, lich_model, encoding):
+    # the process's own stdin, as PYTHONIOENCODING sets it up
     queue(server, openai_reply("ok"))
-    env = {**os.environ, **cli_env(server, tmp_path), "PYTHONIOENCODING": encoding}
-    proc = subprocess.run([sys.executable, str(LICH_PY), "--no-stream", "summarise"], env=env, timeout=60,
-                          input=b"caf\xe9 \xff\xfe\nend\n", capture_output=True, check=False)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"ok\n", b"")
+    assert Process(LICH_PY, "--no-stream", "summarise", input=b"caf\xe9 \xff\xfe\nend\n",
+                   env={"PYTHONIOENCODING": encoding}).wait() == (0, b"ok\n", b"")
     piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
     assert server.requests[0]["json"]["messages"][-1] == user(piped)
