@@ -2510,12 +2510,15 @@ def test_calls_from_one_thread_reuse_one_connection(server, stream):
 
 
 def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
-    # The server sleeps before each chunk; the empty one only delays the chunked terminator.
+    # the last, empty piece only carries the chunked terminator: it is held back meanwhile
     body = openai_sse(delta_chunk(content="x"), delta_chunk(finish="stop"))
-    server.reply(200, chunks=[body, ""], delay=1.0)
-    started = time.monotonic()
-    assert openai_at(server, stream=True)(USER).message == {"role": "assistant", "content": "x"}
-    assert time.monotonic() - started < 1.8  # the terminator comes at 2.0 s
+    terminator = threading.Event()
+    server.reply(200, chunks=[body, ""], hold=terminator)
+    try:
+        got = finishes(lambda: openai_at(server, stream=True)(USER), timeout=10)
+    finally:
+        terminator.set()
+    assert got.message == {"role": "assistant", "content": "x"}
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
@@ -2563,23 +2566,27 @@ def test_connection_closed_before_headers_is_a_network_error(server):
     assert (info.value.kind, info.value.retryable) == ("network", True)
 
 
-def test_no_answer_within_the_read_timeout_is_a_timeout(server):
-    def slow(request):
-        time.sleep(0.5)
-        return Reply(200, openai_reply())
+def _answer_late(request):
+    time.sleep(0.5)
+    return Reply(200, openai_reply())
 
-    server.responder = slow
+
+@pytest.mark.parametrize("stream, reply, timeout", [
+    pytest.param(False, _answer_late, 0.2, id="no-answer-within-the-read-timeout"),
+    pytest.param(False, Reply(200, chunks=[json.dumps(openai_reply())], content_type="application/json",
+                              delay=0.5), 0.2, id="a-body-that-stalls"),
+    pytest.param(True, Reply(200, chunks=["", *pieces(openai_sse(delta_chunk(content="a"),
+                                                                 delta_chunk(finish="stop")), 60)],
+                             delay=0.4), 0.15, id="a-stream-that-stalls-between-chunks"),
+])
+def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply, timeout):
+    if isinstance(reply, Reply):
+        server.replies.append(reply)
+    else:
+        server.responder = reply
     with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, timeout=0.2)(USER)
+        openai_at(server, stream=stream, timeout=timeout)(USER)
     assert (info.value.kind, info.value.retryable) == ("timeout", True)
-
-
-def test_a_body_that_stalls_is_a_timeout(server):
-    server.reply(200, chunks=[json.dumps(openai_reply())], content_type="application/json",
-                 delay=0.5)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, timeout=0.2)(USER)
-    assert info.value.kind == "timeout"
 
 
 def test_a_slow_but_steady_stream_is_not_a_timeout(server):
@@ -2594,14 +2601,6 @@ def test_a_body_cut_off_mid_way_is_a_network_error(server):
     with pytest.raises(lich.ProviderError) as info:
         openai_at(server)(USER)
     assert (info.value.kind, info.value.retryable) == ("network", True)
-
-
-def test_a_stream_that_stalls_between_chunks_is_a_timeout(server):
-    body = openai_sse(delta_chunk(content="a"), delta_chunk(finish="stop"))
-    server.reply(200, chunks=["", *pieces(body, 60)], delay=0.4)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True, timeout=0.15)(USER)
-    assert info.value.kind == "timeout"
 
 
 @pytest.mark.parametrize("at", ["openai", "anthropic"])
@@ -2674,10 +2673,11 @@ def test_a_signal_set_mid_stream_stops_reading(server, at):
 
 
 def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
-    server.reply(200, chunks=["", json.dumps(openai_reply("late"))], delay=0.3,
-                 content_type="application/json")
     signal, shown = threading.Event(), []
-    threading.Timer(0.1, signal.set).start()
+    # the answer is held back until the signal, which another thread sets once it was asked
+    server.reply(200, chunks=[json.dumps(openai_reply("late"))], hold=signal,
+                 content_type="application/json")
+    threading.Thread(target=lambda: (wait_for_request(server), signal.set()), daemon=True).start()
     with pytest.raises(lich.AbortError):
         openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
     assert shown == []
@@ -3408,12 +3408,17 @@ def test_a_stream_that_broke_off_after_showing_text_is_neither_retried_nor_faile
 
 
 def test_a_timeout_after_streamed_text_is_not_retryable(server):
-    # text at 0.5 s, then 2 s of silence: the 0.8 s read timeout strikes after the text
-    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False), "", "", "",
-                              openai_sse(delta_chunk(finish="stop"))], delay=0.5)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True, on_delta=lambda text: None, timeout=(5, 0.8))(USER)
-    assert (info.value.kind, info.value.retryable) == ("timeout", False)
+    # the text at once, then silence: the read timeout strikes after the text
+    rest = threading.Event()
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False),
+                              openai_sse(delta_chunk(finish="stop"))], hold=rest)
+    shown = []
+    try:
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=True, on_delta=shown.append, timeout=(5, 0.5))(USER)
+    finally:
+        rest.set()
+    assert (info.value.kind, info.value.retryable, shown) == ("timeout", False, ["Hello "])
 
 
 def test_a_stream_that_broke_off_before_any_text_fails_over(server):
@@ -4877,36 +4882,28 @@ def test_bash_runs_in_the_root(ws):
         ok=True, output=f"{os.path.realpath(ws)}\n[exit code 0]")
 
 
-def test_bash_timeout_kills_the_whole_group(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+TIMED_OUT = "the command timed out after 0.5 seconds and was killed"
+
+
+@pytest.mark.parametrize("shell_timeout, command, result, child_pid", [
+    pytest.param(0.5, "sleep 30 & echo $! > child.pid; echo waiting; wait",
+                 lich.ToolResult(ok=False, output="waiting\n", error=TIMED_OUT), "child.pid",
+                 id="a-timeout-kills-the-whole-group"),
+    pytest.param(10, "sleep 30 & echo $! > child.pid; echo started",
+                 lich.ToolResult(ok=True, output="started\n[background processes left running were "
+                                                 "killed]\n[exit code 0]"), "child.pid",
+                 id="a-background-child-holding-the-output-cannot-hang-it"),
+    pytest.param(0.5, "echo bye; exec >&- 2>&-; sleep 30",
+                 lich.ToolResult(ok=False, output="bye\n", error=TIMED_OUT), None,
+                 id="a-shell-closing-its-output-still-times-out"),
+])
+def test_bash_ends_in_time_and_leaves_no_process_behind(ws, shell_timeout, command, result, child_pid):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=shell_timeout)
     started = time.monotonic()
-    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo waiting; wait")
+    assert run_tool(tools, "bash", command=command) == result
     assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(ok=False, output="waiting\n",
-                                     error="the command timed out after 0.5 seconds and was "
-                                           "killed")
-    assert process_gone(int((ws / "child.pid").read_text()))
-
-
-def test_bash_background_child_holding_the_output_cannot_hang_it(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=10)
-    started = time.monotonic()
-    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo started")
-    assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(
-        ok=True, output="started\n[background processes left running were killed]\n"
-                        "[exit code 0]")
-    assert process_gone(int((ws / "child.pid").read_text()))
-
-
-def test_bash_shell_closing_its_output_still_times_out(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
-    started = time.monotonic()
-    result = run_tool(tools, "bash", command="echo bye; exec >&- 2>&-; sleep 30")
-    assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(ok=False, output="bye\n", error="the command timed out "
-                                                                     "after 0.5 seconds and was "
-                                                                     "killed")
+    if child_pid is not None:
+        assert process_gone(int((ws / child_pid).read_text()))
 
 
 def test_bash_abort_mid_command(ws):
