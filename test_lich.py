@@ -51,9 +51,10 @@ class Reply:
 
     ``body`` is bytes, str, or a JSON-ready value (sent as application/json). With
     ``chunks``, the body is sent in chunked encoding piece by piece, ``delay`` seconds
-    apart, and ``hold`` (an Event) keeps the last piece, the end of the body with it, back
-    until it is set; ``reset_after`` chunks have gone out, the connection is reset instead
-    of finished (``reset_after=0``: before any header).
+    apart; ``reset_after`` chunks have gone out, the connection is reset instead of
+    finished (``reset_after=0``: before any header). ``hold``, an Event, keeps what comes
+    last back until it is set: the last piece of chunks (the body's end with it), or the
+    whole of a plain reply.
     """
 
     def __init__(self, status=200, body=b"", *, headers=None, chunks=None, delay=0.0,
@@ -166,6 +167,8 @@ class LoopbackServer:
         if reply.reset_after == 0:
             _reset(handler)
             return
+        if reply.hold is not None and reply.chunks is None:
+            reply.hold.wait(60)
         handler.send_response(reply.status)
         handler.send_header("Content-Type", reply.content_type)
         for name, value in reply.headers.items():
@@ -2566,26 +2569,25 @@ def test_connection_closed_before_headers_is_a_network_error(server):
     assert (info.value.kind, info.value.retryable) == ("network", True)
 
 
-def _answer_late(request):
-    time.sleep(0.5)
-    return Reply(200, openai_reply())
-
-
-@pytest.mark.parametrize("stream, reply, timeout", [
-    pytest.param(False, _answer_late, 0.2, id="no-answer-within-the-read-timeout"),
-    pytest.param(False, Reply(200, chunks=[json.dumps(openai_reply())], content_type="application/json",
-                              delay=0.5), 0.2, id="a-body-that-stalls"),
-    pytest.param(True, Reply(200, chunks=["", *pieces(openai_sse(delta_chunk(content="a"),
-                                                                 delta_chunk(finish="stop")), 60)],
-                             delay=0.4), 0.15, id="a-stream-that-stalls-between-chunks"),
+@pytest.mark.parametrize("stream, reply", [
+    pytest.param(False, lambda held: Reply(200, openai_reply(), hold=held),
+                 id="no-answer-within-the-read-timeout"),
+    pytest.param(False, lambda held: Reply(200, chunks=[json.dumps(openai_reply())], hold=held,
+                                           content_type="application/json"),
+                 id="a-body-that-stalls"),
+    pytest.param(True, lambda held: Reply(200, chunks=pieces(openai_sse(delta_chunk(content="a"),
+                                                                        delta_chunk(finish="stop")), 60),
+                                          hold=held),
+                 id="a-stream-that-stalls-between-chunks"),
 ])
-def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply, timeout):
-    if isinstance(reply, Reply):
-        server.replies.append(reply)
-    else:
-        server.responder = reply
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=stream, timeout=timeout)(USER)
+def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply):
+    silence = threading.Event()  # what the server holds back comes only after the test
+    server.replies.append(reply(silence))
+    try:
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=stream, timeout=0.2)(USER)
+    finally:
+        silence.set()
     assert (info.value.kind, info.value.retryable) == ("timeout", True)
 
 
