@@ -223,11 +223,13 @@ def server():
 
 
 def queue(server, *replies):
+    """Queue replies on ``server``: Reply objects, or bodies answered with 200."""
     for reply in replies:
         server.replies.append(reply if isinstance(reply, Reply) else Reply(200, reply))
 
 
 def wait_for_request(server, count=1, timeout=10):
+    """Return once ``server`` has received ``count`` requests."""
     deadline = time.monotonic() + timeout
     while len(server.requests) < count:
         assert time.monotonic() < deadline, "no request arrived"
@@ -640,6 +642,7 @@ def ws(tmp_path):
 
 @pytest.fixture
 def workspace(tmp_path):
+    """A workspace folder for the command line's tools, holding a.txt."""
     root = tmp_path / "ws"
     root.mkdir()
     (root / "a.txt").write_text("hello\n")
@@ -2035,6 +2038,16 @@ def test_read_session_messages_repairs_before_the_next_message_and_drops_orphans
                        tool_msg("e1", INTERRUPTED, is_error=True)]
     again = write_records(tmp_path / "again.jsonl", *[msg(m) for m in history])
     assert lich.read_session_messages(again) == history
+
+
+def test_list_sessions_newest_first_by_modification_time(tmp_path):
+    d = make_sessions(tmp_path / "s", "20260102T000000Z-1", "20260101T000000Z-10-x", "20260101T000000Z-2")
+    (d / "notes.txt").write_text("")
+    (d / "folder.jsonl").mkdir()
+    newest_first = [str(d / f"{name}.jsonl")
+                    for name in ("20260101T000000Z-2", "20260101T000000Z-10-x", "20260102T000000Z-1")]
+    assert (lich.list_sessions(d), lich.list_sessions(str(d))) == (newest_first, newest_first)
+    assert lich.list_sessions(tmp_path / "missing") == []
 
 
 def test_resolve_session_latest_exact_and_prefix(tmp_path):
@@ -5641,6 +5654,7 @@ def test_version_subprocess():
 
 
 def test_help_lists_the_options():
+    # argparse prints the script's help and exits: the process's own output and exit code
     code, out, err = Process(LICH_PY, "--help").wait()
     assert (code, err) == (0, "") and out.startswith("usage: lich ")
     for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
