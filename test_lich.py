@@ -143,8 +143,13 @@ class LoopbackServer:
             self.replies.append(Reply(*args, **kwargs))
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving, in the background: shutdown() waits for the server's next poll."""
+
+        def stop():
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+        threading.Thread(target=stop, daemon=True).start()
 
     def _handle(self, handler):
         length = int(handler.headers.get("Content-Length") or 0)
@@ -3468,8 +3473,8 @@ OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delt
      ("invalid_response", "openai: invalid response: stream ended before [DONE]")),
     ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="slow")), ""], delay=0.6),
                        OPENAI_STREAM_OK], "recovered"),
-    ("openai", [Reply(429, openai_error("slow down"), headers={"Retry-After": "1"}), openai_reply("recovered")],
-     "recovered"),
+    ("openai", [Reply(429, openai_error("slow down"), headers={"retry-after-ms": "100", "Retry-After": "1"}),
+                openai_reply("recovered")], "recovered"),  # both headers, as OpenAI sends them
     ("openai", [Reply(500, "oops"), openai_reply("recovered")], "recovered"),
     ("openai", [Reply(500, "oops"), Reply(500, "oops again")],
      ("server", "openai: HTTP 500: oops again")),
@@ -5675,7 +5680,7 @@ def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, lich_model, cli
     first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
     keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
     server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
-                                delay=0.25, content_type="text/event-stream" if stream else "application/json"))
+                                delay=0.1, content_type="text/event-stream" if stream else "application/json"))
     child = Process(LICH_PY, *([] if stream else ["--no-stream"]), "slow question")
     wait_for_request(server)
     # streaming, Ctrl-C comes once the first words are out (one small write: one read)
