@@ -1,5 +1,6 @@
 """Tests for lich.py; the sections follow lich.py's banners, fixtures and helpers first."""
 
+import io
 import json
 import os
 import re
@@ -27,6 +28,7 @@ needs_fixtures = pytest.mark.skipif(
 # Fixtures and helpers
 # ============================================================================
 
+
 _ENV_TO_CLEAR = (
     "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL",
     "LICH_MODEL", "LICH_SESSION_DIR", "XDG_STATE_HOME", "NO_COLOR",
@@ -50,15 +52,18 @@ class Reply:
     ``body`` is bytes, str, or a JSON-ready value (sent as application/json). With
     ``chunks``, the body is sent in chunked encoding piece by piece, ``delay`` seconds
     apart; ``reset_after`` chunks have gone out, the connection is reset instead of
-    finished (``reset_after=0``: before any header).
+    finished (``reset_after=0``: before any header). ``hold``, an Event, keeps what comes
+    last back until it is set: the last piece of chunks (the body's end with it), or the
+    whole of a plain reply.
     """
 
     def __init__(self, status=200, body=b"", *, headers=None, chunks=None, delay=0.0,
-                 reset_after=None, content_type=None):
+                 hold=None, reset_after=None, content_type=None):
         self.status = status
         self.headers = dict(headers or {})
         self.chunks = None if chunks is None else [_as_bytes(c) for c in chunks]
         self.delay = delay
+        self.hold = hold
         self.reset_after = reset_after
         if isinstance(body, (bytes, str)):
             self.body = _as_bytes(body)
@@ -87,6 +92,17 @@ def sse(*events):
 class _Server(ThreadingHTTPServer):
     request_queue_size = 128  # many clients connecting at once are queued, not reset
     daemon_threads = True
+
+    def get_request(self):
+        connection, address = super().get_request()
+        # as real servers do: no small write waits for the client's delayed ACK (Nagle)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return connection, address
+
+    def handle_error(self, request, client_address):
+        # a client that hangs up mid-answer (a reset, a cut-off read) is what many tests do
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class LoopbackServer:
@@ -127,8 +143,13 @@ class LoopbackServer:
             self.replies.append(Reply(*args, **kwargs))
 
     def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        """Stop serving, in the background: shutdown() waits for the server's next poll."""
+
+        def stop():
+            self.httpd.shutdown()
+            self.httpd.server_close()
+
+        threading.Thread(target=stop, daemon=True).start()
 
     def _handle(self, handler):
         length = int(handler.headers.get("Content-Length") or 0)
@@ -151,6 +172,8 @@ class LoopbackServer:
         if reply.reset_after == 0:
             _reset(handler)
             return
+        if reply.hold is not None and reply.chunks is None:
+            reply.hold.wait(60)
         handler.send_response(reply.status)
         handler.send_header("Content-Type", reply.content_type)
         for name, value in reply.headers.items():
@@ -172,6 +195,8 @@ class LoopbackServer:
                     return
                 if reply.delay:
                     time.sleep(reply.delay)
+                if i == last and reply.hold is not None:
+                    reply.hold.wait(60)
                 data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk else b""
                 if i == last and reply.reset_after is None:
                     data += b"0\r\n\r\n"  # with the last piece, as servers that buffer do
@@ -202,6 +227,144 @@ def server():
     srv.close()
 
 
+def queue(server, *replies):
+    """Queue replies on ``server``: Reply objects, or bodies answered with 200."""
+    for reply in replies:
+        server.replies.append(reply if isinstance(reply, Reply) else Reply(200, reply))
+
+
+def wait_for_request(server, count=1, timeout=10):
+    """Return once ``server`` has received ``count`` requests."""
+    deadline = time.monotonic() + timeout
+    while len(server.requests) < count:
+        assert time.monotonic() < deadline, "no request arrived"
+        time.sleep(0.02)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def openai_reply(content="Hello.", *calls, finish="stop", usage=(7, 3), model="gpt-test-1"):
+    """A Chat Completions response body; each call is (id, name, arguments)."""
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [{"id": i, "type": "function",
+                                  "function": {"name": n, "arguments": a}} for i, n, a in calls]
+    return {"id": "chatcmpl-1", "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                      "total_tokens": sum(usage)}}
+
+
+def openai_error(message, type="invalid_request_error", code=None):
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def delta_chunk(index=0, finish=None, **delta):
+    """An OpenAI streaming chunk carrying ``delta`` for choice ``index``."""
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "gpt-test-1",
+            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+
+def call_delta(index, arguments, id=None, name=None):
+    call = {"index": index, "function": {"arguments": arguments}}
+    if id:
+        call.update(id=id, type="function")
+        call["function"]["name"] = name
+    return call
+
+
+def openai_sse(*chunks, done=True):
+    return sse(*[(None, c) for c in chunks], *([(None, "[DONE]")] if done else []))
+
+
+def stream_reply(*texts):
+    return Reply(200, chunks=[openai_sse(*[delta_chunk(content=t) for t in texts],
+                                         delta_chunk(finish="stop"))])
+
+
+def tool_reply(*calls):
+    return Reply(200, openai_reply(None, *calls, finish="tool_calls"))
+
+
+def anthropic_reply(*blocks, stop="end_turn", usage=(7, 3), model="claude-test-1"):
+    """A Messages API response body with the given content blocks."""
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": model,
+            "content": list(blocks), "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+
+
+def anthropic_error(type, message):
+    return {"type": "error", "error": {"type": type, "message": message}, "request_id": "req_1"}
+
+
+def text_block(text):
+    return {"type": "text", "text": text}
+
+
+def anthropic_sse(*events):
+    return sse(*[(e["type"], e) for e in events])
+
+
+def message_start(input_tokens=25, output_tokens=1):
+    return {"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test-1",
+        "content": [], "stop_reason": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}}
+
+
+def block_start(index, block):
+    return {"type": "content_block_start", "index": index, "content_block": block}
+
+
+def block_delta(index, **delta):
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def message_delta(stop, output_tokens):
+    return {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+            "usage": {"output_tokens": output_tokens}}
+
+
+PING = {"type": "ping"}
+MESSAGE_STOP = {"type": "message_stop"}
+
+
+def deep(depth):
+    return "[" * depth + "]" * depth
+
+
+DEEP = deep(100_000)
+
+
+def assistant(content="", *calls):
+    """An assistant message; each call is (id, name, arguments)."""
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [{"id": i, "name": n, "arguments": a} for i, n, a in calls]
+    return msg
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def tool_msg(call_id, content="ok", name="echo", is_error=False):
+    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content,
+            "is_error": is_error}
+
+
+def long_history(n, size=40):
+    """A system message then ``n`` alternating user / assistant messages of ``size`` chars."""
+    msgs = [{"role": "system", "content": "sys"}]
+    for i in range(n):
+        msgs.append(user(f"u{i}".ljust(size, ".")) if i % 2 == 0 else assistant(f"a{i}".ljust(size, ".")))
+    return msgs
+
+
 class ScriptedChat:
     """A real ChatFn that answers from a script and records what it was asked.
 
@@ -230,20 +393,405 @@ class ScriptedChat:
                                model="scripted", stop_reason="tool_calls" if step.get("tool_calls") else "stop")
 
 
-def assistant(content="", *calls):
-    """An assistant message; each call is (id, name, arguments)."""
-    msg = {"role": "assistant", "content": content}
-    if calls:
-        msg["tool_calls"] = [{"id": i, "name": n, "arguments": a} for i, n, a in calls]
-    return msg
+class EchoTools:
+    """A minimal ToolRunner: echoes arguments, fails on the tool named "fail"."""
+
+    def __init__(self, raise_on=None):
+        self.raise_on = raise_on
+        self.calls = []
+
+    def specs(self):
+        return [{"name": "echo", "description": "Echo.", "parameters": {"type": "object"}}]
+
+    def run(self, call, signal=None):
+        self.calls.append(call)
+        if call["name"] == self.raise_on:
+            raise RuntimeError("runner broke")
+        if call["name"] == "fail":
+            return lich.ToolResult(ok=False, output="partial", error="it failed")
+        return lich.ToolResult(ok=True, output="echo:" + call["arguments"])
 
 
-def run_lich(*args, input=None, env=None, timeout=60, cwd=None):
-    """Run ``python lich.py ARGS`` as a subprocess; returns the CompletedProcess (text)."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, str(LICH_PY), *args], input=input, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False)
+class SignallingTools(EchoTools):
+    """Sets the signal while running the call named "stop"."""
+
+    def __init__(self, signal):
+        super().__init__()
+        self.signal = signal
+
+    def run(self, call, signal=None):
+        if call["name"] == "stop":
+            self.signal.set()
+        return super().run(call, signal)
+
+
+def recorder_emitter():
+    emitter, events = lich.AgentEmitter(), []
+    emitter.on_any(events.append)
+    return emitter, events
+
+
+def types(events):
+    return [e["type"] for e in events]
+
+
+def check_event_order(events, max_turns, outcome=None, error=None):
+    """Assert every ordering guarantee of the spec's event table on one run's events."""
+    i, n = 0, len(events)
+    llm_ends = 0
+    expected_turn = 1
+    ended = None
+    while i < n:
+        assert events[i] == {"type": "turn_start", "turn": expected_turn}, (i, events[i])
+        turn = expected_turn
+        i += 1
+        if events[i]["type"] == "error":
+            assert isinstance(events[i]["error"], lich.AbortError) and i == n - 1
+            ended = ("aborted", turn - 1)
+            break
+        if events[i]["type"] == "compress_start":
+            assert events[i + 1]["type"] == "compress_end"
+            i += 2
+        assert events[i] == {"type": "llm_start", "turn": turn}
+        i += 1
+        if events[i]["type"] == "error":
+            assert i == n - 1 and events[i]["error"] is error
+            ended = ("raised", None)
+            break
+        assert events[i]["type"] == "llm_end" and events[i]["turn"] == turn
+        llm_ends += 1
+        calls = events[i]["result"].message.get("tool_calls") or []
+        i += 1
+        for call in calls:
+            if events[i]["type"] == "tool_call_start":
+                assert events[i] == {"type": "tool_call_start", "turn": turn, "call": call}
+                assert events[i + 1]["type"] == "tool_call_end" and events[i + 1]["call"] is call
+                assert events[i + 1]["cancelled"] is False
+                i += 2
+            else:
+                assert events[i]["type"] == "tool_call_end" and events[i]["call"] is call
+                assert events[i]["cancelled"] is True
+                i += 1
+        if not calls:
+            assert events[i]["type"] == "final" and events[i + 1] == {"type": "turn_end", "turn": turn}
+            assert i + 2 == n
+            ended = ("final", turn)
+            break
+        if turn == max_turns:
+            assert events[i:] == [{"type": "budget_exhausted", "turns_used": max_turns},
+                                  {"type": "turn_end", "turn": turn}]
+            ended = ("budget", max_turns)
+            break
+        expected_turn += 1
+    assert sum(e["type"] == "final" for e in events) <= 1
+    assert sum(e["type"] == "llm_start" for e in events) == llm_ends + (ended[0] == "raised")
+    if outcome is not None:
+        assert (outcome.stopped_reason, outcome.turns_used) == ended
+        assert_history_is_paired(outcome.messages)
+    return ended
+
+
+def assert_history_is_paired(messages):
+    """Every tool message follows its assistant call; every call has exactly one tool message;
+    call ids are non-empty and never repeat (Anthropic refuses repeated ids)."""
+    pending = None
+    seen = set()
+    for message in messages:
+        if message["role"] == "tool":
+            assert pending, f"tool message without its call: {message}"
+            assert message["tool_call_id"] == pending.pop(0)
+            continue
+        assert not pending, f"unanswered tool calls before {message}"
+        pending = [c["id"] for c in message.get("tool_calls") or []]
+        assert all(isinstance(i, str) and i and i not in seen for i in pending), pending
+        assert len(set(pending)) == len(pending), pending
+        seen.update(pending)
+    assert not pending
+
+
+def wire_problem(messages):
+    """Why a strict provider would refuse these Chat Completions messages, or None: a tool result
+    that answers no call of the assistant message before it, a call left unanswered, a tool
+    call id that is empty or repeats."""
+    seen, pending = set(), []
+    for m in messages:
+        if m["role"] == "tool":
+            if m["tool_call_id"] not in pending:
+                return f"tool message {m['tool_call_id']!r} answers no pending call"
+            pending.remove(m["tool_call_id"])
+            continue
+        if pending:
+            return f"calls {pending} unanswered before a {m['role']} message"
+        ids = [c["id"] for c in m.get("tool_calls") or []]
+        if not all(ids) or seen & set(ids) or len(set(ids)) != len(ids):
+            return f"empty or repeated tool call ids {ids}"
+        seen.update(ids)
+        pending = ids
+    return f"calls {pending} unanswered" if pending else None
+
+
+def random_run(rng, session_dir=None):
+    """A scripted run of random shape; returns (events, max_turns, outcome, error).
+
+    With ``session_dir`` the run goes through run_agent (prompt "go") and is recorded there.
+    """
+    signal = threading.Event()
+    max_turns = rng.randint(1, 6)
+    error = lich.ProviderError("random failure", "server")
+    counter = iter(range(10**6))
+
+    def chat(messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+        roll = rng.random()
+        if messages and messages[0].get("content") == lich.COMPRESSION_SYSTEM_PROMPT:
+            if roll < 0.3:
+                raise RuntimeError("summarizer down")
+            return lich.ChatResult(assistant("summary"))
+        if roll < 0.07:
+            raise error
+        if roll < 0.12:
+            signal_holder.set()
+        if roll < 0.3:
+            return lich.ChatResult(assistant("final " + "x" * rng.randint(0, 400)))
+        calls = [(f"c{next(counter)}", rng.choice(["echo", "fail", "boom", "stop"]), "{}")
+                 for _ in range(rng.randint(1, 3))]
+        return lich.ChatResult(assistant("y" * rng.randint(0, 400), *calls))
+
+    signal_holder = signal
+    tools = SignallingTools(signal)
+    tools.raise_on = "boom"
+    emitter, events = recorder_emitter()
+    messages = long_history(rng.randint(0, 14)) if rng.random() < 0.5 else [user("go")]
+    budget = rng.choice([None, 50, 200, 10_000])
+    if rng.random() < 0.05:
+        signal.set()
+    try:
+        if session_dir is None:
+            outcome = lich.run_conversation(chat, tools, messages, max_turns=max_turns,
+                                            context_budget_tokens=budget, signal=signal, emitter=emitter)
+        else:
+            outcome = lich.run_agent("go", chat=chat, tools=tools, history=messages, max_turns=max_turns,
+                                     context_budget_tokens=budget, signal=signal, emitter=emitter,
+                                     session_dir=session_dir)
+    except lich.ProviderError as exc:
+        assert exc is error
+        return events, max_turns, None, error
+    return events, max_turns, outcome, None
+
+
+TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def records(path, *, torn=False):
+    """The records of a session file, each line checked whole, with "ts" checked and removed.
+
+    Every line must end with a newline; with ``torn`` the last one may have been cut short
+    (a write stopped by SIGKILL), and is left out.
+    """
+    *lines, tail = Path(path).read_bytes().split(b"\n")
+    assert torn or tail == b"", tail[-200:]
+    out = []
+    for line in lines:
+        record = json.loads(line)
+        assert TS.fullmatch(record.pop("ts")), line
+        out.append(record)
+    return out
+
+
+def meta(**fields):
+    return {"kind": "meta", "meta": fields}
+
+
+def msg(message):
+    return {"kind": "message", "message": message}
+
+
+def write_records(path, *lines):
+    """A session file from records (dicts, written as JSON) and raw lines (bytes or str)."""
+    with open(path, "wb") as f:
+        for line in lines:
+            if isinstance(line, dict):
+                line = json.dumps(line)
+            f.write(line if isinstance(line, bytes) else line.encode())
+            if not (line.endswith(b"\n") if isinstance(line, bytes) else line.endswith("\n")):
+                f.write(b"\n")
+    return path
+
+
+def make_sessions(session_dir, *names):
+    session_dir.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        path = session_dir / f"{name}.jsonl"
+        path.write_text("")
+        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))
+    return session_dir
+
+
+INTERRUPTED = '{"ok": false, "output": "", "error": "interrupted"}'
+
+
+def sessions_in(tmp_path):
+    d = tmp_path / "sessions"
+    return sorted(d.iterdir(), key=lambda p: p.stat().st_mtime_ns) if d.is_dir() else []
+
+
+@pytest.fixture
+def ws(tmp_path):
+    """A workspace folder, with a secret in a sibling folder outside it."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("top secret\n")
+    return root
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A workspace folder for the command line's tools, holding a.txt."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "a.txt").write_text("hello\n")
+    return root
+
+
+def finishes(fn, timeout=5.0):
+    """fn() run in a daemon thread; its result, or an AssertionError if it hangs."""
+    box = []
+    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert box, f"still running after {timeout} s"
+    return box[0]
+
+
+@pytest.fixture
+def lich_model(server, monkeypatch):
+    """LICH_MODEL names the loopback server: for main() here and for the processes started."""
+    monkeypatch.setenv("LICH_MODEL", f"openai:gpt-test@{server.url}/v1")
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The command line in this process: ``cli(*ARGS, stdin=None, env=None, cwd=None)`` runs
+    ``lich.main(ARGS)`` and returns (exit code, stdout, stderr).
+
+    stdin is a pipe's stream over ``stdin`` (str or bytes; empty when None), never a
+    terminal; ``env`` updates os.environ and ``cwd`` is the working folder, for the call only.
+    """
+
+    def run(*args, stdin=None, env=None, cwd=None):
+        data = stdin.encode() if isinstance(stdin, str) else stdin or b""
+        with monkeypatch.context() as patch:
+            for name, value in (env or {}).items():
+                patch.setenv(name, value)
+            if cwd is not None:
+                patch.chdir(cwd)
+            patch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+            capsys.readouterr()  # what came before is not the command's
+            code = lich.main(list(args))
+            return (code, *capsys.readouterr())
+
+    return run
+
+
+class Process:
+    """``python ARGV`` as a child process, for what only a process shows: signals, a real
+    stdin, exit codes, the script's own --help, what ``import lich`` loads, memory, SIGKILL.
+
+    Its environment is os.environ updated with ``env``; stdin carries ``input`` (bytes make
+    every pipe binary) or is closed; stdout and stderr are pipes that ``wait`` reads.
+    """
+
+    def __init__(self, *argv, input=None, env=None, cwd=None):
+        self.input = input
+        self.popen = subprocess.Popen(
+            [sys.executable, *map(str, argv)], env={**os.environ, **(env or {})}, cwd=cwd,
+            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=not isinstance(input, bytes))
+
+    def wait(self, timeout=60):
+        """(exit code, stdout, stderr) once the process has ended."""
+        try:
+            out, err = self.popen.communicate(self.input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise
+        return self.popen.returncode, out, err
+
+
+class Pty:
+    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal.
+
+    ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
+    """
+
+    def __init__(self, *args, env=None):
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave, stdout=slave,
+                                     stderr=slave, env={**os.environ, **(env or {})}, close_fds=True)
+        os.close(slave)
+        self.output = ""
+        self.transcript = ""
+        import codecs
+
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def expect(self, text, timeout=10):
+        """Read until ``text`` appears; returns everything read up to and including it."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} never came; got {self.output!r}"
+            ready, _, _ = select.select([self.master], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.master, 65536)
+                except OSError:
+                    data = b""
+                assert data, f"the terminal closed before {text!r}; got {self.output!r}"
+                self._shown(data)
+        head, _, self.output = self.output.partition(text)
+        return head + text
+
+    def _shown(self, data):
+        text = self.decoder.decode(data).replace("\r\n", "\n")
+        self.output += text
+        self.transcript += text
+        return text
+
+    def send(self, line):
+        os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
+
+    def close(self):
+        """Wait for the process; everything it wrote after the last expect is in ``rest``."""
+        import select
+
+        self.rest = self.output
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([self.master], [], [], 0.1)
+                try:
+                    data = os.read(self.master, 65536) if ready else b""
+                except OSError:  # the terminal closed: the process is gone
+                    break
+                self.rest += self._shown(data)
+                if not ready and self.proc.poll() is not None:
+                    break
+            self.proc.wait(timeout=10)
+        finally:
+            os.close(self.master)
+        return self.proc.returncode
+
+
+PROMPT = "› "
+
+
+SECRET = "sk-MARKER-0123456789-secret"
 
 
 # ============================================================================
@@ -288,25 +836,6 @@ def test_tool_result_and_loop_outcome_fields():
     outcome = lich.LoopOutcome([], None, None, 0, "aborted")
     assert [f for f in vars(outcome)] == ["messages", "final", "result", "turns_used",
                                           "stopped_reason"]
-
-
-class EchoTools:
-    """A minimal ToolRunner: echoes arguments, fails on the tool named "fail"."""
-
-    def __init__(self, raise_on=None):
-        self.raise_on = raise_on
-        self.calls = []
-
-    def specs(self):
-        return [{"name": "echo", "description": "Echo.", "parameters": {"type": "object"}}]
-
-    def run(self, call, signal=None):
-        self.calls.append(call)
-        if call["name"] == self.raise_on:
-            raise RuntimeError("runner broke")
-        if call["name"] == "fail":
-            return lich.ToolResult(ok=False, output="partial", error="it failed")
-        return lich.ToolResult(ok=True, output="echo:" + call["arguments"])
 
 
 def test_tool_runner_protocol_is_structural():
@@ -450,23 +979,6 @@ def test_compression_constants():
         "decisions, file paths, commands run, errors, open questions. Output plain text only.")
 
 
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def tool_msg(call_id, content="ok", name="echo", is_error=False):
-    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content,
-            "is_error": is_error}
-
-
-def long_history(n, size=40):
-    """A system message then ``n`` alternating user / assistant messages of ``size`` chars."""
-    msgs = [{"role": "system", "content": "sys"}]
-    for i in range(n):
-        msgs.append(user(f"u{i}".ljust(size, ".")) if i % 2 == 0 else assistant(f"a{i}".ljust(size, ".")))
-    return msgs
-
-
 def test_compress_messages_partitions_and_summarises():
     history = long_history(12)
     chat = ScriptedChat(assistant("the summary"))
@@ -526,12 +1038,6 @@ def test_compress_falls_back_to_the_original_messages(failure, caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
-def recorder_emitter():
-    emitter, events = lich.AgentEmitter(), []
-    emitter.on_any(events.append)
-    return emitter, events
-
-
 @pytest.mark.parametrize("budget, messages, attempted", [
     (None, long_history(20), False),
     (10_000, long_history(20), False),
@@ -587,10 +1093,6 @@ def run_loop(*script, tools=None, messages=None, **params):
     outcome = lich.run_conversation(chat, tools, messages if messages is not None else [user("hi")],
                                     emitter=emitter, **params)
     return outcome, events, chat
-
-
-def types(events):
-    return [e["type"] for e in events]
 
 
 def test_scenario_a_tool_then_final():
@@ -671,19 +1173,6 @@ def test_abort_before_the_first_turn():
     assert (type(error), str(error)) == (lich.AbortError, "agent loop aborted")
     assert outcome == lich.LoopOutcome([user("hi")], None, None, 0, "aborted")
     assert chat.calls == []
-
-
-class SignallingTools(EchoTools):
-    """Sets the signal while running the call named "stop"."""
-
-    def __init__(self, signal):
-        super().__init__()
-        self.signal = signal
-
-    def run(self, call, signal=None):
-        if call["name"] == "stop":
-            self.signal.set()
-        return super().run(call, signal)
 
 
 def test_abort_mid_batch_skips_unstarted_calls_then_stops_at_the_next_turn():
@@ -863,6 +1352,7 @@ def test_a_tool_result_without_output_is_empty_text():
     outcome, _, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("ok"), tools=NoOutput())
     assert outcome.messages[2] == tool_msg("c1", "")
 
+
 def test_format_tool_result_content():
     assert lich.format_tool_result_content(lich.ToolResult(ok=True, output="raw ✓")) == "raw ✓"
     failed = lich.ToolResult(ok=False, output="é", error="bad")
@@ -888,32 +1378,26 @@ def test_call_chat_and_run_tool_calls_as_helpers():
     assert history == [user("hi"), tool_msg("a", "echo:1")]
 
 
+def test_event_ordering_holds_for_random_runs():
+    import random
+
+    rng = random.Random(20261130)
+    seen = set()
+    for _ in range(400):
+        events, max_turns, outcome, error = random_run(rng)
+        seen.add(check_event_order(events, max_turns, outcome, error)[0])
+        seen.update(e["type"] for e in events if e["type"].startswith("compress"))
+        seen.update("cancelled" for e in events if e.get("cancelled"))
+    assert seen == {"final", "budget", "aborted", "raised", "compress_start", "compress_end",
+                    "cancelled"}
+
+
 # ============================================================================
 # Sessions
 # ============================================================================
 
 
-TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
-
-
-def records(path):
-    """The records of a session file, each line checked whole, with "ts" checked and removed."""
-    data = Path(path).read_bytes()
-    assert data.endswith(b"\n")
-    out = []
-    for line in data.decode().split("\n")[:-1]:
-        record = json.loads(line)
-        assert TS.fullmatch(record.pop("ts")), line
-        out.append(record)
-    return out
-
-
-def meta(**fields):
-    return {"kind": "meta", "meta": fields}
-
-
-def msg(message):
-    return {"kind": "message", "message": message}
+# --- recording ---
 
 
 NAME = re.compile(r"(\d{8}T\d{6}Z)-(\d+)(-[A-Za-z0-9_.-]+)?\.jsonl")
@@ -933,7 +1417,7 @@ def test_open_session_creates_a_private_directory_and_a_named_file(tmp_path):
 
 def test_session_counter_moves_on_across_labels(tmp_path):
     now = time.time()
-    for t in (now, now + 1):
+    for t in range(int(now), int(now) + 10):  # each second lich may read, even on a stalled machine
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(t))
         (tmp_path / f"{stamp}-1-other.jsonl").touch()
         (tmp_path / f"{stamp}-2.jsonl").touch()
@@ -1158,16 +1642,352 @@ def test_a_failing_session_write_warns_once_and_the_run_goes_on(tmp_path, caplog
         f"session recording stopped: {handle.id}: ValueError: session {handle.id} is closed"]
 
 
-def write_records(path, *lines):
-    """A session file from records (dicts, written as JSON) and raw lines (bytes or str)."""
-    with open(path, "wb") as f:
-        for line in lines:
-            if isinstance(line, dict):
-                line = json.dumps(line)
-            f.write(line if isinstance(line, bytes) else line.encode())
-            if not (line.endswith(b"\n") if isinstance(line, bytes) else line.endswith("\n")):
-                f.write(b"\n")
-    return path
+def test_random_runs_record_sessions_that_replay_their_whole_transcript(tmp_path):
+    import random
+
+    rng = random.Random(20261201)
+    endings = set()
+    for i in range(150):
+        events, max_turns, outcome, error = random_run(rng, session_dir=tmp_path / str(i))
+        ended = check_event_order(events, max_turns, outcome, error)[0]
+        endings.add(ended)
+        [path] = (tmp_path / str(i)).iterdir()
+        recorded = records(path)
+        seeded = recorded[0]["meta"]["history_size"] + 1
+        happened = []
+        for event in events:
+            if event["type"] == "llm_end":
+                happened.append(event["result"].message)
+            elif event["type"] == "tool_call_end":
+                happened.append(lich.tool_message_from_result(event["call"], event["result"]))
+        transcript = [r["message"] for r in recorded[1:1 + seeded]] + happened
+        assert [r["message"] for r in recorded if r["kind"] == "message"] == transcript
+        last = recorded[-1]["meta"]
+        assert last == ({"event": "run_error", "error": "ProviderError: random failure"} if ended == "raised" else
+                        {"event": "run_end", "stopped_reason": ended, "usage": outcome.usage_total})
+        while transcript and transcript[-1]["role"] == "user":
+            transcript.pop()
+        assert lich.read_session_messages(path) == transcript
+        assert_history_is_paired(transcript)
+    assert endings == {"final", "budget", "aborted", "raised"}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is Linux-only")
+def test_a_session_device_that_is_full_warns_once_and_the_run_goes_on(tmp_path, caplog):
+    handle = lich.SessionHandle(str(tmp_path / "full.jsonl"), os.open("/dev/full", os.O_WRONLY))
+    script = [assistant("", (f"c{i}", "echo", "{}")) for i in range(5)] + [assistant("done")]
+    with caplog.at_level("WARNING", logger="lich"):
+        run = lich.run_agent("go", chat=ScriptedChat(*script), tools=EchoTools(), max_turns=10, session=handle)
+    handle.close()
+    assert (run.stopped_reason, run.turns_used, run.final) == ("final", 6, assistant("done"))
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", "session recording stopped: full: OSError: [Errno 28] No space left on device")]
+
+
+def test_a_10_mb_prompt_through_run_agent(tmp_path):
+    prompt = "p" * 10_000_000
+    chat = ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("read"))
+    run = lich.run_agent(prompt, chat=chat, tools=EchoTools(), max_turns=3, session_dir=tmp_path,
+                         context_budget_tokens=1000)
+    assert (run.stopped_reason, run.messages[0], len(chat.calls)) == ("final", user(prompt), 2)
+    assert records(run.session_path)[0] == meta(event="run_start", input_chars=10_000_000, history_size=0)
+    assert lich.read_session_messages(run.session_path) == run.messages
+
+
+def run_threads(count, target):
+    """Run ``target(n)`` in ``count`` threads released together; returns their results by n."""
+    barrier, results, errors = threading.Barrier(count), {}, []
+
+    def body(n):
+        try:
+            barrier.wait()
+            results[n] = target(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == count
+    return results
+
+
+def tagged_script(tag):
+    return [assistant(f"{tag} asks", (f"{tag}-c1", "echo", "{}"), (f"{tag}-c2", "echo", "{}")),
+            assistant(f"{tag} done")]
+
+
+def tagged_messages(tag, prompt):
+    return [user(prompt), *tagged_script(tag)[:1], tool_msg(f"{tag}-c1", "echo:{}"),
+            tool_msg(f"{tag}-c2", "echo:{}"), tagged_script(tag)[1]]
+
+
+def test_50_threads_run_agent_into_their_own_sessions(tmp_path):
+    def agent(n):
+        return lich.run_agent(f"task {n}", chat=ScriptedChat(*tagged_script(f"t{n}")), tools=EchoTools(),
+                              max_turns=3, session_dir=tmp_path, label=f"t{n % 3}")
+
+    runs = run_threads(50, agent)
+    assert len({run.session_path for run in runs.values()}) == 50 == len(list(tmp_path.iterdir()))
+    for n, run in runs.items():
+        expected = tagged_messages(f"t{n}", f"task {n}")
+        assert run.messages == expected
+        assert records(run.session_path) == [
+            meta(event="run_start", input_chars=len(f"task {n}"), history_size=0), *map(msg, expected),
+            meta(event="run_end", stopped_reason="final", usage={"input_tokens": 20, "output_tokens": 4})]
+        assert lich.read_session_messages(run.session_path) == expected
+
+
+def test_8_threads_share_one_session_handle_through_run_agent(tmp_path):
+    handle = lich.open_session(tmp_path)
+
+    def agent(n):
+        history = []
+        for r in range(3):
+            tag = f"t{n}r{r}"
+            run = lich.run_agent(f"task {tag}", chat=ScriptedChat(*tagged_script(tag)), tools=EchoTools(),
+                                 history=history, max_turns=3, session=handle)
+            assert run.messages == history + tagged_messages(tag, f"task {tag}")
+            history = run.messages
+        return history
+
+    histories = run_threads(8, agent)
+    handle.close()
+    recorded = records(handle.path)  # every line whole: none torn or interleaved
+    messages = [r["message"] for r in recorded if r["kind"] == "message"]
+    for n, history in histories.items():
+        mine = [m for m in messages if f"t{n}r" in json.dumps(m)]
+        assert mine == history
+    assert len(messages) == sum(map(len, histories.values()))
+    metas = sorted(r["meta"]["event"] for r in recorded if r["kind"] == "meta")
+    assert metas == ["run_end"] * 24 + ["run_start"] * 24
+    assert_history_is_paired(lich.read_session_messages(handle.path))
+
+
+# The scripted model of the crash test: per prompt, one (text pieces, tool calls) per turn.
+CRASH_SCRIPT = {
+    "build": [
+        (["Planning ", "the ", "build."], [("write_file", {"path": "notes.txt", "content": "v1\n"}),
+                                           ("write_parts", {"name": "parts.txt", "parts": 3}),
+                                           ("bash", {"command": "printf beta > b.txt; echo built"})]),
+        (["Checking."], [("read_file", {"path": "notes.txt"}),
+                         ("edit_file", {"path": "notes.txt", "old_text": "v1", "new_text": "v2"}),
+                         ("list_files", {}), ("write_parts", {"name": "more.txt", "parts": 2})]),
+        (["All ", "built ", "and ", "checked."], []),
+    ],
+    "check": [
+        (["Looking ", "again."], [("search", {"pattern": "v2"}), ("bash", {"command": "cat b.txt"}),
+                                  ("write_parts", {"name": "last.txt", "parts": 2})]),
+        (["Still ", "fine."], []),
+    ],
+    "go on": [(["Resumed."], [])],
+}
+
+
+def crash_model(request):
+    """The loopback server's responder for the crash test: the script, over SSE or JSON."""
+    body = request["json"]
+    if body is None:  # the client was killed while it sent the request
+        return Reply(400, openai_error("incomplete request"))
+    messages = body["messages"]
+    problem = wire_problem(messages)
+    if problem:
+        return Reply(400, openai_error(problem))
+    if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
+        prompt, turn, (texts, calls) = "summary", 0, (["Built ", "notes."], [])
+    else:
+        if messages[-1]["role"] == "user":
+            prompt, turn = messages[-1]["content"], 0
+        else:  # the ids of the calls just answered say where the script is, compressed or not
+            asked = next(m for m in reversed(messages) if m["role"] == "assistant")
+            prompt, step, _ = asked["tool_calls"][0]["id"].split("-")
+            turn = int(step) + 1
+        texts, calls = CRASH_SCRIPT[prompt][turn]
+    wired = [(f"{prompt}-{turn}-{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
+    if not body.get("stream"):
+        return Reply(200, openai_reply("".join(texts), *wired, finish="tool_calls" if calls else "stop"))
+    chunks = [delta_chunk(content=t) for t in texts]
+    chunks += [delta_chunk(tool_calls=[call_delta(i, a[:5], id=c, name=n)]) for i, (c, n, a) in enumerate(wired)]
+    chunks += [delta_chunk(tool_calls=[call_delta(i, a[5:])]) for i, (c, n, a) in enumerate(wired)]
+    chunks.append(delta_chunk(finish="tool_calls" if calls else "stop"))
+    return Reply(200, chunks=[openai_sse(c, done=False) for c in chunks] + [sse((None, "[DONE]"))])
+
+
+CRASH_DRIVER = r'''
+import json, os, random, shutil, signal, sys, time
+config = json.loads(sys.argv[1])
+sys.path.insert(0, config["lich"])
+import lich
+import requests  # noqa: F401  imported once, before the forks
+
+SYSTEM = "You are scripted."
+
+
+def agent(point, folder):
+    """Two recorded runs into one session; SIGKILLs itself when ``point`` comes."""
+    ws = os.path.join(folder, "ws")
+    os.makedirs(ws)
+    handle = lich.open_session(os.path.join(folder, "sessions"))
+    counts = {"event": 0, "delta": 0, "part": 0}
+    kinds = []  # the type of each event, in order
+
+    def tick(kind, event=None):
+        counts[kind] += 1
+        if event is not None:
+            kinds.append(event["type"])
+        if point is not None and point == [kind, counts[kind]]:
+            shutil.copyfile(handle.path, os.path.join(folder, "snapshot"))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tools = lich.coding_tools(ws, allow_write=True, allow_shell=True)
+
+    @tools.tool
+    def write_parts(name: str, parts: int) -> str:
+        """Write a file of the workspace line by line."""
+        with open(os.path.join(ws, name), "w") as f:
+            for i in range(parts):
+                f.write(f"part {i}\n")
+                f.flush()
+                tick("part")
+        return f"wrote {parts} parts to {name}"
+
+    chat = lich.OpenAIChat("scripted", base_url=config["url"] + "/v1", stream=True, timeout=30,
+                           on_delta=lambda text: tick("delta"))
+    history = []
+    for prompt in ("build", "check"):
+        emitter = lich.AgentEmitter()
+        emitter.on_any(lambda event: tick("event", event))  # before the recorder: kills before its record
+        run = lich.run_agent(prompt, chat=chat, tools=tools, history=history, session=handle,
+                             emitter=emitter, max_turns=5, system_prompt=SYSTEM,
+                             context_budget_tokens=150)
+        history = run.messages
+    handle.close()
+    with open(os.path.join(folder, "counts"), "w") as f:
+        json.dump({"counts": counts, "events": kinds}, f)
+
+
+def resume(folder, name):
+    """``lich --resume <the killed session> "go on"``, the command line in this process."""
+    for fd, part in ((1, "out"), (2, "err")):
+        os.dup2(os.open(os.path.join(folder, "resume." + part), os.O_WRONLY | os.O_CREAT, 0o600), fd)
+    return lich.main(["--no-stream", "--resume", name, "--session-dir",
+                      os.path.join(folder, "sessions"), "--root", os.path.join(folder, "ws"), "-m",
+                      "openai:scripted@" + config["url"] + "/v1", "-s", SYSTEM, "go on"])
+
+
+def fork(work, *args, kill_after=None):
+    """Run ``work(*args)`` in a child process; returns how it ended: an exit code or "SIGKILL"."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = work(*args) or 0
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    if kill_after is not None:
+        time.sleep(kill_after)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return os.WEXITSTATUS(status)
+
+
+root = config["root"]
+durations = []
+for name in ("reference", "warm1", "warm2"):  # a run takes longest cold: time the warm ones too
+    started = time.monotonic()
+    assert fork(agent, None, os.path.join(root, name)) == 0
+    durations.append(time.monotonic() - started)
+duration = min(durations)
+with open(os.path.join(root, "reference", "counts")) as f:
+    reference = json.load(f)
+rng = random.Random(config["seed"])
+points = [[kind, n] for kind, total in reference["counts"].items() for n in range(1, total + 1)]
+rng.shuffle(points)
+report = []
+kills = 0
+for i in range(config["max_points"]):
+    if i < len(points):
+        point = points[i]
+    elif kills < config["kills"]:  # then kills at random moments, until there were enough
+        point = ["timer", round(rng.uniform(0, duration), 4)]
+    else:
+        break
+    folder = os.path.join(root, f"kill{i:03d}")
+    if point[0] == "timer":
+        ended = fork(agent, None, folder, kill_after=point[1])
+    else:
+        ended = fork(agent, point, folder)
+    sessions = os.listdir(folder + "/sessions") if os.path.isdir(folder + "/sessions") else []
+    entry = {"folder": folder, "point": point, "ended": ended, "session": None, "resumed": None}
+    if ended == "SIGKILL" and sessions:
+        entry["session"] = os.path.join(folder, "sessions", sessions[0])
+        entry["resumed"] = fork(resume, folder, sessions[0][:-len(".jsonl")])
+    report.append(entry)
+    kills += ended == "SIGKILL"
+print(json.dumps({"reference": reference, "duration": duration, "report": report}))
+'''
+
+
+def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(server, tmp_path):
+    server.responder = crash_model
+    config = {"lich": str(HERE), "url": server.url, "root": str(tmp_path), "seed": 20261130, "kills": 110,
+              "max_points": 400}
+    code, out, err = Process("-c", CRASH_DRIVER, json.dumps(config)).wait(timeout=300)
+    assert code == 0, err[-3000:]
+    outcome = json.loads(out)
+    [reference_path] = (tmp_path / "reference" / "sessions").iterdir()
+    reference = records(reference_path)
+    assert reference[-1] == meta(event="run_end", stopped_reason="final",
+                                 usage={"input_tokens": 0, "output_tokens": 0})
+    system = {"role": "system", "content": "You are scripted."}
+    killed_at = set()  # the types of the events a kill came with: after every record before them
+    for entry in outcome["report"]:
+        kind, n = entry["point"]
+        if entry["ended"] != "SIGKILL":  # a timer that went off after the run: nothing to check
+            assert (kind, entry["ended"]) == ("timer", 0), entry
+            continue
+        if entry["session"] is None:  # killed before it opened its session file
+            assert kind == "timer", entry
+            continue
+        path = Path(entry["session"])
+        recorded = records(path, torn=kind == "timer")
+        if kind == "timer":  # a kill mid-write may leave a torn last line, and only that
+            tail = path.read_bytes().rpartition(b"\n")[2]
+            assert reference_path.read_bytes().split(b"\n")[len(recorded)].startswith(tail), entry
+        else:
+            assert path.read_bytes() == (Path(entry["folder"]) / "snapshot").read_bytes(), entry
+            if kind == "event":
+                killed_at.add(outcome["reference"]["events"][n - 1])
+        assert recorded == reference[:len(recorded)], entry
+        history = lich.read_session_messages(path)
+        assert_history_is_paired(history)
+        assert history == [] or history[-1]["role"] != "user", entry
+        assert entry["resumed"] == 0, (entry, (Path(entry["folder"]) / "resume.err").read_text()[-2000:])
+        assert (Path(entry["folder"]) / "resume.out").read_text() == "Resumed.\n"
+        [resumed] = [p for p in path.parent.iterdir() if p != path]
+        assert lich.read_session_messages(resumed) == [*(history or [system]), user("go on"),
+                                                       assistant("Resumed.")]
+    kills = [e for e in outcome["report"] if e["ended"] == "SIGKILL"]
+    assert len(kills) >= 100, len(kills)
+    assert {e["point"][0] for e in kills} == {"event", "delta", "part", "timer"}
+    assert killed_at == {"turn_start", "compress_start", "compress_end", "llm_start", "llm_end",
+                            "tool_call_start", "tool_call_end", "final", "turn_end"}
+    assert meta(event="compress", summary_chars=len("Built notes.")) in reference
+
+
+# --- reading ---
 
 
 def test_read_session_messages_is_lenient(tmp_path):
@@ -1193,9 +2013,6 @@ def test_read_session_messages_drops_every_trailing_user_message(tmp_path):
 def test_read_session_messages_of_a_missing_file():
     with pytest.raises(FileNotFoundError):
         lich.read_session_messages("/nonexistent/lich/session.jsonl")
-
-
-INTERRUPTED = '{"ok": false, "output": "", "error": "interrupted"}'
 
 
 def test_read_session_messages_closes_interrupted_tool_calls(tmp_path):
@@ -1228,13 +2045,14 @@ def test_read_session_messages_repairs_before_the_next_message_and_drops_orphans
     assert lich.read_session_messages(again) == history
 
 
-def make_sessions(session_dir, *names):
-    session_dir.mkdir(parents=True, exist_ok=True)
-    for i, name in enumerate(names):
-        path = session_dir / f"{name}.jsonl"
-        path.write_text("")
-        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))
-    return session_dir
+def test_list_sessions_newest_first_by_modification_time(tmp_path):
+    d = make_sessions(tmp_path / "s", "20260102T000000Z-1", "20260101T000000Z-10-x", "20260101T000000Z-2")
+    (d / "notes.txt").write_text("")
+    (d / "folder.jsonl").mkdir()
+    newest_first = [str(d / f"{name}.jsonl")
+                    for name in ("20260101T000000Z-2", "20260101T000000Z-10-x", "20260102T000000Z-1")]
+    assert (lich.list_sessions(d), lich.list_sessions(str(d))) == (newest_first, newest_first)
+    assert lich.list_sessions(tmp_path / "missing") == []
 
 
 def test_resolve_session_latest_exact_and_prefix(tmp_path):
@@ -1286,9 +2104,40 @@ def test_a_recorded_run_resumes(tmp_path):
     assert lich.read_session_messages(lich.resolve_session(tmp_path, ref)) == run.messages
 
 
+def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tmp_path):
+    path = write_records(
+        tmp_path / "old.jsonl", msg(user("q")), msg(assistant("", ("", "echo", "{}"), ("a", "echo", "{}"))),
+        msg(tool_msg("", "first")), msg(tool_msg("a", "second")), msg(assistant("", ("a", "echo", "{}"))),
+        msg(tool_msg("a", "third")), msg(assistant("", ("a", "echo", "{}"), ("a_2", "echo", "{}"))),
+        msg(tool_msg("a", "fourth")))
+    history = lich.read_session_messages(path)
+    assert history == [
+        user("q"), assistant("", ("call_2", "echo", "{}"), ("a", "echo", "{}")),
+        tool_msg("call_2", "first"), tool_msg("a", "second"), assistant("", ("a_2", "echo", "{}")),
+        tool_msg("a_2", "third"), assistant("", ("a_3", "echo", "{}"), ("a_2_2", "echo", "{}")),
+        tool_msg("a_3", "fourth"), tool_msg("a_2_2", INTERRUPTED, is_error=True)]
+    assert_history_is_paired(history)
+    again = write_records(tmp_path / "again.jsonl", *[msg(m) for m in history])
+    assert lich.read_session_messages(again) == history
+
+
+def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
+    count = 30_000  # quadratic work would take minutes here
+    path = write_records(tmp_path / "hostile.jsonl", msg(user("q")),
+                         msg(assistant("", *[("", "echo", "{}")] * count)),
+                         *[msg(tool_msg("", str(i))) for i in range(count)])
+    history = finishes(lambda: lich.read_session_messages(path), timeout=60)
+    assert [m["tool_call_id"] for m in history[2:]] == [f"call_{i}" for i in range(2, count + 2)]
+    assert [m["content"] for m in history[2:]] == [str(i) for i in range(count)]
+    chat = ScriptedChat(assistant("", *[("dup", "echo", "{}")] * count))
+    run = finishes(lambda: lich.run_conversation(chat, EchoTools(), [user("q")], max_turns=1), timeout=60)
+    assert [c["id"] for c in run.messages[1]["tool_calls"]] == ["dup"] + [f"dup_{i}" for i in range(2, count + 1)]
+
+
 # ============================================================================
 # Providers
 # ============================================================================
+
 
 KEY = "sk-test-0123456789abcdefSECRET"
 
@@ -1329,49 +2178,8 @@ def anthropic_at(server, **options):
     return lich.AnthropicChat("claude-test", base_url=server.url, **options)
 
 
-def openai_reply(content="Hello.", *calls, finish="stop", usage=(7, 3), model="gpt-test-1"):
-    """A Chat Completions response body; each call is (id, name, arguments)."""
-    message = {"role": "assistant", "content": content, "refusal": None}
-    if calls:
-        message["tool_calls"] = [{"id": i, "type": "function",
-                                  "function": {"name": n, "arguments": a}} for i, n, a in calls]
-    return {"id": "chatcmpl-1", "object": "chat.completion", "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
-                      "total_tokens": sum(usage)}}
-
-
-def anthropic_reply(*blocks, stop="end_turn", usage=(7, 3), model="claude-test-1"):
-    """A Messages API response body with the given content blocks."""
-    return {"id": "msg_1", "type": "message", "role": "assistant", "model": model,
-            "content": list(blocks), "stop_reason": stop, "stop_sequence": None,
-            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
-
-
-def text_block(text):
-    return {"type": "text", "text": text}
-
-
 def tool_use_block(id, name, input):
     return {"type": "tool_use", "id": id, "name": name, "input": input}
-
-
-def delta_chunk(index=0, finish=None, **delta):
-    """An OpenAI streaming chunk carrying ``delta`` for choice ``index``."""
-    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "gpt-test-1",
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
-
-
-def call_delta(index, arguments, id=None, name=None):
-    call = {"index": index, "function": {"arguments": arguments}}
-    if id:
-        call.update(id=id, type="function")
-        call["function"]["name"] = name
-    return call
-
-
-def openai_sse(*chunks, done=True):
-    return sse(*[(None, c) for c in chunks], *([(None, "[DONE]")] if done else []))
 
 
 def pieces(text, size):
@@ -1386,501 +2194,36 @@ def result(content="", *calls, usage=(0, 0), model=None, stop=None):
                            model=model, stop_reason=stop)
 
 
-class RecordingSignal(threading.Event):
-    """A signal that records how long each wait asked for, without waiting."""
+def echo_tools():
+    tools = lich.Tools()
 
-    def __init__(self):
-        super().__init__()
-        self.waits = []
+    @tools.tool
+    def echo(text: str = "") -> str:
+        """Echo the text."""
+        return "echo:" + text
 
-    def wait(self, timeout=None):
-        self.waits.append(timeout)
-        return self.is_set()
+    return tools
 
 
-def failing(*errors, then="ok"):
-    """A function that raises ``errors`` one per call, then returns ``then``; counts calls."""
-    queue = list(errors)
+def wire_call(call_id, name="echo", arguments='{"text": "x"}'):
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id is not None:
+        call["id"] = call_id
+    return call
 
-    def fn():
-        fn.calls += 1
-        if queue:
-            raise queue.pop(0)
-        return then
 
-    fn.calls = 0
-    return fn
+def openai_calls_reply(*calls, content=None):
+    """A Chat Completions body whose tool calls are given in their wire form, as they are."""
+    body = openai_reply(content, finish="tool_calls")
+    body["choices"][0]["message"]["tool_calls"] = list(calls)
+    return body
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def anthropic_tool_use_reply(*blocks):
+    return anthropic_reply(*blocks, stop="tool_use")
 
 
-# -- OpenAI: the wire -------------------------------------------------------------------
-
-
-def test_openai_request_carries_every_message_kind_and_tool_specs(server):
-    server.reply(200, openai_reply())
-    openai_at(server, api_key=KEY)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC], temperature=0.2,
-                                   max_tokens=50)
-    request = server.requests[0]
-    assert (request["method"], request["path"]) == ("POST", "/v1/chat/completions")
-    assert request["headers"]["authorization"] == f"Bearer {KEY}"
-    assert request["headers"]["content-type"] == "application/json"
-    assert request["json"] == {
-        "model": "gpt-test",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "system", "content": "Use metric units."},
-            {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
-            {"role": "assistant", "content": "Checking.", "tool_calls": [
-                {"id": "c1", "type": "function",
-                 "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
-                {"id": "c2", "type": "function",
-                 "function": {"name": "weather", "arguments": '{"city": Rome'}},
-                {"id": "c3", "type": "function",
-                 "function": {"name": "clock", "arguments": "{}"}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "18C"},
-            {"role": "tool", "tool_call_id": "c2", "content": TOOL_ERROR},
-            {"role": "tool", "tool_call_id": "c3", "content": "12:00"},
-            {"role": "user", "content": "Also, hurry."},
-            {"role": "assistant", "content": "Paris: 18C. It is noon."},
-            {"role": "user", "content": "Thanks"},
-        ],
-        "tools": [
-            {"type": "function", "function": {
-                "name": "weather", "description": "Current weather in a city.",
-                "parameters": WEATHER_SPEC["parameters"]}},
-            {"type": "function", "function": {
-                "name": "clock", "description": "The time.",
-                "parameters": CLOCK_SPEC["parameters"]}},
-        ],
-        "temperature": 0.2,
-        "max_tokens": 50,
-    }
-
-
-def test_openai_minimal_request_and_empty_assistant_content(server):
-    server.reply(200, openai_reply())
-    openai_at(server)([*USER, assistant("", ("c1", "clock", "{}")),
-                       {"role": "tool", "tool_call_id": "c1", "name": "clock", "content": "",
-                        "is_error": False}])
-    assert server.requests[0]["json"] == {"model": "gpt-test", "messages": [
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": ""}]}
-
-
-def test_openai_without_key_sends_no_authorization_to_a_local_server(server):
-    server.reply(200, openai_reply())
-    openai_at(server)(USER)
-    assert "authorization" not in server.requests[0]["headers"]
-
-
-def test_openai_key_and_base_url_come_from_the_environment(server, monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    monkeypatch.setenv("OPENAI_BASE_URL", server.url + "/v1/")
-    server.reply(200, openai_reply())
-    chat = lich.OpenAIChat("gpt-test", timeout=5)
-    chat(USER)
-    assert chat.base_url == server.url + "/v1"
-    assert server.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
-
-
-def test_openai_public_url_without_key_is_an_auth_error_before_sending():
-    chat = lich.OpenAIChat("gpt-4.1-mini")
-    with pytest.raises(lich.ProviderError) as info:
-        chat(USER)
-    err = info.value
-    assert (err.kind, err.retryable, err.status, err.provider) == ("auth", False, None, "openai")
-    assert str(err) == ("openai: no API key for https://api.openai.com/v1: set OPENAI_API_KEY "
-                        "(or pass api_key=...)")
-
-
-def test_a_base_url_that_is_not_http_is_refused():
-    with pytest.raises(ValueError, match="base_url must be an http"):
-        lich.OpenAIChat("m", base_url="localhost:11434/v1")
-
-
-# -- OpenAI: answers ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("body, expected", [
-    pytest.param(openai_reply("Hello there.", usage=(12, 5)),
-                 result("Hello there.", usage=(12, 5), model="gpt-test-1", stop="stop"),
-                 id="text"),
-    pytest.param(openai_reply(None, ("call_1", "weather", '{"city":"Paris"}'),
-                              finish="tool_calls"),
-                 result("", ("call_1", "weather", '{"city":"Paris"}'), usage=(7, 3),
-                        model="gpt-test-1", stop="tool_calls"),
-                 id="one-tool-call-null-content"),
-    pytest.param(openai_reply("Both.", ("a", "weather", '{"city":"Paris"}'),
-                              ("b", "weather", '{"city":"Rome"}'), finish="tool_calls"),
-                 result("Both.", ("a", "weather", '{"city":"Paris"}'),
-                        ("b", "weather", '{"city":"Rome"}'), usage=(7, 3), model="gpt-test-1",
-                        stop="tool_calls"),
-                 id="parallel-tool-calls"),
-    pytest.param(openai_reply(None, finish="length"),
-                 result("", usage=(7, 3), model="gpt-test-1", stop="length"),
-                 id="null-content-no-calls"),
-    pytest.param({"choices": [{"message": {"content": "Hi"}}]},
-                 result("Hi", model="gpt-test"), id="bare-minimum-body"),
-    pytest.param({"choices": [{"message": {"content": [{"type": "text", "text": "a"},
-                                                       {"type": "text", "text": "b"}]},
-                               "finish_reason": "stop"}]},
-                 result("ab", model="gpt-test", stop="stop"), id="content-parts"),
-    pytest.param({"choices": [{"message": {"content": None, "tool_calls": [
-                     {"function": {"name": "clock", "arguments": None}},
-                     {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}}]},
-                 result("", ("call_0", "clock", "{}"), ("call_1", "weather", '{"city": "Oslo"}'),
-                        model="gpt-test"),
-                 id="calls-without-ids-and-object-arguments"),
-])
-def test_openai_answer_becomes_a_chat_result(server, body, expected):
-    server.reply(200, body)
-    assert openai_at(server)(USER) == expected
-
-
-def test_openai_refusal_with_null_content_is_the_answer_text(server):
-    body = openai_reply(None)
-    body["choices"][0]["message"]["refusal"] = "I can't help with that."
-    server.reply(200, body)
-    assert openai_at(server)(USER) == result("I can't help with that.", usage=(7, 3),
-                                             model="gpt-test-1", stop="stop")
-
-
-def test_openai_finish_reason_function_call_is_normalised(server):
-    server.reply(200, openai_reply("x", finish="function_call"))
-    assert openai_at(server)(USER).stop_reason == "tool_calls"
-
-
-# -- OpenAI: streaming ----------------------------------------------------------------
-
-
-def test_openai_stream_text_deltas_usage_and_request_flags(server):
-    body = openai_sse(delta_chunk(role="assistant", content=""), delta_chunk(content="Hel"),
-                      delta_chunk(content="lo"), delta_chunk(finish="stop"),
-                      {"id": "chatcmpl-1", "choices": [],
-                       "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
-    server.reply(200, chunks=pieces(body, 40))
-    deltas = []
-    chat = openai_at(server, stream=True, on_delta=deltas.append)
-    assert chat(USER, max_tokens=20) == result("Hello", usage=(9, 2), model="gpt-test-1",
-                                               stop="stop")
-    assert deltas == ["Hel", "lo"]
-    assert server.requests[0]["json"] == {
-        "model": "gpt-test", "messages": USER, "max_tokens": 20, "stream": True,
-        "stream_options": {"include_usage": True}}
-
-
-def test_openai_stream_assembles_split_parallel_tool_calls(server):
-    body = openai_sse(
-        delta_chunk(role="assistant", content=None,
-                    tool_calls=[call_delta(0, "", id="call_a", name="weather")]),
-        delta_chunk(tool_calls=[call_delta(0, '{"ci')]),
-        delta_chunk(tool_calls=[call_delta(0, 'ty": "Paris"}')]),
-        delta_chunk(tool_calls=[call_delta(1, '{"city"', id="call_b", name="weather")]),
-        delta_chunk(tool_calls=[call_delta(1, ': "Rome"}')]),
-        delta_chunk(tool_calls=[call_delta(2, "", id="call_c", name="clock")]),
-        delta_chunk(finish="tool_calls"),
-        {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12}})
-    server.reply(200, chunks=pieces(body, 7))
-    deltas = []
-    got = openai_at(server, stream=True, on_delta=deltas.append)(USER, tools=[WEATHER_SPEC])
-    assert got == result("", ("call_a", "weather", '{"city": "Paris"}'),
-                         ("call_b", "weather", '{"city": "Rome"}'), ("call_c", "clock", "{}"),
-                         usage=(30, 12), model="gpt-test-1", stop="tool_calls")
-    assert deltas == []
-
-
-def test_openai_stream_follows_sse_framing_rules(server):
-    second = json.dumps(delta_chunk(content="lo")).replace('"delta":', '\ndata: "delta":')
-    body = (": keep-alive\r\n\r\n"
-            f"data: {json.dumps(delta_chunk(content='Hel'))}\r\n\r\n"
-            f"data: {second}\r\n\r\n"                         # data split over two lines
-            f"data: {json.dumps(delta_chunk(index=1, content='other choice'))}\n\n"
-            "id: 7\nretry: 100\nevent: message\n"
-            f"data: {json.dumps(delta_chunk(finish='stop'))}\n\n"
-            "data: [DONE]")                                    # no trailing newline
-    server.reply(200, chunks=pieces(body, 5))
-    deltas = []
-    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
-    assert (got, deltas) == (result("Hello", model="gpt-test-1", stop="stop"), ["Hel", "lo"])
-
-
-def test_openai_stream_to_a_server_that_answers_json_gives_one_delta(server):
-    server.reply(200, openai_reply("Whole answer."))
-    deltas = []
-    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
-    assert (got, deltas) == (result("Whole answer.", usage=(7, 3), model="gpt-test-1",
-                                    stop="stop"), ["Whole answer."])
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_calls_from_one_thread_reuse_one_connection(server, stream):
-    handlers = []  # the server runs one handler thread per connection
-
-    def responder(request):
-        handlers.append(threading.current_thread())
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
-
-    server.responder = responder
-    chat = openai_at(server, stream=stream)
-    for _ in range(3):
-        assert chat(USER).message == {"role": "assistant", "content": "x"}
-    assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
-
-
-def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
-    # The server sleeps before each chunk; the empty one only delays the chunked terminator.
-    body = openai_sse(delta_chunk(content="x"), delta_chunk(finish="stop"))
-    server.reply(200, chunks=[body, ""], delay=1.0)
-    started = time.monotonic()
-    assert openai_at(server, stream=True)(USER).message == {"role": "assistant", "content": "x"}
-    assert time.monotonic() - started < 1.8  # the terminator comes at 2.0 s
-
-
-@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
-    # The loopback server writes headers and body separately with Nagle's algorithm on:
-    # without an immediate ACK each call on a reused connection would stall ~40 ms.
-    def responder(request):
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
-
-    server.responder = responder
-    chat = openai_at(server, stream=stream)
-    chat(USER)
-    started = time.monotonic()
-    for _ in range(20):
-        chat(USER)
-    assert time.monotonic() - started < 0.6  # stalling, 20 calls would take 0.8 s or more
-
-
-# -- Anthropic: the wire ----------------------------------------------------------------
-
-
-def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
-    server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, api_key=KEY)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC],
-                                      temperature=0.2)
-    request = server.requests[0]
-    assert (request["method"], request["path"]) == ("POST", "/v1/messages")
-    headers = request["headers"]
-    assert (headers["x-api-key"], headers["anthropic-version"], headers["content-type"]) == (
-        KEY, "2023-06-01", "application/json")
-    assert "authorization" not in headers
-    assert request["json"] == {
-        "model": "claude-test",
-        "max_tokens": 4096,
-        "system": "Be brief.\n\nUse metric units.",
-        "messages": [
-            {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
-            {"role": "assistant", "content": [
-                {"type": "text", "text": "Checking."},
-                {"type": "tool_use", "id": "c1", "name": "weather", "input": {"city": "Paris"}},
-                {"type": "tool_use", "id": "c2", "name": "weather",
-                 "input": {"_raw_arguments": '{"city": Rome'}},
-                {"type": "tool_use", "id": "c3", "name": "clock", "input": {}}]},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "c1", "content": "18C",
-                 "is_error": False},
-                {"type": "tool_result", "tool_use_id": "c2", "content": TOOL_ERROR,
-                 "is_error": True},
-                {"type": "tool_result", "tool_use_id": "c3", "content": "12:00",
-                 "is_error": False},
-                {"type": "text", "text": "Also, hurry."}]},
-            {"role": "assistant", "content": "Paris: 18C. It is noon."},
-            {"role": "user", "content": "Thanks"},
-        ],
-        "tools": [
-            {"name": "weather", "description": "Current weather in a city.",
-             "input_schema": WEATHER_SPEC["parameters"]},
-            {"name": "clock", "description": "The time.", "input_schema": CLOCK_SPEC["parameters"]},
-        ],
-        "temperature": 0.2,
-    }
-
-
-def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
-    server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, max_tokens=300)([
-        {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
-        {"role": "user", "content": "b"}, {"role": "system", "content": ""},
-        {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"},
-        {"role": "user", "content": "e"},
-        {"role": "tool", "tool_call_id": "t1", "name": "x", "content": "late", "is_error": False},
-    ], max_tokens=77)
-    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 77, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "c"},
-                                          {"type": "text", "text": "d"}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "t1", "content": "late", "is_error": False},
-            {"type": "text", "text": "e"}]},
-    ]}
-
-
-def test_anthropic_default_output_cap_comes_from_the_constructor(server):
-    server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, max_tokens=300)(USER)
-    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 300,
-                                          "messages": [{"role": "user", "content": "Hi"}]}
-
-
-def test_anthropic_without_a_key_is_an_auth_error_even_on_loopback(server):
-    # API.md: "AnthropicChat without a key raises" -- Anthropic's API always wants one
-    with pytest.raises(lich.ProviderError) as info:
-        anthropic_at(server, api_key=None)(USER)
-    assert (info.value.kind, str(info.value)) == (
-        "auth", f"anthropic: no API key for {server.url}: set ANTHROPIC_API_KEY (or pass api_key=...)")
-    assert server.requests == []
-
-
-def test_anthropic_without_key_elsewhere_is_an_auth_error_before_sending(monkeypatch):
-    monkeypatch.setenv("ANTHROPIC_BASE_URL", "https://anthropic.example.invalid")
-    with pytest.raises(lich.ProviderError) as info:
-        lich.AnthropicChat("claude-sonnet-4-5")(USER)
-    assert (info.value.kind, str(info.value)) == (
-        "auth", ("anthropic: no API key for https://anthropic.example.invalid: set "
-                 "ANTHROPIC_API_KEY (or pass api_key=...)"))
-
-
-def test_anthropic_key_comes_from_the_environment(server, monkeypatch):
-    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
-    monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
-    server.reply(200, anthropic_reply(text_block("ok")))
-    lich.AnthropicChat("claude-test", timeout=5)(USER)
-    assert server.requests[0]["headers"]["x-api-key"] == KEY
-
-
-# -- Anthropic: answers ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("body, expected", [
-    pytest.param(anthropic_reply(text_block("Hello "), text_block("there."), usage=(12, 5)),
-                 result("Hello there.", usage=(12, 5), model="claude-test-1", stop="stop"),
-                 id="text"),
-    pytest.param(anthropic_reply(text_block("Let me look."),
-                                 tool_use_block("toolu_1", "weather", {"city": "Paris"}),
-                                 stop="tool_use"),
-                 result("Let me look.", ("toolu_1", "weather", '{"city": "Paris"}'),
-                        usage=(7, 3), model="claude-test-1", stop="tool_calls"),
-                 id="one-tool-call"),
-    pytest.param(anthropic_reply(tool_use_block("a", "weather", {"city": "Paris"}),
-                                 tool_use_block("b", "clock", {}), stop="tool_use"),
-                 result("", ("a", "weather", '{"city": "Paris"}'), ("b", "clock", "{}"),
-                        usage=(7, 3), model="claude-test-1", stop="tool_calls"),
-                 id="parallel-tool-calls-no-text"),
-    pytest.param(anthropic_reply({"type": "thinking", "thinking": "hmm", "signature": "s"},
-                                 {"type": "redacted_thinking", "data": "opaque"},
-                                 text_block("4"), stop="max_tokens"),
-                 result("4", usage=(7, 3), model="claude-test-1", stop="length"),
-                 id="thinking-is-not-answer-text"),
-    pytest.param({"content": [], "usage": {"input_tokens": 5, "cache_creation_input_tokens": 100,
-                                           "cache_read_input_tokens": 1000, "output_tokens": 2},
-                  "stop_reason": "stop_sequence"},
-                 result("", usage=(1105, 2), model="claude-test", stop="stop"),
-                 id="cached-input-counts"),
-])
-def test_anthropic_answer_becomes_a_chat_result(server, body, expected):
-    server.reply(200, body)
-    assert anthropic_at(server)(USER) == expected
-
-
-# -- Anthropic: streaming ---------------------------------------------------------------
-
-
-def anthropic_sse(*events):
-    return sse(*[(e["type"], e) for e in events])
-
-
-def message_start(input_tokens=25, output_tokens=1):
-    return {"type": "message_start", "message": {
-        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test-1",
-        "content": [], "stop_reason": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}}
-
-
-def block_start(index, block):
-    return {"type": "content_block_start", "index": index, "content_block": block}
-
-
-def block_delta(index, **delta):
-    return {"type": "content_block_delta", "index": index, "delta": delta}
-
-
-def message_delta(stop, output_tokens):
-    return {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-            "usage": {"output_tokens": output_tokens}}
-
-
-PING = {"type": "ping"}
-MESSAGE_STOP = {"type": "message_stop"}
-
-
-def test_anthropic_stream_text_tool_use_pings_and_usage(server):
-    body = anthropic_sse(
-        message_start(), block_start(0, {"type": "thinking", "thinking": "", "signature": ""}),
-        block_delta(0, type="thinking_delta", thinking="Let me think."),
-        block_delta(0, type="signature_delta", signature="sig"),
-        {"type": "content_block_stop", "index": 0}, PING,
-        block_start(1, text_block("")), block_delta(1, type="text_delta", text="Checking "),
-        PING, block_delta(1, type="text_delta", text="both."),
-        {"type": "content_block_stop", "index": 1},
-        block_start(2, tool_use_block("toolu_a", "weather", {})),
-        block_delta(2, type="input_json_delta", partial_json=""),
-        block_delta(2, type="input_json_delta", partial_json='{"city": "Pa'),
-        block_delta(2, type="input_json_delta", partial_json='ris"}'),
-        {"type": "content_block_stop", "index": 2},
-        block_start(3, tool_use_block("toolu_b", "clock", {})),
-        block_delta(3, type="input_json_delta", partial_json=""),
-        {"type": "content_block_stop", "index": 3},
-        {"type": "some_future_event", "detail": 1},
-        message_delta("tool_use", 40), MESSAGE_STOP)
-    server.reply(200, chunks=pieces(body, 33))
-    deltas = []
-    chat = anthropic_at(server, stream=True, on_delta=deltas.append)
-    assert chat(USER) == result("Checking both.", ("toolu_a", "weather", '{"city": "Paris"}'),
-                                ("toolu_b", "clock", "{}"), usage=(25, 40),
-                                model="claude-test-1", stop="tool_calls")
-    assert deltas == ["Checking ", "both."]
-    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 4096,
-                                          "messages": USER, "stream": True}
-
-
-def test_anthropic_stream_error_event_overloaded_is_retryable(server):
-    body = anthropic_sse(message_start(), block_start(0, text_block("")),
-                         block_delta(0, type="text_delta", text="Hi"),
-                         {"type": "error", "error": {"type": "overloaded_error",
-                                                     "message": "Overloaded"}})
-    server.reply(200, chunks=[body])
-    with pytest.raises(lich.ProviderError) as info:
-        anthropic_at(server, stream=True)(USER)
-    err = info.value
-    assert (err.kind, err.retryable, err.provider, str(err)) == (
-        "overloaded", True, "anthropic",
-        "anthropic: error event in stream (overloaded_error): Overloaded")
-
-
-# -- Errors ----------------------------------------------------------------------------
-
-
-def openai_error(message, type="invalid_request_error", code=None):
-    return {"error": {"message": message, "type": type, "param": None, "code": code}}
-
-
-def anthropic_error(type, message):
-    return {"type": "error", "error": {"type": type, "message": message}, "request_id": "req_1"}
+# --- errors ---
 
 
 # (provider, status, body, headers) -> (kind, retryable, retry_after)
@@ -2015,93 +2358,6 @@ def test_a_key_with_a_control_character_inside_is_refused_without_echoing_it(ser
     assert "sk-test" not in str(info.value) and "OPENAI_API_KEY" in str(info.value)
 
 
-def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
-    server.reply(200, b'{"pad": "' + b"x" * (lich._BODY_MAX_BYTES + 10) + b'"}')
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert info.value.kind == "invalid_response"
-    assert str(info.value).startswith(f"openai: invalid response: body larger than "
-                                      f"{lich._BODY_MAX_BYTES} bytes: ")
-
-
-# -- Transport failures ------------------------------------------------------------------
-
-
-def test_connection_refused_is_a_network_error():
-    port = free_port()
-    with pytest.raises(lich.ProviderError) as info:
-        lich.OpenAIChat("m", base_url=f"http://127.0.0.1:{port}/v1", timeout=5)(USER)
-    err = info.value
-    assert (err.kind, err.retryable, err.status) == ("network", True, None)
-    assert str(err).startswith(f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions:")
-
-
-def test_connection_closed_before_headers_is_a_network_error(server):
-    server.reply(reset_after=0)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert (info.value.kind, info.value.retryable) == ("network", True)
-
-
-def test_no_answer_within_the_read_timeout_is_a_timeout(server):
-    def slow(request):
-        time.sleep(0.5)
-        return Reply(200, openai_reply())
-
-    server.responder = slow
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, timeout=0.2)(USER)
-    assert (info.value.kind, info.value.retryable) == ("timeout", True)
-
-
-def test_a_body_that_stalls_is_a_timeout(server):
-    server.reply(200, chunks=[json.dumps(openai_reply())], content_type="application/json",
-                 delay=0.5)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, timeout=0.2)(USER)
-    assert info.value.kind == "timeout"
-
-
-def test_a_slow_but_steady_stream_is_not_a_timeout(server):
-    body = openai_sse(*[delta_chunk(content=c) for c in "abcde"], delta_chunk(finish="stop"))
-    server.reply(200, chunks=pieces(body, len(body) // 5 + 1), delay=0.1)
-    assert openai_at(server, stream=True, timeout=0.3)(USER).message["content"] == "abcde"
-
-
-def test_a_body_cut_off_mid_way_is_a_network_error(server):
-    server.reply(200, chunks=['{"choices": [', "]}"], content_type="application/json",
-                 reset_after=1)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert (info.value.kind, info.value.retryable) == ("network", True)
-
-
-def test_a_stream_that_stalls_between_chunks_is_a_timeout(server):
-    body = openai_sse(delta_chunk(content="a"), delta_chunk(finish="stop"))
-    server.reply(200, chunks=["", *pieces(body, 60)], delay=0.4)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True, timeout=0.15)(USER)
-    assert info.value.kind == "timeout"
-
-
-@pytest.mark.parametrize("at", ["openai", "anthropic"])
-def test_a_stream_cut_off_mid_way_is_an_invalid_response(server, at):
-    if at == "openai":
-        body, chat = openai_sse(delta_chunk(content="Hel"), delta_chunk(content="lo")), openai_at
-    else:
-        body = anthropic_sse(message_start(), block_start(0, text_block("")),
-                             block_delta(0, type="text_delta", text="Hel"), MESSAGE_STOP)
-        chat = anthropic_at
-    server.reply(200, chunks=pieces(body, 150), reset_after=1)
-    deltas = []
-    with pytest.raises(lich.ProviderError) as info:
-        chat(server, stream=True, on_delta=deltas.append)(USER)
-    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
-
-
-# -- Bad input ------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("at, body, content_type", [
     pytest.param("openai", b"<html><body>Welcome to nginx</body></html>", "text/html",
                  id="openai-html"),
@@ -2189,6 +2445,199 @@ def test_a_malformed_stream_is_an_invalid_response(server, at, body):
     assert (err.kind, err.retryable, err.provider) == ("invalid_response", False, at)
 
 
+@pytest.mark.parametrize("at, stream, reply, kind, message", [
+    ("openai", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"openai: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", True, Reply(200, chunks=[sse((None, DEEP))]), "invalid_response",
+     f"openai: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
+     f"anthropic: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
+    ("anthropic", True, Reply(200, chunks=[sse(("message_start", DEEP))]), "invalid_response",
+     f"anthropic: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
+    ("openai", False, Reply(500, DEEP, content_type="application/json"), "server",
+     f"openai: HTTP 500: {DEEP[:2000]}..."),
+], ids=["openai-body", "openai-stream", "anthropic-body", "anthropic-stream", "error-body"])
+def test_deeply_nested_json_from_a_provider_is_a_classified_error(server, at, stream, reply, kind, message):
+    server.replies.append(reply)
+    with pytest.raises(lich.ProviderError) as info:
+        (openai_at if at == "openai" else anthropic_at)(server, stream=stream)(USER)
+    assert (info.value.kind, str(info.value)) == (kind, message)
+
+
+def test_provider_errors_and_reprs_never_carry_the_key(server):
+    import traceback
+
+    chats = [openai_at(server, api_key=SECRET), anthropic_at(server, api_key=SECRET),
+             openai_at(server, api_key=SECRET, stream=True), lich.OpenAIChat("m", api_key=SECRET + "\r\n"),
+             lich.chat_from_spec(f"openai:a@{server.url}/v1,anthropic:b@{server.url}", api_key=SECRET,
+                                 base_delay=0.001)]
+    faults = [Reply(401, openai_error(SECRET)), Reply(200, f"{SECRET}", content_type="application/json"),
+              Reply(200, chunks=[sse((None, {"error": {"message": SECRET}}))]), Reply(500, SECRET * 3)]
+    texts = [repr(chat) for chat in chats]
+    for chat in chats:
+        for fault in faults:
+            server.replies[:] = [fault, fault, fault, fault, fault, fault]
+            try:
+                chat(USER)
+            except lich.ProviderError as exc:
+                shown = traceback.format_exception(type(exc), exc, exc.__traceback__)
+                texts += [str(exc), repr(exc), "".join(shown)]
+    assert len(texts) == 5 + 3 * len(chats) * len(faults)
+    assert [t for t in texts if SECRET in t] == []
+
+
+# --- wire ---
+
+
+def test_openai_stream_follows_sse_framing_rules(server):
+    second = json.dumps(delta_chunk(content="lo")).replace('"delta":', '\ndata: "delta":')
+    body = (": keep-alive\r\n\r\n"
+            f"data: {json.dumps(delta_chunk(content='Hel'))}\r\n\r\n"
+            f"data: {second}\r\n\r\n"                         # data split over two lines
+            f"data: {json.dumps(delta_chunk(index=1, content='other choice'))}\n\n"
+            "id: 7\nretry: 100\nevent: message\n"
+            f"data: {json.dumps(delta_chunk(finish='stop'))}\n\n"
+            "data: [DONE]")                                    # no trailing newline
+    server.reply(200, chunks=pieces(body, 5))
+    deltas = []
+    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (got, deltas) == (result("Hello", model="gpt-test-1", stop="stop"), ["Hel", "lo"])
+
+
+def test_openai_stream_to_a_server_that_answers_json_gives_one_delta(server):
+    server.reply(200, openai_reply("Whole answer."))
+    deltas = []
+    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (got, deltas) == (result("Whole answer.", usage=(7, 3), model="gpt-test-1",
+                                    stop="stop"), ["Whole answer."])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_calls_from_one_thread_reuse_one_connection(server, stream):
+    handlers = []  # the server runs one handler thread per connection
+
+    def responder(request):
+        handlers.append(threading.current_thread())
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply("x"))
+
+    server.responder = responder
+    chat = openai_at(server, stream=stream)
+    for _ in range(3):
+        assert chat(USER).message == {"role": "assistant", "content": "x"}
+    assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
+
+
+def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
+    # the last, empty piece only carries the chunked terminator: it is held back meanwhile
+    body = openai_sse(delta_chunk(content="x"), delta_chunk(finish="stop"))
+    terminator = threading.Event()
+    server.reply(200, chunks=[body, ""], hold=terminator)
+    try:
+        got = finishes(lambda: openai_at(server, stream=True)(USER), timeout=10)
+    finally:
+        terminator.set()
+    assert got.message == {"role": "assistant", "content": "x"}
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
+    # The loopback server writes headers and body separately with Nagle's algorithm on:
+    # without an immediate ACK each call on a reused connection would stall ~40 ms.
+    def responder(request):
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply("x"))
+
+    server.responder = responder
+    chat = openai_at(server, stream=stream)
+    chat(USER)
+    started = time.monotonic()
+    for _ in range(20):
+        chat(USER)
+    assert time.monotonic() - started < 0.6  # stalling, 20 calls would take 0.8 s or more
+
+
+def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
+    server.reply(200, b'{"pad": "' + b"x" * (lich._BODY_MAX_BYTES + 10) + b'"}')
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert info.value.kind == "invalid_response"
+    assert str(info.value).startswith(f"openai: invalid response: body larger than "
+                                      f"{lich._BODY_MAX_BYTES} bytes: ")
+
+
+def test_connection_refused_is_a_network_error():
+    port = free_port()
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("m", base_url=f"http://127.0.0.1:{port}/v1", timeout=5)(USER)
+    err = info.value
+    assert (err.kind, err.retryable, err.status) == ("network", True, None)
+    assert str(err).startswith(f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions:")
+
+
+def test_connection_closed_before_headers_is_a_network_error(server):
+    server.reply(reset_after=0)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", True)
+
+
+@pytest.mark.parametrize("stream, reply", [
+    pytest.param(False, lambda held: Reply(200, openai_reply(), hold=held),
+                 id="no-answer-within-the-read-timeout"),
+    pytest.param(False, lambda held: Reply(200, chunks=[json.dumps(openai_reply())], hold=held,
+                                           content_type="application/json"),
+                 id="a-body-that-stalls"),
+    pytest.param(True, lambda held: Reply(200, chunks=pieces(openai_sse(delta_chunk(content="a"),
+                                                                        delta_chunk(finish="stop")), 60),
+                                          hold=held),
+                 id="a-stream-that-stalls-between-chunks"),
+])
+def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply):
+    silence = threading.Event()  # what the server holds back comes only after the test
+    server.replies.append(reply(silence))
+    try:
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=stream, timeout=0.2)(USER)
+    finally:
+        silence.set()
+    assert (info.value.kind, info.value.retryable) == ("timeout", True)
+
+
+def test_a_slow_but_steady_stream_is_not_a_timeout(server):
+    body = openai_sse(*[delta_chunk(content=c) for c in "abcde"], delta_chunk(finish="stop"))
+    server.reply(200, chunks=pieces(body, len(body) // 5 + 1), delay=0.1)
+    assert openai_at(server, stream=True, timeout=0.3)(USER).message["content"] == "abcde"
+
+
+def test_a_body_cut_off_mid_way_is_a_network_error(server):
+    server.reply(200, chunks=['{"choices": [', "]}"], content_type="application/json",
+                 reset_after=1)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", True)
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_stream_cut_off_mid_way_is_an_invalid_response(server, at):
+    if at == "openai":
+        body, chat = openai_sse(delta_chunk(content="Hel"), delta_chunk(content="lo")), openai_at
+    else:
+        body = anthropic_sse(message_start(), block_start(0, text_block("")),
+                             block_delta(0, type="text_delta", text="Hel"), MESSAGE_STOP)
+        chat = anthropic_at
+    server.reply(200, chunks=pieces(body, 150), reset_after=1)
+    deltas = []
+    with pytest.raises(lich.ProviderError) as info:
+        chat(server, stream=True, on_delta=deltas.append)(USER)
+    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
+
+
 def test_an_endless_sse_line_is_an_invalid_response(server):
     megabyte = b"y" * (1 << 20)
     server.reply(200, chunks=[b"data: ", *[megabyte] * 40, b"\n\n"])
@@ -2206,9 +2655,6 @@ def test_on_delta_exceptions_reach_the_caller_unchanged(server):
 
     with pytest.raises(KeyError, match="from the callback"):
         openai_at(server, stream=True, on_delta=broken)(USER)
-
-
-# -- Abort ----------------------------------------------------------------------------------
 
 
 def test_a_set_signal_stops_before_sending(server):
@@ -2246,7 +2692,553 @@ def test_a_signal_set_mid_stream_stops_reading(server, at):
     assert deltas == ["one "] and time.monotonic() - started < 2
 
 
-# -- run_with_retries -------------------------------------------------------------------------
+def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
+    signal, shown = threading.Event(), []
+    # the answer is held back until the signal, which another thread sets once it was asked
+    server.reply(200, chunks=[json.dumps(openai_reply("late"))], hold=signal,
+                 content_type="application/json")
+    threading.Thread(target=lambda: (wait_for_request(server), signal.set()), daemon=True).start()
+    with pytest.raises(lich.AbortError):
+        openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
+    assert shown == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_one_chat_object_serves_32_threads(server, stream):
+    def echo(request):
+        said = request["json"]["messages"][-1]["content"]
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content=said),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply(said))
+
+    server.responder = echo
+    chat = openai_at(server, stream=stream)
+    answers = {}
+    failures = []
+
+    def worker(n):
+        try:
+            for turn in range(3):
+                said = f"thread {n} turn {turn}"
+                answers[said] = chat([{"role": "user", "content": said}]).message["content"]
+        except (lich.ProviderError, lich.AbortError) as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert failures == []
+    assert len(answers) == 96 and all(said == got for said, got in answers.items())
+
+
+def strict_json(body):
+    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
+    text = body.decode("utf-8")
+    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
+    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
+    chat = openai_at(server) if at == "openai" else anthropic_at(server)
+    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
+    queue(server, done)
+    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
+    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
+    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
+    assert lich.read_session_messages(run.session_path) == run.messages
+    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
+    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
+
+# --- OpenAI ---
+
+
+def test_openai_request_carries_every_message_kind_and_tool_specs(server):
+    server.reply(200, openai_reply())
+    openai_at(server, api_key=KEY)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC], temperature=0.2,
+                                   max_tokens=50)
+    request = server.requests[0]
+    assert (request["method"], request["path"]) == ("POST", "/v1/chat/completions")
+    assert request["headers"]["authorization"] == f"Bearer {KEY}"
+    assert request["headers"]["content-type"] == "application/json"
+    assert request["json"] == {
+        "model": "gpt-test",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "Use metric units."},
+            {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+                {"id": "c2", "type": "function",
+                 "function": {"name": "weather", "arguments": '{"city": Rome'}},
+                {"id": "c3", "type": "function",
+                 "function": {"name": "clock", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+            {"role": "tool", "tool_call_id": "c2", "content": TOOL_ERROR},
+            {"role": "tool", "tool_call_id": "c3", "content": "12:00"},
+            {"role": "user", "content": "Also, hurry."},
+            {"role": "assistant", "content": "Paris: 18C. It is noon."},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [
+            {"type": "function", "function": {
+                "name": "weather", "description": "Current weather in a city.",
+                "parameters": WEATHER_SPEC["parameters"]}},
+            {"type": "function", "function": {
+                "name": "clock", "description": "The time.",
+                "parameters": CLOCK_SPEC["parameters"]}},
+        ],
+        "temperature": 0.2,
+        "max_tokens": 50,
+    }
+
+
+def test_openai_minimal_request_and_empty_assistant_content(server):
+    server.reply(200, openai_reply())
+    openai_at(server)([*USER, assistant("", ("c1", "clock", "{}")),
+                       {"role": "tool", "tool_call_id": "c1", "name": "clock", "content": "",
+                        "is_error": False}])
+    assert server.requests[0]["json"] == {"model": "gpt-test", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": ""}]}
+
+
+def test_openai_without_key_sends_no_authorization_to_a_local_server(server):
+    server.reply(200, openai_reply())
+    openai_at(server)(USER)
+    assert "authorization" not in server.requests[0]["headers"]
+
+
+def test_openai_key_and_base_url_come_from_the_environment(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("OPENAI_BASE_URL", server.url + "/v1/")
+    server.reply(200, openai_reply())
+    chat = lich.OpenAIChat("gpt-test", timeout=5)
+    chat(USER)
+    assert chat.base_url == server.url + "/v1"
+    assert server.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
+
+
+def test_openai_public_url_without_key_is_an_auth_error_before_sending():
+    chat = lich.OpenAIChat("gpt-4.1-mini")
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    err = info.value
+    assert (err.kind, err.retryable, err.status, err.provider) == ("auth", False, None, "openai")
+    assert str(err) == ("openai: no API key for https://api.openai.com/v1: set OPENAI_API_KEY "
+                        "(or pass api_key=...)")
+
+
+def test_a_base_url_that_is_not_http_is_refused():
+    with pytest.raises(ValueError, match="base_url must be an http"):
+        lich.OpenAIChat("m", base_url="localhost:11434/v1")
+
+
+@pytest.mark.parametrize("body, expected", [
+    pytest.param(openai_reply("Hello there.", usage=(12, 5)),
+                 result("Hello there.", usage=(12, 5), model="gpt-test-1", stop="stop"),
+                 id="text"),
+    pytest.param(openai_reply(None, ("call_1", "weather", '{"city":"Paris"}'),
+                              finish="tool_calls"),
+                 result("", ("call_1", "weather", '{"city":"Paris"}'), usage=(7, 3),
+                        model="gpt-test-1", stop="tool_calls"),
+                 id="one-tool-call-null-content"),
+    pytest.param(openai_reply("Both.", ("a", "weather", '{"city":"Paris"}'),
+                              ("b", "weather", '{"city":"Rome"}'), finish="tool_calls"),
+                 result("Both.", ("a", "weather", '{"city":"Paris"}'),
+                        ("b", "weather", '{"city":"Rome"}'), usage=(7, 3), model="gpt-test-1",
+                        stop="tool_calls"),
+                 id="parallel-tool-calls"),
+    pytest.param(openai_reply(None, finish="length"),
+                 result("", usage=(7, 3), model="gpt-test-1", stop="length"),
+                 id="null-content-no-calls"),
+    pytest.param({"choices": [{"message": {"content": "Hi"}}]},
+                 result("Hi", model="gpt-test"), id="bare-minimum-body"),
+    pytest.param({"choices": [{"message": {"content": [{"type": "text", "text": "a"},
+                                                       {"type": "text", "text": "b"}]},
+                               "finish_reason": "stop"}]},
+                 result("ab", model="gpt-test", stop="stop"), id="content-parts"),
+    pytest.param({"choices": [{"message": {"content": None, "tool_calls": [
+                     {"function": {"name": "clock", "arguments": None}},
+                     {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}}]},
+                 result("", ("call_0", "clock", "{}"), ("call_1", "weather", '{"city": "Oslo"}'),
+                        model="gpt-test"),
+                 id="calls-without-ids-and-object-arguments"),
+])
+def test_openai_answer_becomes_a_chat_result(server, body, expected):
+    server.reply(200, body)
+    assert openai_at(server)(USER) == expected
+
+
+def test_openai_refusal_with_null_content_is_the_answer_text(server):
+    body = openai_reply(None)
+    body["choices"][0]["message"]["refusal"] = "I can't help with that."
+    server.reply(200, body)
+    assert openai_at(server)(USER) == result("I can't help with that.", usage=(7, 3),
+                                             model="gpt-test-1", stop="stop")
+
+
+def test_openai_finish_reason_function_call_is_normalised(server):
+    server.reply(200, openai_reply("x", finish="function_call"))
+    assert openai_at(server)(USER).stop_reason == "tool_calls"
+
+
+def test_openai_stream_text_deltas_usage_and_request_flags(server):
+    body = openai_sse(delta_chunk(role="assistant", content=""), delta_chunk(content="Hel"),
+                      delta_chunk(content="lo"), delta_chunk(finish="stop"),
+                      {"id": "chatcmpl-1", "choices": [],
+                       "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
+    server.reply(200, chunks=pieces(body, 40))
+    deltas = []
+    chat = openai_at(server, stream=True, on_delta=deltas.append)
+    assert chat(USER, max_tokens=20) == result("Hello", usage=(9, 2), model="gpt-test-1",
+                                               stop="stop")
+    assert deltas == ["Hel", "lo"]
+    assert server.requests[0]["json"] == {
+        "model": "gpt-test", "messages": USER, "max_tokens": 20, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+def test_openai_stream_assembles_split_parallel_tool_calls(server):
+    body = openai_sse(
+        delta_chunk(role="assistant", content=None,
+                    tool_calls=[call_delta(0, "", id="call_a", name="weather")]),
+        delta_chunk(tool_calls=[call_delta(0, '{"ci')]),
+        delta_chunk(tool_calls=[call_delta(0, 'ty": "Paris"}')]),
+        delta_chunk(tool_calls=[call_delta(1, '{"city"', id="call_b", name="weather")]),
+        delta_chunk(tool_calls=[call_delta(1, ': "Rome"}')]),
+        delta_chunk(tool_calls=[call_delta(2, "", id="call_c", name="clock")]),
+        delta_chunk(finish="tool_calls"),
+        {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 12}})
+    server.reply(200, chunks=pieces(body, 7))
+    deltas = []
+    got = openai_at(server, stream=True, on_delta=deltas.append)(USER, tools=[WEATHER_SPEC])
+    assert got == result("", ("call_a", "weather", '{"city": "Paris"}'),
+                         ("call_b", "weather", '{"city": "Rome"}'), ("call_c", "clock", "{}"),
+                         usage=(30, 12), model="gpt-test-1", stop="tool_calls")
+    assert deltas == []
+
+
+NOT_JSON = ("the arguments of echo are not valid JSON (Expecting ',' delimiter: line 1 column 13 "
+            "(char 12)); send one JSON object")
+
+
+@pytest.mark.parametrize("calls, answers", [
+    ([wire_call("a", arguments='{"text": "x"')], [("a", NOT_JSON)]),
+    ([wire_call("a", name="nope")], [("a", 'unknown tool "nope"; the available tools are: echo')]),
+    ([wire_call("dup"), wire_call("dup"), wire_call("dup_2")],
+     [("dup", "echo:x"), ("dup_3", "echo:x"), ("dup_2", "echo:x")]),
+    ([wire_call(""), wire_call(None), wire_call("call_1")],
+     [("call_0", "echo:x"), ("call_1", "echo:x"), ("call_1_2", "echo:x")]),
+    ([wire_call("a", arguments="[1, 2]")],
+     [("a", "the arguments of echo must be a JSON object, not an array")]),
+    ([wire_call("a", arguments='"x"')], [("a", "the arguments of echo must be a JSON object, not a string")]),
+    ([wire_call("a", arguments={"text": "decoded"})], [("a", "echo:decoded")]),
+    ([wire_call("a", arguments="")], [("a", "echo:")]),
+    ([wire_call(f"c{i}", arguments=json.dumps({"text": str(i)})) for i in range(100)],
+     [(f"c{i}", f"echo:{i}") for i in range(100)]),
+], ids=["invalid-json", "unknown-tool", "duplicate-ids", "empty-and-missing-ids", "list-arguments",
+        "string-arguments", "decoded-arguments", "empty-arguments", "100-calls"])
+def test_misbehaving_tool_calls_through_openai_are_answered_and_recorded(server, tmp_path, calls, answers):
+    queue(server, openai_calls_reply(*calls), openai_reply("done"))
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    asked = run.messages[1]
+    told = [(m["tool_call_id"], m["content"] if not m["is_error"] else json.loads(m["content"])["error"])
+            for m in run.messages[2:-1]]
+    assert (run.stopped_reason, told, run.messages[-1]) == ("final", answers, assistant("done"))
+    assert [c["id"] for c in asked["tool_calls"]] == [i for i, _ in answers]
+    assert records(run.session_path) == [
+        meta(event="run_start", input_chars=2, history_size=0), *[msg(m) for m in run.messages],
+        meta(event="run_end", stopped_reason="final", usage={"input_tokens": 14, "output_tokens": 6})]
+    assert lich.read_session_messages(run.session_path) == run.messages
+    assert_history_is_paired(run.messages)
+    assert wire_problem(server.requests[1]["json"]["messages"]) is None
+
+
+def test_a_server_that_never_sends_call_ids_gets_unique_ones_across_turns(server, tmp_path):
+    queue(server, openai_calls_reply(wire_call(None)), openai_calls_reply(wire_call(None), wire_call(None)),
+          openai_reply("done"))
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=5, session_dir=tmp_path)
+    assert [m.get("tool_call_id") or [c["id"] for c in m.get("tool_calls") or []] for m in run.messages] == [
+        [], ["call_0"], "call_0", ["call_0_2", "call_1"], "call_0_2", "call_1", []]
+    assert lich.read_session_messages(run.session_path) == run.messages
+    for request in server.requests[1:]:
+        assert wire_problem(request["json"]["messages"]) is None
+
+
+@pytest.mark.parametrize("body, final", [
+    (openai_calls_reply(content="answer"), assistant("answer")),
+    (openai_reply(None), assistant("")),
+], ids=["content-and-empty-tool-calls", "null-content"])
+def test_an_answer_without_tool_calls_is_final_through_openai(server, tmp_path, body, final):
+    queue(server, body)
+    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (run.stopped_reason, run.final, run.turns_used) == ("final", final, 1)
+    assert records(run.session_path)[2:] == [msg(final), meta(event="run_end", stopped_reason="final",
+                                                              usage={"input_tokens": 7, "output_tokens": 3})]
+
+
+@pytest.mark.parametrize("body, error", [
+    ({"id": "x", "object": "chat.completion", "model": "m"},
+     "KeyError: 'choices'"),
+    ({"choices": []}, "IndexError: list index out of range"),
+    ({"choices": [{"message": None}]}, "AttributeError: 'NoneType' object has no attribute 'get'"),
+    ({"choices": [{"message": {"content": 5}}]}, "TypeError: message content is a int"),
+], ids=["missing-choices", "empty-choices", "null-message", "number-content"])
+def test_an_answer_of_the_wrong_shape_ends_the_run_recorded(server, tmp_path, body, error):
+    queue(server, openai_calls_reply(wire_call("a")), body)
+    with pytest.raises(lich.ProviderError) as info:
+        lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
+    assert str(info.value) == (f"openai: invalid response: unexpected JSON shape ({error}): "
+                               f"{json.dumps(body)!r}")
+    [path] = tmp_path.iterdir()
+    assert records(path) == [
+        meta(event="run_start", input_chars=2, history_size=0), msg(user("go")),
+        msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x")),
+        meta(event="run_error", error=f"ProviderError: {info.value}")]
+    assert lich.read_session_messages(path) == [user("go"), assistant("", ("a", "echo", '{"text": "x"}')),
+                                                tool_msg("a", "echo:x")]
+
+
+# --- Anthropic ---
+
+
+def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, api_key=KEY)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC],
+                                      temperature=0.2)
+    request = server.requests[0]
+    assert (request["method"], request["path"]) == ("POST", "/v1/messages")
+    headers = request["headers"]
+    assert (headers["x-api-key"], headers["anthropic-version"], headers["content-type"]) == (
+        KEY, "2023-06-01", "application/json")
+    assert "authorization" not in headers
+    assert request["json"] == {
+        "model": "claude-test",
+        "max_tokens": 4096,
+        "system": "Be brief.\n\nUse metric units.",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "c1", "name": "weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "c2", "name": "weather",
+                 "input": {"_raw_arguments": '{"city": Rome'}},
+                {"type": "tool_use", "id": "c3", "name": "clock", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "c1", "content": "18C",
+                 "is_error": False},
+                {"type": "tool_result", "tool_use_id": "c2", "content": TOOL_ERROR,
+                 "is_error": True},
+                {"type": "tool_result", "tool_use_id": "c3", "content": "12:00",
+                 "is_error": False},
+                {"type": "text", "text": "Also, hurry."}]},
+            {"role": "assistant", "content": "Paris: 18C. It is noon."},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [
+            {"name": "weather", "description": "Current weather in a city.",
+             "input_schema": WEATHER_SPEC["parameters"]},
+            {"name": "clock", "description": "The time.", "input_schema": CLOCK_SPEC["parameters"]},
+        ],
+        "temperature": 0.2,
+    }
+
+
+def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, max_tokens=300)([
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": "b"}, {"role": "system", "content": ""},
+        {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"},
+        {"role": "user", "content": "e"},
+        {"role": "tool", "tool_call_id": "t1", "name": "x", "content": "late", "is_error": False},
+    ], max_tokens=77)
+    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 77, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "c"},
+                                          {"type": "text", "text": "d"}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "late", "is_error": False},
+            {"type": "text", "text": "e"}]},
+    ]}
+
+
+def test_anthropic_default_output_cap_comes_from_the_constructor(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, max_tokens=300)(USER)
+    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 300,
+                                          "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_anthropic_without_a_key_is_an_auth_error_even_on_loopback(server):
+    # API.md: "AnthropicChat without a key raises" -- Anthropic's API always wants one
+    with pytest.raises(lich.ProviderError) as info:
+        anthropic_at(server, api_key=None)(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "auth", f"anthropic: no API key for {server.url}: set ANTHROPIC_API_KEY (or pass api_key=...)")
+    assert server.requests == []
+
+
+def test_anthropic_without_key_elsewhere_is_an_auth_error_before_sending(monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "https://anthropic.example.invalid")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.AnthropicChat("claude-sonnet-4-5")(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "auth", ("anthropic: no API key for https://anthropic.example.invalid: set "
+                 "ANTHROPIC_API_KEY (or pass api_key=...)"))
+
+
+def test_anthropic_key_comes_from_the_environment(server, monkeypatch):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", server.url)
+    server.reply(200, anthropic_reply(text_block("ok")))
+    lich.AnthropicChat("claude-test", timeout=5)(USER)
+    assert server.requests[0]["headers"]["x-api-key"] == KEY
+
+
+@pytest.mark.parametrize("body, expected", [
+    pytest.param(anthropic_reply(text_block("Hello "), text_block("there."), usage=(12, 5)),
+                 result("Hello there.", usage=(12, 5), model="claude-test-1", stop="stop"),
+                 id="text"),
+    pytest.param(anthropic_reply(text_block("Let me look."),
+                                 tool_use_block("toolu_1", "weather", {"city": "Paris"}),
+                                 stop="tool_use"),
+                 result("Let me look.", ("toolu_1", "weather", '{"city": "Paris"}'),
+                        usage=(7, 3), model="claude-test-1", stop="tool_calls"),
+                 id="one-tool-call"),
+    pytest.param(anthropic_reply(tool_use_block("a", "weather", {"city": "Paris"}),
+                                 tool_use_block("b", "clock", {}), stop="tool_use"),
+                 result("", ("a", "weather", '{"city": "Paris"}'), ("b", "clock", "{}"),
+                        usage=(7, 3), model="claude-test-1", stop="tool_calls"),
+                 id="parallel-tool-calls-no-text"),
+    pytest.param(anthropic_reply({"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                 {"type": "redacted_thinking", "data": "opaque"},
+                                 text_block("4"), stop="max_tokens"),
+                 result("4", usage=(7, 3), model="claude-test-1", stop="length"),
+                 id="thinking-is-not-answer-text"),
+    pytest.param({"content": [], "usage": {"input_tokens": 5, "cache_creation_input_tokens": 100,
+                                           "cache_read_input_tokens": 1000, "output_tokens": 2},
+                  "stop_reason": "stop_sequence"},
+                 result("", usage=(1105, 2), model="claude-test", stop="stop"),
+                 id="cached-input-counts"),
+])
+def test_anthropic_answer_becomes_a_chat_result(server, body, expected):
+    server.reply(200, body)
+    assert anthropic_at(server)(USER) == expected
+
+
+def test_anthropic_stream_text_tool_use_pings_and_usage(server):
+    body = anthropic_sse(
+        message_start(), block_start(0, {"type": "thinking", "thinking": "", "signature": ""}),
+        block_delta(0, type="thinking_delta", thinking="Let me think."),
+        block_delta(0, type="signature_delta", signature="sig"),
+        {"type": "content_block_stop", "index": 0}, PING,
+        block_start(1, text_block("")), block_delta(1, type="text_delta", text="Checking "),
+        PING, block_delta(1, type="text_delta", text="both."),
+        {"type": "content_block_stop", "index": 1},
+        block_start(2, tool_use_block("toolu_a", "weather", {})),
+        block_delta(2, type="input_json_delta", partial_json=""),
+        block_delta(2, type="input_json_delta", partial_json='{"city": "Pa'),
+        block_delta(2, type="input_json_delta", partial_json='ris"}'),
+        {"type": "content_block_stop", "index": 2},
+        block_start(3, tool_use_block("toolu_b", "clock", {})),
+        block_delta(3, type="input_json_delta", partial_json=""),
+        {"type": "content_block_stop", "index": 3},
+        {"type": "some_future_event", "detail": 1},
+        message_delta("tool_use", 40), MESSAGE_STOP)
+    server.reply(200, chunks=pieces(body, 33))
+    deltas = []
+    chat = anthropic_at(server, stream=True, on_delta=deltas.append)
+    assert chat(USER) == result("Checking both.", ("toolu_a", "weather", '{"city": "Paris"}'),
+                                ("toolu_b", "clock", "{}"), usage=(25, 40),
+                                model="claude-test-1", stop="tool_calls")
+    assert deltas == ["Checking ", "both."]
+    assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 4096,
+                                          "messages": USER, "stream": True}
+
+
+def test_anthropic_stream_error_event_overloaded_is_retryable(server):
+    body = anthropic_sse(message_start(), block_start(0, text_block("")),
+                         block_delta(0, type="text_delta", text="Hi"),
+                         {"type": "error", "error": {"type": "overloaded_error",
+                                                     "message": "Overloaded"}})
+    server.reply(200, chunks=[body])
+    with pytest.raises(lich.ProviderError) as info:
+        anthropic_at(server, stream=True)(USER)
+    err = info.value
+    assert (err.kind, err.retryable, err.provider, str(err)) == (
+        "overloaded", True, "anthropic",
+        "anthropic: error event in stream (overloaded_error): Overloaded")
+
+
+def test_misbehaving_tool_use_through_anthropic_is_answered_and_recorded(server, tmp_path):
+    queue(server, anthropic_tool_use_reply(
+        text_block("Let me see."), tool_use_block("t1", "echo", {"text": "a"}), tool_use_block("t1", "echo", [1]),
+        tool_use_block("", "echo", "hello"), tool_use_block("t2", "nope", None)),
+        anthropic_reply(text_block("done")))
+    run = lich.run_agent("go", chat=anthropic_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert run.messages[1] == assistant("Let me see.", ("t1", "echo", '{"text": "a"}'), ("t1_2", "echo", "[1]"),
+                                        ("call_2", "echo", '"hello"'), ("t2", "nope", "{}"))
+    assert [m["content"] for m in run.messages[2:-1]] == [
+        "echo:a", *[json.dumps({"ok": False, "output": "", "error": e}) for e in (
+            "the arguments of echo must be a JSON object, not an array",
+            "the arguments of echo must be a JSON object, not a string",
+            'unknown tool "nope"; the available tools are: echo')]]
+    assert (run.stopped_reason, lich.read_session_messages(run.session_path)) == ("final", run.messages)
+    wire = server.requests[1]["json"]["messages"]
+    uses = [b for b in wire[1]["content"] if b["type"] == "tool_use"]
+    results = [b["tool_use_id"] for b in wire[2]["content"]]
+    assert [b["id"] for b in uses] == results == ["t1", "t1_2", "call_2", "t2"]
+    assert [b["input"] for b in uses] == [{"text": "a"}, {"_raw_arguments": "[1]"},
+                                          {"_raw_arguments": '"hello"'}, {}]
+
+
+def test_deeply_nested_tool_arguments_go_back_to_anthropic(server):
+    server.reply(200, anthropic_reply(text_block("ok")))
+    chat = ScriptedChat(assistant("", ("t1", "echo", DEEP)), lambda messages: anthropic_at(server)(messages))
+    run = lich.run_agent("go", chat=chat, tools=EchoTools(), max_turns=3)
+    assert (run.stopped_reason, run.final) == ("final", assistant("ok"))
+    assert server.requests[0]["json"]["messages"][1]["content"] == [
+        {"type": "tool_use", "id": "t1", "name": "echo", "input": {"_raw_arguments": DEEP}}]
+
+
+# --- retries and Router ---
+
+
+class RecordingSignal(threading.Event):
+    """A signal that records how long each wait asked for, without waiting."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return self.is_set()
+
+
+def failing(*errors, then="ok"):
+    """A function that raises ``errors`` one per call, then returns ``then``; counts calls."""
+    queue = list(errors)
+
+    def fn():
+        fn.calls += 1
+        if queue:
+            raise queue.pop(0)
+        return then
+
+    fn.calls = 0
+    return fn
 
 
 def test_retries_retryable_errors_then_returns():
@@ -2342,9 +3334,6 @@ def test_a_signal_set_before_the_first_call_aborts_without_calling():
     assert fn.calls == 0
 
 
-# -- Router ------------------------------------------------------------------------------------
-
-
 def answer(text):
     return {"role": "assistant", "content": text}
 
@@ -2438,23 +3427,19 @@ def test_a_stream_that_broke_off_after_showing_text_is_neither_retried_nor_faile
     assert (info.value.kind, shown, len(server.requests)) == ("invalid_response", ["Hello "], 1)
 
 
-def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
-    server.reply(200, chunks=["", json.dumps(openai_reply("late"))], delay=0.3,
-                 content_type="application/json")
-    signal, shown = threading.Event(), []
-    threading.Timer(0.1, signal.set).start()
-    with pytest.raises(lich.AbortError):
-        openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
-    assert shown == []
-
-
 def test_a_timeout_after_streamed_text_is_not_retryable(server):
-    # text at 0.5 s, then 2 s of silence: the 0.8 s read timeout strikes after the text
-    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False), "", "", "",
-                              openai_sse(delta_chunk(finish="stop"))], delay=0.5)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True, on_delta=lambda text: None, timeout=(5, 0.8))(USER)
-    assert (info.value.kind, info.value.retryable) == ("timeout", False)
+    # the text at once, then silence: the read timeout strikes after the text
+    rest = threading.Event()
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False),
+                              openai_sse(delta_chunk(finish="stop"))], hold=rest)
+    shown = []
+    try:
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=True, on_delta=shown.append, timeout=(5, 0.5))(USER)
+    finally:
+        rest.set()
+    assert (info.value.kind, info.value.retryable, shown) == ("timeout", False, ["Hello "])
+
 
 def test_a_stream_that_broke_off_before_any_text_fails_over(server):
     server.replies.extend([Reply(200, chunks=[openai_sse(delta_chunk(role="assistant"), done=False), "x"],
@@ -2467,7 +3452,62 @@ def test_a_stream_that_broke_off_before_any_text_fails_over(server):
     assert len(server.requests) == 2
 
 
-# -- chat_from_spec ------------------------------------------------------------------------
+FIRST_TURN = [msg(user("go")), msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x"))]
+OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delta_chunk(content="covered"),
+                                                 delta_chunk(finish="stop"))])
+
+
+@pytest.mark.parametrize("provider, faults, ending", [
+    ("openai-stream", [Reply(200, reset_after=0), OPENAI_STREAM_OK], "recovered"),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="par"), done=False), "x" * 50],
+                             reset_after=1)],
+     ("invalid_response", ("openai: stream broke off before its end: (\"Connection broken: ConnectionResetError"
+                           "(104, 'Connection reset by peer')\", ConnectionResetError(104, 'Connection reset by "
+                           "peer'))"))),
+    ("openai", [Reply(200, b"", content_type="application/json")],
+     ("invalid_response", "openai: invalid response: body is not JSON: ''")),
+    ("openai", [Reply(200, json.dumps(openai_reply("cut"))[:40], content_type="application/json")],
+     ("invalid_response", "openai: invalid response: body is not JSON: "
+                          + repr(json.dumps(openai_reply("cut"))[:40]))),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="no end"), done=False)])],
+     ("invalid_response", "openai: invalid response: stream ended before [DONE]")),
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="slow")), ""], delay=0.6),
+                       OPENAI_STREAM_OK], "recovered"),
+    ("openai", [Reply(429, openai_error("slow down"), headers={"retry-after-ms": "100", "Retry-After": "1"}),
+                openai_reply("recovered")], "recovered"),  # both headers, as OpenAI sends them
+    ("openai", [Reply(500, "oops"), openai_reply("recovered")], "recovered"),
+    ("openai", [Reply(500, "oops"), Reply(500, "oops again")],
+     ("server", "openai: HTTP 500: oops again")),
+    ("anthropic", [Reply(529, anthropic_error("overloaded_error", "Overloaded")),
+                   anthropic_reply(text_block("recovered"))], "recovered"),
+], ids=["reset-before-headers", "reset-mid-stream", "empty-body", "truncated-json", "no-end-marker",
+        "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
+def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_kept(
+        server, tmp_path, provider, faults, ending):
+    if provider == "anthropic":
+        chat = anthropic_at(server, timeout=0.3)
+        first = anthropic_tool_use_reply(tool_use_block("a", "echo", {"text": "x"}))
+    else:
+        chat = openai_at(server, stream=provider.endswith("stream"), timeout=0.3)
+        first = openai_calls_reply(wire_call("a"))
+    queue(server, first, *faults)
+    retrying = lich.Router([chat], retries=1, base_delay=0.01, max_delay=0.05)
+    start = meta(event="run_start", input_chars=2, history_size=0)
+    if ending == "recovered":
+        run = lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+        assert (run.stopped_reason, run.final) == ("final", assistant("recovered"))
+        assert records(run.session_path)[:-1] == [start, *FIRST_TURN, msg(assistant("recovered"))]
+        assert len(server.requests) == 3
+        return
+    with pytest.raises(lich.ProviderError) as info:
+        lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
+    assert (info.value.kind, str(info.value)) == ending
+    [path] = tmp_path.iterdir()
+    assert records(path) == [start, *FIRST_TURN, meta(event="run_error", error=f"ProviderError: {ending[1]}")]
+    assert lich.read_session_messages(path) == [m["message"] for m in FIRST_TURN]
+
+
+# --- chat_from_spec ---
 
 
 @pytest.mark.parametrize("spec, cls, model, base_url", [
@@ -2531,41 +3571,7 @@ def test_chat_from_spec_unknown_option_is_a_type_error():
         lich.chat_from_spec("openai:gpt-4.1-mini", temperature=0.5)
 
 
-# -- Threads ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_one_chat_object_serves_32_threads(server, stream):
-    def echo(request):
-        said = request["json"]["messages"][-1]["content"]
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content=said),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply(said))
-
-    server.responder = echo
-    chat = openai_at(server, stream=stream)
-    answers = {}
-    failures = []
-
-    def worker(n):
-        try:
-            for turn in range(3):
-                said = f"thread {n} turn {turn}"
-                answers[said] = chat([{"role": "user", "content": said}]).message["content"]
-        except (lich.ProviderError, lich.AbortError) as e:
-            failures.append(e)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert failures == []
-    assert len(answers) == 96 and all(said == got for said, got in answers.items())
-
-
-# -- Recorded provider responses -------------------------------------------------------------
+# --- recorded traffic ---
 
 
 def _fixture_text(name):
@@ -2813,6 +3819,7 @@ def test_every_recorded_error_has_a_case():
 # Tools
 # ============================================================================
 
+
 # Imported here rather than at the top so that each section's edits merge on their own.
 from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035
 
@@ -2824,6 +3831,65 @@ def tool_call(name, arguments="{}", call_id="call_1"):
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments)
     return {"id": call_id, "name": name, "arguments": arguments}
+
+
+@pytest.fixture
+def sample_tools():
+    tools = lich.Tools()
+
+    @tools.tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @tools.tool
+    def scale(xs: List[float], factor: float = 2) -> list:  # noqa: UP006
+        """Scale numbers; reports the Python types it received."""
+        return [type(x).__name__ for x in xs] + [type(factor).__name__]
+
+    @tools.tool
+    def pick(mode: Literal["r", "w"],
+             n: Optional[int] = None,  # noqa: FA100
+             tags: Dict[str, int] = {}):  # noqa: B006, UP006
+        """Echo a choice."""
+        return {"mode": mode, "n": n, "tags": tags}
+
+    @tools.tool
+    def anything(x, level: Literal[1, 2] = 1):
+        """Echo any value."""
+        return x
+
+    return tools
+
+
+def run_tool(tools, name, **arguments):
+    return tools.run(tool_call(name, arguments))
+
+
+def _make_links(ws, tmp_path):
+    outside = tmp_path / "outside"
+    (ws / "inside.txt").write_text("inside\n")
+    os.symlink(outside / "secret.txt", ws / "link.txt")
+    os.symlink(outside, ws / "outdir")
+    os.symlink("/dev/zero", ws / "zero")
+    os.symlink("loop_b", ws / "loop_a")
+    os.symlink("loop_a", ws / "loop_b")
+    os.symlink("inside.txt", ws / "alias.txt")
+
+
+class Approver:
+    """An approve callback that records the calls it was asked about."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.asked = []
+
+    def __call__(self, call):
+        self.asked.append(call)
+        return self.answer
+
+
+# --- schemas ---
 
 
 def params_of(fn):
@@ -3009,56 +4075,6 @@ def test_tools_spec_from_docstring(fn, options, description, parameters):
                               "parameters": parameters}]
 
 
-def test_tools_registration_forms_keep_order_and_return_the_function():
-    tools = lich.Tools()
-
-    @tools.tool
-    def zeta(a: int) -> int:
-        """Zeta."""
-        return a
-
-    @tools.tool(name="alpha", description="Renamed.")
-    def first(a: int) -> int:
-        return a + 1
-
-    @tools.tool()
-    def mid():
-        """Mid."""
-
-    def plain(s: str) -> str:
-        return s
-
-    assert tools.register(plain, "plain_tool", "Plain.") is plain
-    assert (zeta(1), first(1)) == (1, 2)
-    assert [(s["name"], s["description"]) for s in tools.specs()] == [
-        ("zeta", "Zeta."), ("alpha", "Renamed."), ("mid", "Mid."), ("plain_tool", "Plain.")]
-    assert tools.run(tool_call("alpha", {"a": 41})) == lich.ToolResult(ok=True, output="42")
-    assert isinstance(tools, lich.ToolRunner)
-
-
-def test_tools_register_methods_and_callable_objects():
-    class Counter:
-        def __init__(self):
-            self.n = 0
-
-        def bump(self, by: int = 1) -> int:
-            """Add to the counter."""
-            self.n += by
-            return self.n
-
-        def __call__(self, word: str) -> str:
-            return word.upper()
-
-    counter = Counter()
-    tools = lich.Tools()
-    tools.register(counter.bump)
-    tools.register(counter, name="shout")
-    assert tools.specs()[0]["parameters"] == obj_schema({"by": {"type": "integer", "default": 1}})
-    assert tools.specs()[1]["parameters"] == obj_schema({"word": {"type": "string"}}, ["word"])
-    assert tools.run(tool_call("bump", {"by": 5})) == lich.ToolResult(ok=True, output="5")
-    assert tools.run(tool_call("shout", {"word": "hi"})) == lich.ToolResult(ok=True, output="HI")
-
-
 def _bad_set(x: set): pass
 def _bad_tuple(x: tuple): pass
 def _bad_class(x: lich.ToolResult): pass
@@ -3101,53 +4117,6 @@ def test_tools_unusable_signature_is_a_type_error(fn, message):
     with pytest.raises(TypeError) as info:
         lich.Tools().register(fn)
     assert str(info.value) == message
-
-
-def test_tools_registration_refusals():
-    tools = lich.Tools()
-    tools.register(_f_str, name="same")
-    with pytest.raises(ValueError, match="^a tool named 'same' is already registered$"):
-        tools.register(_f_int, name="same")
-    with pytest.raises(ValueError, match="^invalid tool name '<lambda>'"):
-        tools.register(lambda: None)
-    with pytest.raises(ValueError, match="^invalid tool name 'has space'"):
-        tools.register(_f_str, name="has space")
-    with pytest.raises(TypeError, match="^a tool must be callable, not 3$"):
-        tools.register(3)
-    with pytest.raises(ValueError):
-        lich.Tools(max_output_chars=0)
-    with pytest.raises(TypeError):
-        lich.Tools(max_output_chars="10")
-    assert [s["name"] for s in tools.specs()] == ["same"]
-
-
-@pytest.fixture
-def sample_tools():
-    tools = lich.Tools()
-
-    @tools.tool
-    def add(a: int, b: int) -> int:
-        """Add two integers."""
-        return a + b
-
-    @tools.tool
-    def scale(xs: List[float], factor: float = 2) -> list:  # noqa: UP006
-        """Scale numbers; reports the Python types it received."""
-        return [type(x).__name__ for x in xs] + [type(factor).__name__]
-
-    @tools.tool
-    def pick(mode: Literal["r", "w"],
-             n: Optional[int] = None,  # noqa: FA100
-             tags: Dict[str, int] = {}):  # noqa: B006, UP006
-        """Echo a choice."""
-        return {"mode": mode, "n": n, "tags": tags}
-
-    @tools.tool
-    def anything(x, level: Literal[1, 2] = 1):
-        """Echo any value."""
-        return x
-
-    return tools
 
 
 _MALFORMED_CALLS = [
@@ -3220,11 +4189,6 @@ def test_tools_run_deeply_nested_arguments_do_not_escape(sample_tools):
     assert result.error.startswith("the arguments of add are not valid JSON (")
 
 
-def test_tools_run_with_no_tools_registered():
-    assert lich.Tools().run(tool_call("x")) == lich.ToolResult(
-        ok=False, error='unknown tool "x"; no tools are available')
-
-
 def test_tools_run_converts_int_to_float_only(sample_tools):
     assert sample_tools.run(tool_call("scale", {"xs": [1, 2.5], "factor": 3})) == lich.ToolResult(
         ok=True, output='["float", "float", "float"]')
@@ -3243,6 +4207,150 @@ def test_tools_unannotated_parameter_accepts_any_json(sample_tools, value):
     result = sample_tools.run(tool_call("anything", {"x": value}))
     expected = value if isinstance(value, str) else ("" if value is None else json.dumps(value))
     assert result == lich.ToolResult(ok=True, output=expected)
+
+
+_CODING_SPECS = {
+    "read_file": {
+        "description": "Read a text file of the workspace: its lines, numbered from 1; long "
+                       "lines are cut.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "offset": {"type": "integer", "description": "The number of the first line to read.",
+                       "default": 1},
+            "limit": {"type": "integer", "description": "The most lines to read.",
+                      "default": 2000}}, ["path"])},
+    "list_files": {
+        "description": "List the files under a folder of the workspace, sorted, as paths from "
+                       "the root; skips .git, node_modules, __pycache__, .venv and venv.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The folder, relative to the workspace root.",
+                     "default": "."},
+            "pattern": {"type": "string", "default": "**/*",
+                        "description": 'A glob the file paths, relative to that folder, must '
+                                       'match, such as "**/*.py" or "src/*.{js,ts}"; one without '
+                                       '"/" matches file names at any depth.'}})},
+    "search": {
+        "description": 'Search the text files of the workspace, line by line, for a regular '
+                       'expression; answers with "file:line: text" lines.',
+        "parameters": obj_schema({
+            "pattern": {"type": "string",
+                        "description": "A Python regular expression (the re module's syntax)."},
+            "path": {"type": "string", "default": ".",
+                     "description": "The folder or file to search, relative to the workspace "
+                                    "root."},
+            "glob": {"type": ["string", "null"], "default": None,
+                     "description": 'Only search the files matching this glob, such as "*.py" or '
+                                    '"src/**/*.ts".'}}, ["pattern"])},
+    "write_file": {
+        "description": "Create or overwrite a text file of the workspace; missing folders are "
+                       "created.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "content": {"type": "string", "description": "The whole new text of the file."}},
+            ["path", "content"])},
+    "edit_file": {
+        "description": "Replace old_text, which must occur exactly once in the file, with "
+                       "new_text.",
+        "parameters": obj_schema({
+            "path": {"type": "string", "description": "The file, relative to the workspace root."},
+            "old_text": {"type": "string",
+                         "description": "The text to replace, copied exactly (whitespace "
+                                        "included), with enough of its surroundings to occur only "
+                                        "once."},
+            "new_text": {"type": "string", "description": "The text to put in its place."}},
+            ["path", "old_text", "new_text"])},
+    "bash": {
+        "description": "Run a shell command with /bin/sh in the workspace root; answers with its "
+                       "output (stdout and stderr together) and its exit code. Stdin is closed; "
+                       "the command is killed after 120 seconds; background processes do not "
+                       "outlive it.",
+        "parameters": obj_schema({
+            "command": {"type": "string", "description": "The command, run by /bin/sh -c."}},
+            ["command"])},
+}
+
+
+@pytest.mark.parametrize("name", list(_CODING_SPECS))
+def test_coding_tools_spec(ws, name):
+    specs = {s["name"]: s for s in lich.coding_tools(ws, allow_write=True,
+                                                     allow_shell=True).specs()}
+    assert specs[name] == {"name": name, **_CODING_SPECS[name]}
+
+
+# --- Tools ---
+
+
+def test_tools_registration_forms_keep_order_and_return_the_function():
+    tools = lich.Tools()
+
+    @tools.tool
+    def zeta(a: int) -> int:
+        """Zeta."""
+        return a
+
+    @tools.tool(name="alpha", description="Renamed.")
+    def first(a: int) -> int:
+        return a + 1
+
+    @tools.tool()
+    def mid():
+        """Mid."""
+
+    def plain(s: str) -> str:
+        return s
+
+    assert tools.register(plain, "plain_tool", "Plain.") is plain
+    assert (zeta(1), first(1)) == (1, 2)
+    assert [(s["name"], s["description"]) for s in tools.specs()] == [
+        ("zeta", "Zeta."), ("alpha", "Renamed."), ("mid", "Mid."), ("plain_tool", "Plain.")]
+    assert tools.run(tool_call("alpha", {"a": 41})) == lich.ToolResult(ok=True, output="42")
+    assert isinstance(tools, lich.ToolRunner)
+
+
+def test_tools_register_methods_and_callable_objects():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def bump(self, by: int = 1) -> int:
+            """Add to the counter."""
+            self.n += by
+            return self.n
+
+        def __call__(self, word: str) -> str:
+            return word.upper()
+
+    counter = Counter()
+    tools = lich.Tools()
+    tools.register(counter.bump)
+    tools.register(counter, name="shout")
+    assert tools.specs()[0]["parameters"] == obj_schema({"by": {"type": "integer", "default": 1}})
+    assert tools.specs()[1]["parameters"] == obj_schema({"word": {"type": "string"}}, ["word"])
+    assert tools.run(tool_call("bump", {"by": 5})) == lich.ToolResult(ok=True, output="5")
+    assert tools.run(tool_call("shout", {"word": "hi"})) == lich.ToolResult(ok=True, output="HI")
+
+
+def test_tools_registration_refusals():
+    tools = lich.Tools()
+    tools.register(_f_str, name="same")
+    with pytest.raises(ValueError, match="^a tool named 'same' is already registered$"):
+        tools.register(_f_int, name="same")
+    with pytest.raises(ValueError, match="^invalid tool name '<lambda>'"):
+        tools.register(lambda: None)
+    with pytest.raises(ValueError, match="^invalid tool name 'has space'"):
+        tools.register(_f_str, name="has space")
+    with pytest.raises(TypeError, match="^a tool must be callable, not 3$"):
+        tools.register(3)
+    with pytest.raises(ValueError):
+        lich.Tools(max_output_chars=0)
+    with pytest.raises(TypeError):
+        lich.Tools(max_output_chars="10")
+    assert [s["name"] for s in tools.specs()] == ["same"]
+
+
+def test_tools_run_with_no_tools_registered():
+    assert lich.Tools().run(tool_call("x")) == lich.ToolResult(
+        ok=False, error='unknown tool "x"; no tools are available')
 
 
 class _Opaque:
@@ -3339,120 +4447,6 @@ def test_tools_hundred_calls_in_one_turn(sample_tools):
     assert results == [lich.ToolResult(ok=True, output=str(i + 1)) for i in range(100)]
 
 
-# ---- coding_tools --------------------------------------------------------------
-
-
-@pytest.fixture
-def ws(tmp_path):
-    """A workspace folder, with a secret in a sibling folder outside it."""
-    root = tmp_path / "ws"
-    root.mkdir()
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (outside / "secret.txt").write_text("top secret\n")
-    return root
-
-
-def run_tool(tools, name, **arguments):
-    return tools.run(tool_call(name, arguments))
-
-
-def finishes(fn, timeout=5.0):
-    """fn() run in a daemon thread; its result, or an AssertionError if it hangs."""
-    box = []
-    worker = threading.Thread(target=lambda: box.append(fn()), daemon=True)
-    worker.start()
-    worker.join(timeout)
-    assert box, f"still running after {timeout} s"
-    return box[0]
-
-
-def process_gone(pid, wait=2.0):
-    """Whether process ``pid`` is dead (a zombie counts as dead) within ``wait`` seconds."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return False
-
-
-_CODING_SPECS = {
-    "read_file": {
-        "description": "Read a text file of the workspace: its lines, numbered from 1; long "
-                       "lines are cut.",
-        "parameters": obj_schema({
-            "path": {"type": "string", "description": "The file, relative to the workspace root."},
-            "offset": {"type": "integer", "description": "The number of the first line to read.",
-                       "default": 1},
-            "limit": {"type": "integer", "description": "The most lines to read.",
-                      "default": 2000}}, ["path"])},
-    "list_files": {
-        "description": "List the files under a folder of the workspace, sorted, as paths from "
-                       "the root; skips .git, node_modules, __pycache__, .venv and venv.",
-        "parameters": obj_schema({
-            "path": {"type": "string", "description": "The folder, relative to the workspace root.",
-                     "default": "."},
-            "pattern": {"type": "string", "default": "**/*",
-                        "description": 'A glob the file paths, relative to that folder, must '
-                                       'match, such as "**/*.py" or "src/*.{js,ts}"; one without '
-                                       '"/" matches file names at any depth.'}})},
-    "search": {
-        "description": 'Search the text files of the workspace, line by line, for a regular '
-                       'expression; answers with "file:line: text" lines.',
-        "parameters": obj_schema({
-            "pattern": {"type": "string",
-                        "description": "A Python regular expression (the re module's syntax)."},
-            "path": {"type": "string", "default": ".",
-                     "description": "The folder or file to search, relative to the workspace "
-                                    "root."},
-            "glob": {"type": ["string", "null"], "default": None,
-                     "description": 'Only search the files matching this glob, such as "*.py" or '
-                                    '"src/**/*.ts".'}}, ["pattern"])},
-    "write_file": {
-        "description": "Create or overwrite a text file of the workspace; missing folders are "
-                       "created.",
-        "parameters": obj_schema({
-            "path": {"type": "string", "description": "The file, relative to the workspace root."},
-            "content": {"type": "string", "description": "The whole new text of the file."}},
-            ["path", "content"])},
-    "edit_file": {
-        "description": "Replace old_text, which must occur exactly once in the file, with "
-                       "new_text.",
-        "parameters": obj_schema({
-            "path": {"type": "string", "description": "The file, relative to the workspace root."},
-            "old_text": {"type": "string",
-                         "description": "The text to replace, copied exactly (whitespace "
-                                        "included), with enough of its surroundings to occur only "
-                                        "once."},
-            "new_text": {"type": "string", "description": "The text to put in its place."}},
-            ["path", "old_text", "new_text"])},
-    "bash": {
-        "description": "Run a shell command with /bin/sh in the workspace root; answers with its "
-                       "output (stdout and stderr together) and its exit code. Stdin is closed; "
-                       "the command is killed after 120 seconds; background processes do not "
-                       "outlive it.",
-        "parameters": obj_schema({
-            "command": {"type": "string", "description": "The command, run by /bin/sh -c."}},
-            ["command"])},
-}
-
-
-@pytest.mark.parametrize("name", list(_CODING_SPECS))
-def test_coding_tools_spec(ws, name):
-    specs = {s["name"]: s for s in lich.coding_tools(ws, allow_write=True,
-                                                     allow_shell=True).specs()}
-    assert specs[name] == {"name": name, **_CODING_SPECS[name]}
-
-
 @pytest.mark.parametrize("options,names", [
     ({}, ["read_file", "list_files", "search"]),
     ({"allow_write": True}, ["read_file", "list_files", "search", "write_file", "edit_file"]),
@@ -3473,6 +4467,195 @@ def test_coding_tools_refuses_bad_options(ws):
         lich.coding_tools(ws, shell_timeout=0)
     with pytest.raises(TypeError):
         lich.coding_tools(ws, approve="yes")
+
+
+def failed(error, output=""):
+    return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
+
+
+def test_tool_faults_become_results_and_the_run_goes_on(tmp_path, ws):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+
+    @tools.tool
+    def explode() -> str:
+        """Raise."""
+        raise RuntimeError("kaboom")
+
+    @tools.tool
+    def leave() -> str:
+        """Exit the interpreter."""
+        sys.exit(3)
+
+    @tools.tool
+    def cyclic() -> dict:
+        """Return what JSON cannot encode."""
+        loop = {}
+        loop["self"] = loop
+        return loop
+
+    @tools.tool
+    def raw() -> str:
+        """Return bytes where text belongs."""
+        return lich.ToolResult(ok=True, output=b"\xff\xfe")
+
+    calls = [("c1", "explode", "{}"), ("c2", "leave", "{}"), ("c3", "cyclic", "{}"), ("c4", "raw", "{}"),
+             ("c5", "bash", '{"command": "echo started; exec sleep 60"}'),
+             ("c6", "bash", json.dumps({"command": "printf 'bad \\377\\376 bytes\\n'"})),
+             ("c7", "bash", '{"command": "echo fine"}')]
+    chat = ScriptedChat(assistant("", *calls), assistant("done"))
+    started = time.monotonic()
+    run = lich.run_agent("go", chat=chat, tools=tools, max_turns=3, session_dir=tmp_path)
+    assert time.monotonic() - started < 20
+    assert (run.stopped_reason, run.final) == ("final", assistant("done"))
+    assert [(m["content"], m["is_error"]) for m in run.messages[2:-1]] == [
+        (failed("RuntimeError: kaboom"), True),
+        (failed("SystemExit: 3"), True),
+        ("{'self': {...}}", False),
+        (failed("TypeError: the tool runner returned a ToolResult holding bytes, not str"), True),
+        (failed("the command timed out after 0.5 seconds and was killed", "started\n"), True),
+        ("bad \ufffd\ufffd bytes\n[exit code 0]", False),
+        ("fine\n[exit code 0]", False)]
+    assert chat.calls[1]["messages"] == run.messages[:-1]
+    assert records(run.session_path)[1:-1] == [msg(m) for m in run.messages]
+
+
+# --- workspace paths ---
+
+
+def test_read_file_refusals(ws, tmp_path):
+    (ws / "sub").mkdir()
+    os.mkfifo(ws / "pipe")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="sub") == lich.ToolResult(
+        ok=False, error="path is a directory, not a file: sub; list_files shows what it holds")
+    assert run_tool(tools, "read_file", path="nope.txt") == lich.ToolResult(
+        ok=False, error="no such file or directory: nope.txt")
+    assert finishes(lambda: run_tool(tools, "read_file", path="pipe")) == lich.ToolResult(
+        ok=False, error="path is not a regular file: pipe")
+
+
+def test_read_file_refuses_a_device_file(ws):
+    try:
+        os.mknod(ws / "null", 0o20666, os.makedev(1, 3))  # a character device: /dev/null's twin
+    except (PermissionError, AttributeError):
+        pytest.skip("creating a device file needs privileges")
+    tools = lich.coding_tools(ws)
+    assert finishes(lambda: run_tool(tools, "read_file", path="null")) == lich.ToolResult(
+        ok=False, error="path is not a regular file: null")
+    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="no files match **/* "
+                                                                           "under .")
+
+
+@pytest.mark.parametrize("path", [
+    "../outside/secret.txt", "sub/../../outside/secret.txt", "{outside}/secret.txt", "/etc/passwd",
+    "link.txt", "outdir/secret.txt", "zero",
+], ids=["../", "folder then ../..", "absolute outside", "/etc/passwd", "symlink to a file outside",
+        "symlinked folder outside", "/dev/zero through a symlink"])
+def test_read_file_stays_in_the_workspace(ws, tmp_path, path):
+    _make_links(ws, tmp_path)
+    path = path.format(outside=tmp_path / "outside")
+    result = finishes(lambda: run_tool(lich.coding_tools(ws), "read_file", path=path))
+    assert result == lich.ToolResult(ok=False, error=f"path is outside the workspace: {path}")
+
+
+def test_read_file_symlinks_inside(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="alias.txt") == lich.ToolResult(
+        ok=True, output="     1\tinside")
+    assert run_tool(tools, "read_file", path="loop_a") == lich.ToolResult(
+        ok=False, error="too many levels of symbolic links: loop_a")
+
+
+def test_coding_tools_root_given_through_a_symlink(ws, tmp_path):
+    (ws / "f.txt").write_text("x\n")
+    os.symlink(ws, tmp_path / "ws_link")
+    tools = lich.coding_tools(str(tmp_path / "ws_link"))
+    assert run_tool(tools, "read_file", path="f.txt") == lich.ToolResult(ok=True,
+                                                                          output="     1\tx")
+    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="f.txt")
+
+
+def test_list_files_never_follows_links_out(ws, tmp_path):
+    _make_links(ws, tmp_path)
+    os.mkfifo(ws / "pipe")
+    os.symlink(".", ws / "self")  # a folder link inside: not followed either
+    result = finishes(lambda: run_tool(lich.coding_tools(ws), "list_files"))
+    assert result == lich.ToolResult(ok=True, output="alias.txt\ninside.txt")
+
+
+@pytest.mark.parametrize("path,error", [
+    ("..", "path is outside the workspace: .."),
+    ("outdir", "path is outside the workspace: outdir"),
+    ("inside.txt", "path is not a directory: inside.txt"),
+    ("missing", "no such file or directory: missing"),
+], ids=["parent", "symlinked folder outside", "a file", "missing"])
+def test_list_files_refusals(ws, tmp_path, path, error):
+    _make_links(ws, tmp_path)
+    assert run_tool(lich.coding_tools(ws), "list_files", path=path) == lich.ToolResult(
+        ok=False, error=error)
+
+
+@pytest.mark.parametrize("path,error", [
+    ("../escape.txt", "path is outside the workspace: ../escape.txt"),
+    ("{outside}/new.txt", "path is outside the workspace: {outside}/new.txt"),
+    ("outdir/new.txt", "path is outside the workspace: outdir/new.txt"),
+    ("link.txt", "path is outside the workspace: link.txt"),
+    ("sub", "path is a directory: sub"),
+    ("inside.txt/x", "a part of the path is not a directory: inside.txt/x"),
+], ids=["../", "absolute outside", "symlinked folder outside", "symlink to a file outside",
+        "a folder", "below a file"])
+def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, error):
+    _make_links(ws, tmp_path)
+    (ws / "sub").mkdir()
+    outside = tmp_path / "outside"
+    path, error = path.format(outside=outside), error.format(outside=outside)
+    approve = Approver(True)
+    tools = lich.coding_tools(ws, allow_write=True, approve=approve)
+    assert run_tool(tools, "write_file", path=path, content="x") == lich.ToolResult(ok=False,
+                                                                                  error=error)
+    assert approve.asked == []
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "top secret\n"
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
+    _make_links(ws, tmp_path)
+    os.mkfifo(ws / "pipe")
+    os.symlink("pipe", ws / "pipe_link")
+    os.symlink(".", ws / "self")
+    (ws / "sub").mkdir()
+    os.symlink("..", ws / "sub" / "up")
+    tools = lich.coding_tools(ws, allow_write=True)
+    calls = [("read_file", {"path": p}) for p in ("loop_a", "pipe", "pipe_link", "zero", "self/self/inside.txt")]
+    calls += [("write_file", {"path": p, "content": "x"}) for p in ("pipe", "loop_a", "zero")]
+    calls += [("edit_file", {"path": p, "old_text": "a", "new_text": "b"}) for p in ("pipe_link", "zero")]
+    calls += [("list_files", {}), ("search", {"pattern": "inside"}), ("search", {"pattern": "x", "path": "pipe"})]
+    script = [assistant("", *[(f"c{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]),
+              assistant("done")]
+    run = finishes(lambda: lich.run_agent("poke", chat=ScriptedChat(*script), tools=tools, max_turns=2,
+                                          session_dir=tmp_path / "s"), timeout=30)
+    answers = [json.loads(m["content"])["error"] if m["is_error"] else m["content"] for m in run.messages[2:-1]]
+    assert answers == [
+        "too many levels of symbolic links: loop_a",
+        "path is not a regular file: pipe",
+        "path is not a regular file: pipe_link",
+        "path is outside the workspace: zero",
+        "     1\tinside",
+        "path is not a regular file: pipe",
+        "too many levels of symbolic links: loop_a",
+        "path is outside the workspace: zero",
+        "path is not a regular file: pipe_link",
+        "path is outside the workspace: zero",
+        "alias.txt\ninside.txt",
+        "alias.txt:1: inside\ninside.txt:1: inside",
+        "path is not a regular file or a directory: pipe",
+    ]
+    assert run.stopped_reason == "final" and not (ws / "pipe").is_file()
+
+
+# --- file tools and search ---
 
 
 def test_read_file_numbers_lines(ws):
@@ -3520,71 +4703,6 @@ def test_read_file_huge_file_stops_at_its_budget(ws):
     assert short == "199999\tline 199999 " + "x" * 90 + "\n200000\tline 200000 " + "x" * 90
 
 
-def test_read_file_refusals(ws, tmp_path):
-    (ws / "sub").mkdir()
-    os.mkfifo(ws / "pipe")
-    tools = lich.coding_tools(ws)
-    assert run_tool(tools, "read_file", path="sub") == lich.ToolResult(
-        ok=False, error="path is a directory, not a file: sub; list_files shows what it holds")
-    assert run_tool(tools, "read_file", path="nope.txt") == lich.ToolResult(
-        ok=False, error="no such file or directory: nope.txt")
-    assert finishes(lambda: run_tool(tools, "read_file", path="pipe")) == lich.ToolResult(
-        ok=False, error="path is not a regular file: pipe")
-
-
-def test_read_file_refuses_a_device_file(ws):
-    try:
-        os.mknod(ws / "null", 0o20666, os.makedev(1, 3))  # a character device: /dev/null's twin
-    except (PermissionError, AttributeError):
-        pytest.skip("creating a device file needs privileges")
-    tools = lich.coding_tools(ws)
-    assert finishes(lambda: run_tool(tools, "read_file", path="null")) == lich.ToolResult(
-        ok=False, error="path is not a regular file: null")
-    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="no files match **/* "
-                                                                           "under .")
-
-
-def _make_links(ws, tmp_path):
-    outside = tmp_path / "outside"
-    (ws / "inside.txt").write_text("inside\n")
-    os.symlink(outside / "secret.txt", ws / "link.txt")
-    os.symlink(outside, ws / "outdir")
-    os.symlink("/dev/zero", ws / "zero")
-    os.symlink("loop_b", ws / "loop_a")
-    os.symlink("loop_a", ws / "loop_b")
-    os.symlink("inside.txt", ws / "alias.txt")
-
-
-@pytest.mark.parametrize("path", [
-    "../outside/secret.txt", "sub/../../outside/secret.txt", "{outside}/secret.txt", "/etc/passwd",
-    "link.txt", "outdir/secret.txt", "zero",
-], ids=["../", "folder then ../..", "absolute outside", "/etc/passwd", "symlink to a file outside",
-        "symlinked folder outside", "/dev/zero through a symlink"])
-def test_read_file_stays_in_the_workspace(ws, tmp_path, path):
-    _make_links(ws, tmp_path)
-    path = path.format(outside=tmp_path / "outside")
-    result = finishes(lambda: run_tool(lich.coding_tools(ws), "read_file", path=path))
-    assert result == lich.ToolResult(ok=False, error=f"path is outside the workspace: {path}")
-
-
-def test_read_file_symlinks_inside(ws, tmp_path):
-    _make_links(ws, tmp_path)
-    tools = lich.coding_tools(ws)
-    assert run_tool(tools, "read_file", path="alias.txt") == lich.ToolResult(
-        ok=True, output="     1\tinside")
-    assert run_tool(tools, "read_file", path="loop_a") == lich.ToolResult(
-        ok=False, error="too many levels of symbolic links: loop_a")
-
-
-def test_coding_tools_root_given_through_a_symlink(ws, tmp_path):
-    (ws / "f.txt").write_text("x\n")
-    os.symlink(ws, tmp_path / "ws_link")
-    tools = lich.coding_tools(str(tmp_path / "ws_link"))
-    assert run_tool(tools, "read_file", path="f.txt") == lich.ToolResult(ok=True,
-                                                                          output="     1\tx")
-    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output="f.txt")
-
-
 def _make_tree(ws):
     for rel in ["a.py", "b.txt", ".hidden", "src/c.py", "src/deep/d.py", "src/e.js",
                 ".git/config", "node_modules/m.js", "__pycache__/a.pyc", ".venv/v.py",
@@ -3620,26 +4738,6 @@ def test_list_files_caps_its_answer(ws):
         (ws / f"f{i:03}.txt").write_text("")
     output = run_tool(lich.coding_tools(ws), "list_files").output
     assert output.split("\n") == [f"f{i:03}.txt" for i in range(500)] + ["... 5 more"]
-
-
-def test_list_files_never_follows_links_out(ws, tmp_path):
-    _make_links(ws, tmp_path)
-    os.mkfifo(ws / "pipe")
-    os.symlink(".", ws / "self")  # a folder link inside: not followed either
-    result = finishes(lambda: run_tool(lich.coding_tools(ws), "list_files"))
-    assert result == lich.ToolResult(ok=True, output="alias.txt\ninside.txt")
-
-
-@pytest.mark.parametrize("path,error", [
-    ("..", "path is outside the workspace: .."),
-    ("outdir", "path is outside the workspace: outdir"),
-    ("inside.txt", "path is not a directory: inside.txt"),
-    ("missing", "no such file or directory: missing"),
-], ids=["parent", "symlinked folder outside", "a file", "missing"])
-def test_list_files_refusals(ws, tmp_path, path, error):
-    _make_links(ws, tmp_path)
-    assert run_tool(lich.coding_tools(ws), "list_files", path=path) == lich.ToolResult(
-        ok=False, error=error)
 
 
 @pytest.mark.parametrize("arguments,output", [
@@ -3693,18 +4791,6 @@ def test_search_aborts_between_files(ws):
         lich.ToolResult(ok=False, error="the search was aborted")
 
 
-class Approver:
-    """An approve callback that records the calls it was asked about."""
-
-    def __init__(self, answer):
-        self.answer = answer
-        self.asked = []
-
-    def __call__(self, call):
-        self.asked.append(call)
-        return self.answer
-
-
 def test_write_file_creates_folders_and_overwrites(ws):
     tools = lich.coding_tools(ws, allow_write=True)
     assert run_tool(tools, "write_file", path="new/dir/f.txt", content="héllo\n") == \
@@ -3712,30 +4798,6 @@ def test_write_file_creates_folders_and_overwrites(ws):
     assert run_tool(tools, "write_file", path="new/dir/f.txt", content="bye") == \
         lich.ToolResult(ok=True, output="wrote 3 characters to new/dir/f.txt")
     assert (ws / "new/dir/f.txt").read_bytes() == b"bye"
-
-
-@pytest.mark.parametrize("path,error", [
-    ("../escape.txt", "path is outside the workspace: ../escape.txt"),
-    ("{outside}/new.txt", "path is outside the workspace: {outside}/new.txt"),
-    ("outdir/new.txt", "path is outside the workspace: outdir/new.txt"),
-    ("link.txt", "path is outside the workspace: link.txt"),
-    ("sub", "path is a directory: sub"),
-    ("inside.txt/x", "a part of the path is not a directory: inside.txt/x"),
-], ids=["../", "absolute outside", "symlinked folder outside", "symlink to a file outside",
-        "a folder", "below a file"])
-def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, error):
-    _make_links(ws, tmp_path)
-    (ws / "sub").mkdir()
-    outside = tmp_path / "outside"
-    path, error = path.format(outside=outside), error.format(outside=outside)
-    approve = Approver(True)
-    tools = lich.coding_tools(ws, allow_write=True, approve=approve)
-    assert run_tool(tools, "write_file", path=path, content="x") == lich.ToolResult(ok=False,
-                                                                                  error=error)
-    assert approve.asked == []
-    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
-    assert (outside / "secret.txt").read_text() == "top secret\n"
-    assert not (tmp_path / "escape.txt").exists()
 
 
 def test_write_file_asks_approval(ws):
@@ -3795,6 +4857,27 @@ def test_edit_file_refusals(ws, tmp_path):
     assert (tmp_path / "outside" / "secret.txt").read_text() == "top secret\n"
 
 
+# --- shell ---
+
+
+def process_gone(pid, wait=2.0):
+    """Whether process ``pid`` is dead (a zombie counts as dead) within ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.02)
+    return False
+
+
 @pytest.mark.parametrize("command,result", [
     ("echo hi", lich.ToolResult(ok=True, output="hi\n[exit code 0]")),
     ("echo out; echo err >&2", lich.ToolResult(ok=True, output="out\nerr\n[exit code 0]")),
@@ -3819,36 +4902,28 @@ def test_bash_runs_in_the_root(ws):
         ok=True, output=f"{os.path.realpath(ws)}\n[exit code 0]")
 
 
-def test_bash_timeout_kills_the_whole_group(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
+TIMED_OUT = "the command timed out after 0.5 seconds and was killed"
+
+
+@pytest.mark.parametrize("shell_timeout, command, result, child_pid", [
+    pytest.param(0.5, "sleep 30 & echo $! > child.pid; echo waiting; wait",
+                 lich.ToolResult(ok=False, output="waiting\n", error=TIMED_OUT), "child.pid",
+                 id="a-timeout-kills-the-whole-group"),
+    pytest.param(10, "sleep 30 & echo $! > child.pid; echo started",
+                 lich.ToolResult(ok=True, output="started\n[background processes left running were "
+                                                 "killed]\n[exit code 0]"), "child.pid",
+                 id="a-background-child-holding-the-output-cannot-hang-it"),
+    pytest.param(0.5, "echo bye; exec >&- 2>&-; sleep 30",
+                 lich.ToolResult(ok=False, output="bye\n", error=TIMED_OUT), None,
+                 id="a-shell-closing-its-output-still-times-out"),
+])
+def test_bash_ends_in_time_and_leaves_no_process_behind(ws, shell_timeout, command, result, child_pid):
+    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=shell_timeout)
     started = time.monotonic()
-    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo waiting; wait")
+    assert run_tool(tools, "bash", command=command) == result
     assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(ok=False, output="waiting\n",
-                                     error="the command timed out after 0.5 seconds and was "
-                                           "killed")
-    assert process_gone(int((ws / "child.pid").read_text()))
-
-
-def test_bash_background_child_holding_the_output_cannot_hang_it(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=10)
-    started = time.monotonic()
-    result = run_tool(tools, "bash", command="sleep 30 & echo $! > child.pid; echo started")
-    assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(
-        ok=True, output="started\n[background processes left running were killed]\n"
-                        "[exit code 0]")
-    assert process_gone(int((ws / "child.pid").read_text()))
-
-
-def test_bash_shell_closing_its_output_still_times_out(ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
-    started = time.monotonic()
-    result = run_tool(tools, "bash", command="echo bye; exec >&- 2>&-; sleep 30")
-    assert time.monotonic() - started < 2
-    assert result == lich.ToolResult(ok=False, output="bye\n", error="the command timed out "
-                                                                     "after 0.5 seconds and was "
-                                                                     "killed")
+    if child_pid is not None:
+        assert process_gone(int((ws / child_pid).read_text()))
 
 
 def test_bash_abort_mid_command(ws):
@@ -3905,63 +4980,177 @@ def test_bash_does_not_see_the_provider_keys(tmp_path, monkeypatch):
     assert result.ok and "LICH_TEST_VISIBLE=seen" in result.output
     assert "sk-hidden" not in result.output
 
+
+SHELL_FLOOD = """
+import json, resource, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+
+def peak_kib():
+    # VmHWM: this process's own peak; ru_maxrss can carry the parent's across fork and exec
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak // 1024 if sys.platform == "darwin" else peak
+
+def chat(messages, **options):
+    if len(messages) == 1:
+        command = "head -c 50000000 /dev/zero | tr '\\\\0' a"
+        call = {"id": "c1", "name": "bash", "arguments": json.dumps({"command": command})}
+        return lich.ChatResult({"role": "assistant", "content": "", "tool_calls": [call]})
+    return lich.ChatResult({"role": "assistant", "content": "done"})
+
+before = peak_kib()
+run = lich.run_agent("flood", chat=chat, tools=lich.coding_tools(sys.argv[2], allow_shell=True),
+                     max_turns=2, session_dir=sys.argv[3])
+growth = peak_kib() - before
+blob = b"x" * (60 << 20)  # the control: buffering the output would have shown like this
+control = peak_kib() - before
+print(json.dumps({"growth": growth, "control": control, "tool": run.messages[2]["content"],
+                  "stopped": run.stopped_reason}))
+"""
+
+
+def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
+    code, out, err = Process("-c", SHELL_FLOOD, HERE, ws, tmp_path / "s").wait(timeout=120)
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["growth"] < 100 << 10, report["control"] >= 50 << 10) == (True, True), report
+    assert (report["stopped"], report["tool"]) == (
+        "final", "a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000 + "\n[exit code 0]")
+
+
 # ============================================================================
 # Command line
 # ============================================================================
 
 
-def test_version_subprocess():
-    proc = run_lich("--version")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"lich {lich.__version__}\n", "")
+# --- options and defaults ---
 
 
-def test_import_does_not_import_requests():
-    code = "import sys, lich; print('requests' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=HERE, timeout=60, check=False)
-    assert proc.stdout == "False\n", proc.stderr
+def test_main_returns_codes_in_process(cli):
+    assert cli("--version") == (0, f"lich {lich.__version__}\n", "")
+    code, out, err = cli("--max-turns", "x", "hi")
+    assert (code, out, err.splitlines()[-1]) == (
+        2, "", "lich: error: argument --max-turns: expected a whole number >= 1, got 'x'")
 
 
-def cli_env(server, tmp_path, **extra):
-    """Environment for a CLI subprocess: the loopback server as the model, sessions in tmp."""
-    env = {"LICH_MODEL": f"openai:gpt-test@{server.url}/v1",
-           "LICH_SESSION_DIR": str(tmp_path / "sessions")}
-    env.update(extra)
-    return env
+def test_options_reach_the_request(server, cli):
+    queue(server, openai_reply("ok"))
+    assert cli("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
+               "--temperature", "0.25", "--no-stream", "hi", env={"LICH_MODEL": ""}) == (0, "ok\n", "")
+    body = server.requests[0]["json"]
+    assert (body["model"], body["temperature"], body["messages"][0]) == (
+        "my-model", 0.25, {"role": "system", "content": "Be brief."})
 
 
-def sessions_in(tmp_path):
-    d = tmp_path / "sessions"
-    return sorted(d.iterdir(), key=lambda p: p.stat().st_mtime_ns) if d.is_dir() else []
+def test_write_and_shell_tools_are_offered_only_when_allowed(server, lich_model, cli):
+    names = []
+    for args in ([], ["--allow", "write"], ["--allow", "shell"], ["--allow", "write", "--allow", "shell"],
+                 ["--yolo"]):
+        queue(server, openai_reply("ok"))
+        assert cli("--no-stream", *args, "hi") == (0, "ok\n", "")
+        names.append([t["function"]["name"] for t in server.requests[-1]["json"]["tools"]])
+    base = ["read_file", "list_files", "search"]
+    assert names == [base, base + ["write_file", "edit_file"], base + ["bash"],
+                     base + ["write_file", "edit_file", "bash"], base + ["write_file", "edit_file", "bash"]]
 
 
-def stream_reply(*texts):
-    return Reply(200, chunks=[openai_sse(*[delta_chunk(content=t) for t in texts],
-                                         delta_chunk(finish="stop"))])
+@pytest.mark.parametrize("args, message", [
+    (["--max-turns", "0", "x"], "argument --max-turns: expected a whole number >= 1, got '0'"),
+    (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
+    (["--context-budget", "-1", "x"], "argument --context-budget: expected a whole number >= 0, got '-1'"),
+], ids=["max-turns", "allow", "budget"])
+def test_usage_errors_exit_2(lich_model, cli, args, message):
+    code, out, err = cli(*args)
+    assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
 
 
-def tool_reply(*calls):
-    return Reply(200, openai_reply(None, *calls, finish="tool_calls"))
+def test_no_model_configured_exits_2_naming_the_variables(cli):
+    code, out, err = cli("hi")
+    assert (code, out) == (2, "")
+    for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL"):
+        assert name in err
+    assert err == (
+        "lich: no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
+        "anthropic:claude-sonnet-4-5), or set OPENAI_API_KEY or ANTHROPIC_API_KEY; for a local "
+        "OpenAI-compatible server such as Ollama set OPENAI_BASE_URL=http://localhost:11434/v1\n")
 
 
-def queue(server, *replies):
-    for reply in replies:
-        server.replies.append(reply if isinstance(reply, Reply) else Reply(200, reply))
+@pytest.mark.parametrize("env, model", [
+    ({"OPENAI_API_KEY": "k"}, "gpt-4.1-mini"),
+    ({"ANTHROPIC_API_KEY": "k"}, "claude-sonnet-4-5"),
+    ({"OPENAI_API_KEY": "k", "ANTHROPIC_API_KEY": "k"}, "gpt-4.1-mini"),
+], ids=["openai", "anthropic", "both"])
+def test_default_model_follows_the_keys(server, cli, env, model):
+    base = {"ANTHROPIC_BASE_URL": server.url}
+    if "gpt" in model:
+        base["OPENAI_BASE_URL"] = server.url + "/v1"
+    queue(server, openai_reply("ok") if "gpt" in model else anthropic_reply(text_block("ok")))
+    assert cli("--no-stream", "hi", env={**base, **env}) == (0, "ok\n", "")
+    assert server.requests[0]["json"]["model"] == model
 
 
-@pytest.fixture
-def workspace(tmp_path):
-    root = tmp_path / "ws"
-    root.mkdir()
-    (root / "a.txt").write_text("hello\n")
-    return root
+def test_unknown_provider_is_a_usage_error(lich_model, cli):
+    assert cli("-m", "gemini:x", "hi") == (
+        2, "", "lich: unknown provider 'gemini' in 'gemini:x'; known providers: anthropic, openai\n")
 
 
-def test_one_shot_prints_only_the_answer(server, tmp_path, workspace):
+def test_verbose_adds_debug_logs_usage_and_tracebacks(server, lich_model, cli):
+    queue(server, openai_reply("ok"))
+    code, out, err = cli("-v", "--no-stream", "hi")
+    assert (code, out) == (0, "ok\n")
+    assert "lich: debug: openai: POST " in err
+    assert err.splitlines()[-1] == "lich: usage: 7 input tokens, 3 output tokens"
+    queue(server, Reply(404, {"error": {"message": "gone", "code": "model_not_found"}}))
+    code, out, err = cli("-v", "hi")
+    assert (code, out) == (1, "") and "Traceback (most recent call last)" in err
+    assert err.splitlines()[-1].startswith("lich: error: not_found: ")
+
+
+def test_quiet_hides_tool_lines(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("ok"))
+    assert cli("-q", "--no-stream", "--root", str(workspace), "hi") == (0, "ok\n", "")
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"XDG_STATE_HOME": "STATE"}, "STATE/lich/sessions"),
+    ({}, "HOME/.local/state/lich/sessions"),
+], ids=["xdg", "home"])
+def test_default_session_dir(server, cli, tmp_path, env, expected):
+    queue(server, openai_reply("ok"))
+    env = {k: str(tmp_path / v) for k, v in env.items()}
+    full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
+            **env}
+    assert cli("--no-stream", "hi", env=full) == (0, "ok\n", "")
+    assert len(list((tmp_path / expected).iterdir())) == 1
+
+
+def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli, tmp_path):
+    history = tmp_path / "sessions"
+    history.mkdir()
+    lines = [msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)]
+    write_records(history / "20260101T000000Z-1.jsonl", *lines)
+    queue(server, openai_reply("summary"), openai_reply("answer"))
+    assert cli("--no-stream", "--context-budget", "100", "--resume", "20260101T000000Z-1", "go") == (
+        0, "answer\n", "(history compressed: 7 characters of summary)\n")
+    assert server.requests[0]["json"]["messages"][0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT
+    queue(server, openai_reply("answer"))
+    assert cli("--no-stream", "--context-budget", "0", "--resume", "20260101T000000Z-1", "go") == (
+        0, "answer\n", "")
+    assert len(server.requests) == 3
+    assert len(server.requests[2]["json"]["messages"]) == 14
+
+
+# --- one-shot runs ---
+
+
+def test_one_shot_prints_only_the_answer(server, lich_model, cli, tmp_path, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("It says hello."))
-    proc = run_lich("--no-stream", "--root", str(workspace), "what is in a.txt?",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "It says hello.\n", "→ read_file a.txt ✓\n")
+    assert cli("--no-stream", "--root", str(workspace), "what is in a.txt?") == (
+        0, "It says hello.\n", "→ read_file a.txt ✓\n")
     first = server.requests[0]["json"]
     assert first["messages"][1] == {"role": "user", "content": "what is in a.txt?"}
     assert first["messages"][0]["role"] == "system" and str(workspace) in first["messages"][0]["content"]
@@ -3971,18 +5160,16 @@ def test_one_shot_prints_only_the_answer(server, tmp_path, workspace):
     assert [m["role"] for m in lich.read_session_messages(path)] == ["system", "user", "assistant", "tool", "assistant"]
 
 
-def test_one_shot_streams_the_answer(server, tmp_path):
+def test_one_shot_streams_the_answer(server, lich_model, cli):
     queue(server, stream_reply("Hi ", "there"))
-    proc = run_lich("hello", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "Hi there\n", "")
+    assert cli("hello") == (0, "Hi there\n", "")
     assert server.requests[0]["json"]["stream"] is True
 
 
-def test_a_failed_tool_shows_its_reason(server, tmp_path, workspace):
+def test_a_failed_tool_shows_its_reason(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "../etc/passwd"}')), openai_reply("No."))
-    proc = run_lich("--no-stream", "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
-    assert proc.stderr == "→ read_file ../etc/passwd ✗ path is outside the workspace: ../etc/passwd\n"
-    assert proc.returncode == 0
+    assert cli("--no-stream", "--root", str(workspace), "read it") == (
+        0, "No.\n", "→ read_file ../etc/passwd ✗ path is outside the workspace: ../etc/passwd\n")
 
 
 @pytest.mark.parametrize("prompt, piped, expected", [
@@ -3990,24 +5177,32 @@ def test_a_failed_tool_shows_its_reason(server, tmp_path, workspace):
     ([], "just the prompt\n", "just the prompt\n"),
     (["q"], "has ``` fences\n", "````\nhas ``` fences\n````\n\nq"),
 ], ids=["context-then-prompt", "stdin-is-the-prompt", "longer-fence"])
-def test_piped_stdin(server, tmp_path, prompt, piped, expected):
+def test_piped_stdin(server, lich_model, cli, prompt, piped, expected):
     queue(server, openai_reply("ok"))
-    proc = run_lich("--no-stream", *prompt, input=piped, env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "ok\n")
+    assert cli("--no-stream", *prompt, stdin=piped) == (0, "ok\n", "")
     assert server.requests[0]["json"]["messages"][-1] == {"role": "user", "content": expected}
 
 
-def test_no_prompt_and_empty_stdin_is_a_usage_error(server, tmp_path):
-    proc = run_lich(input="", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (
-        2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
+def test_no_prompt_and_empty_stdin_is_a_usage_error(lich_model, cli):
+    assert cli(stdin="") == (2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
 
 
-def test_json_lines(server, tmp_path, workspace):
+def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, lich_model, cli, tmp_path):
+    piped = ("log line\n" * 1_000_000) + "`" * 1_000_000 + "\nend\n"
+    queue(server, openai_reply("summarised"))
+    assert cli("--no-stream", "summarise", stdin=piped) == (0, "summarised\n", "")
+    fence = "`" * 1_000_001
+    expected = f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\nsummarise"
+    assert server.requests[0]["json"]["messages"][-1] == user(expected)
+    [path] = sessions_in(tmp_path)
+    assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
+
+
+def test_json_lines(server, lich_model, cli, tmp_path, workspace):
     queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), openai_reply("done"))
-    proc = run_lich("--json", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert (proc.returncode, proc.stderr) == (0, "")
+    code, out, err = cli("--json", "--root", str(workspace), "go")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert (code, err) == (0, "")
     assert [e["type"] for e in lines] == ["turn_start", "llm_start", "llm_end", "tool_call_start",
                                           "tool_call_end", "turn_start", "llm_start", "llm_end",
                                           "final", "turn_end", "run_end"]
@@ -4024,11 +5219,11 @@ def test_json_lines(server, tmp_path, workspace):
     assert "stream" not in server.requests[0]["json"]
 
 
-def test_json_lines_on_a_provider_error(server, tmp_path):
+def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
     queue(server, Reply(400, {"error": {"message": "bad thing", "type": "invalid_request_error",
                                         "code": None}}))
-    proc = run_lich("--json", "go", env=cli_env(server, tmp_path))
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    code, out, err = cli("--json", "go")
+    lines = [json.loads(line) for line in out.splitlines()]
     assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error", "run_end"]
     [path] = sessions_in(tmp_path)
     assert lines[3] == {"type": "run_end", "stopped_reason": "error",
@@ -4037,274 +5232,65 @@ def test_json_lines_on_a_provider_error(server, tmp_path):
                                  "kind": "bad_request", "status": 400, "retryable": False,
                                  "retry_after": None}
     assert "bad thing" in lines[2]["error"]["message"]
-    assert proc.returncode == 1
-    assert proc.stderr == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
+    assert code == 1
+    assert err == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
 
 
-def test_options_reach_the_request(server, tmp_path):
-    queue(server, openai_reply("ok"))
-    env = cli_env(server, tmp_path, LICH_MODEL="")
-    proc = run_lich("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
-                    "--temperature", "0.25", "--no-stream", "hi", env=env)
-    assert proc.returncode == 0, proc.stderr
-    body = server.requests[0]["json"]
-    assert (body["model"], body["temperature"], body["messages"][0]) == (
-        "my-model", 0.25, {"role": "system", "content": "Be brief."})
-
-
-def test_write_and_shell_tools_are_offered_only_when_allowed(server, tmp_path):
-    names = []
-    for args in ([], ["--allow", "write"], ["--allow", "shell"], ["--allow", "write", "--allow", "shell"],
-                 ["--yolo"]):
-        queue(server, openai_reply("ok"))
-        assert run_lich("--no-stream", *args, "hi", env=cli_env(server, tmp_path)).returncode == 0
-        names.append([t["function"]["name"] for t in server.requests[-1]["json"]["tools"]])
-    base = ["read_file", "list_files", "search"]
-    assert names == [base, base + ["write_file", "edit_file"], base + ["bash"],
-                     base + ["write_file", "edit_file", "bash"], base + ["write_file", "edit_file", "bash"]]
-
-
-def test_one_shot_runs_allowed_tools_without_asking(server, tmp_path, workspace):
+def test_one_shot_runs_allowed_tools_without_asking(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
                              ("c2", "bash", '{"command": "echo shell-ran"}')), openai_reply("done"))
-    proc = run_lich("--yolo", "--no-stream", "--root", str(workspace), "make it", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "done\n")
-    assert proc.stderr == "→ write_file new.txt ✓\n→ bash echo shell-ran ✓\n"
+    assert cli("--yolo", "--no-stream", "--root", str(workspace), "make it") == (
+        0, "done\n", "→ write_file new.txt ✓\n→ bash echo shell-ran ✓\n")
     assert (workspace / "new.txt").read_text() == "made"
     tool_messages = server.requests[1]["json"]["messages"][-2:]
     assert "shell-ran" in tool_messages[1]["content"]
 
 
-def test_max_turns_budget_exits_3_with_the_last_text(server, tmp_path, workspace):
+def test_max_turns_budget_exits_3_with_the_last_text(server, lich_model, cli, workspace):
     call = ("c1", "list_files", "{}")
     queue(server, Reply(200, openai_reply("still looking", call, finish="tool_calls")),
           Reply(200, openai_reply("one more look", ("c2", "list_files", "{}"), finish="tool_calls")))
-    proc = run_lich("--no-stream", "--max-turns", "2", "--root", str(workspace), "look",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (3, "one more look\n")
-    assert proc.stderr.splitlines() == [
+    code, out, err = cli("--no-stream", "--max-turns", "2", "--root", str(workspace), "look")
+    assert (code, out) == (3, "one more look\n")
+    assert err.splitlines() == [
         "→ list_files ✓", "→ list_files ✗ turn_budget_exhausted",
         "lich: stopped: the turn budget (2) ran out before a final answer; raise --max-turns or continue with -c"]
     assert len(server.requests) == 2
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-turns", "0", "x"], "argument --max-turns: expected a whole number >= 1, got '0'"),
-    (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
-    (["--context-budget", "-1", "x"], "argument --context-budget: expected a whole number >= 0, got '-1'"),
-], ids=["max-turns", "allow", "budget"])
-def test_usage_errors_exit_2(server, tmp_path, args, message):
-    proc = run_lich(*args, env=cli_env(server, tmp_path))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines()[-1] == f"lich: error: {message}"
-
-
-def test_no_model_configured_exits_2_naming_the_variables(tmp_path):
-    proc = run_lich("hi")
-    assert (proc.returncode, proc.stdout) == (2, "")
-    for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENAI_BASE_URL"):
-        assert name in proc.stderr
-
-
-@pytest.mark.parametrize("env, model", [
-    ({"OPENAI_API_KEY": "k"}, "gpt-4.1-mini"),
-    ({"ANTHROPIC_API_KEY": "k"}, "claude-sonnet-4-5"),
-    ({"OPENAI_API_KEY": "k", "ANTHROPIC_API_KEY": "k"}, "gpt-4.1-mini"),
-], ids=["openai", "anthropic", "both"])
-def test_default_model_follows_the_keys(server, tmp_path, env, model):
-    base = {"ANTHROPIC_BASE_URL": server.url}
-    if "gpt" in model:
-        base["OPENAI_BASE_URL"] = server.url + "/v1"
-    queue(server, openai_reply("ok") if "gpt" in model else anthropic_reply(text_block("ok")))
-    proc = run_lich("--no-stream", "hi", env={**base, **env})
-    assert (proc.returncode, proc.stdout) == (0, "ok\n"), proc.stderr
-    assert server.requests[0]["json"]["model"] == model
-
-
-def test_unknown_provider_is_a_usage_error(server, tmp_path):
-    proc = run_lich("-m", "gemini:x", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 2 and proc.stderr.startswith("lich: unknown provider")
-
-
-def test_provider_error_exits_1_without_traceback(server, tmp_path):
+def test_provider_error_exits_1_without_traceback(server, lich_model, cli, tmp_path):
     queue(server, Reply(404, {"error": {"message": "The model does not exist", "type": "invalid_request_error",
                                         "code": "model_not_found"}}))
-    proc = run_lich("hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (1, "")
-    assert proc.stderr == ("lich: error: not_found: openai: HTTP 404 (model_not_found): "
-                           "The model does not exist\n")
+    assert cli("hi") == (1, "", ("lich: error: not_found: openai: HTTP 404 (model_not_found): "
+                                 "The model does not exist\n"))
     [path] = sessions_in(tmp_path)
     assert records(path)[-1] == meta(event="run_error", error="ProviderError: openai: HTTP 404 "
                                      "(model_not_found): The model does not exist")
 
 
-def test_verbose_adds_debug_logs_usage_and_tracebacks(server, tmp_path):
-    queue(server, openai_reply("ok"))
-    proc = run_lich("-v", "--no-stream", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 0
-    assert "lich: debug: openai: POST " in proc.stderr
-    assert proc.stderr.splitlines()[-1] == "lich: usage: 7 input tokens, 3 output tokens"
-    queue(server, Reply(404, {"error": {"message": "gone", "code": "model_not_found"}}))
-    proc = run_lich("-v", "hi", env=cli_env(server, tmp_path))
-    assert proc.returncode == 1 and "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith("lich: error: not_found: ")
+def test_one_provider_is_retried(server, lich_model, cli):
+    queue(server, Reply(500, "upstream hiccup"), openai_reply("second time lucky"))
+    assert cli("--no-stream", "hi") == (0, "second time lucky\n", "")
+    assert len(server.requests) == 2
 
 
-def test_quiet_hides_tool_lines(server, tmp_path, workspace):
-    queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("ok"))
-    proc = run_lich("-q", "--no-stream", "--root", str(workspace), "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ok\n", "")
-
-
-def test_sessions_options(server, tmp_path):
-    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
-    env = cli_env(server, tmp_path)
-    assert run_lich("--no-stream", "--label", "my run", "hi", env=env).returncode == 0
-    assert run_lich("--no-stream", "--no-session", "hi", env=env).returncode == 0
-    other = tmp_path / "elsewhere"
-    assert run_lich("--no-stream", "--session-dir", str(other), "hi", env=env).returncode == 0
-    [labelled] = sessions_in(tmp_path)
-    assert labelled.name.endswith("-my-run.jsonl")
-    assert len(list(other.iterdir())) == 1
-
-
-@pytest.mark.parametrize("env, expected", [
-    ({"XDG_STATE_HOME": "STATE"}, "STATE/lich/sessions"),
-    ({}, "HOME/.local/state/lich/sessions"),
-], ids=["xdg", "home"])
-def test_default_session_dir(server, tmp_path, env, expected):
-    queue(server, openai_reply("ok"))
-    env = {k: str(tmp_path / v) for k, v in env.items()}
-    full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
-            **env}
-    assert run_lich("--no-stream", "hi", env=full).returncode == 0
-    assert len(list((tmp_path / expected).iterdir())) == 1
-
-
-def test_context_budget_compresses_and_zero_turns_it_off(server, tmp_path, workspace):
-    env = cli_env(server, tmp_path)
-    history = tmp_path / "sessions"
-    history.mkdir()
-    lines = [msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)]
-    write_records(history / "20260101T000000Z-1.jsonl", *lines)
-    queue(server, openai_reply("summary"), openai_reply("answer"))
-    proc = run_lich("--no-stream", "--context-budget", "100", "--resume", "20260101T000000Z-1", "go", env=env)
-    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
-    assert server.requests[0]["json"]["messages"][0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT
-    assert proc.stderr == "(history compressed: 7 characters of summary)\n"
-    queue(server, openai_reply("answer"))
-    proc = run_lich("--no-stream", "--context-budget", "0", "--resume", "20260101T000000Z-1", "go", env=env)
-    assert proc.returncode == 0 and len(server.requests) == 3
-    assert len(server.requests[2]["json"]["messages"]) == 14
-
-
-def test_resume_by_id_prefix_latest_and_continue(server, tmp_path):
-    env = cli_env(server, tmp_path)
-    queue(server, openai_reply("first answer"))
-    assert run_lich("--no-stream", "--label", "first", "first question", env=env).returncode == 0
-    [first] = sessions_in(tmp_path)
-    first_id = first.name[:-len(".jsonl")]
-    for ref_args in (["--resume", first_id], ["--resume", first_id[:-4]], ["--resume", "latest"], ["-c"]):
-        resumed = lich.read_session_messages(first if "--resume" in ref_args[:1] and ref_args[1] != "latest"
-                                             else sessions_in(tmp_path)[-1])
-        queue(server, openai_reply("again"))
-        proc = run_lich("--no-stream", *ref_args, "next", env=env)
-        assert (proc.returncode, proc.stdout) == (0, "again\n"), (ref_args, proc.stderr)
-        assert server.requests[-1]["json"]["messages"][1:] == [
-            {"role": m["role"], "content": m["content"]} for m in resumed[1:]] + [
-            {"role": "user", "content": "next"}]
-        # each resumed run records into a new file seeded with that history
-        assert lich.read_session_messages(sessions_in(tmp_path)[-1]) == [
-            *resumed, user("next"), assistant("again")]
-    assert len(sessions_in(tmp_path)) == 5
-    assert len(resumed) == 7  # -c took the run before it, which had resumed the one before
-
-
-@pytest.mark.parametrize("ref", ["nope", "../sessions/x", "/etc/passwd", ""], ids=["unknown", "traversal", "absolute", "empty"])
-def test_resume_unknown_session_exits_2(server, tmp_path, ref):
-    proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"lich: session not found: {ref}\n")
-    assert server.requests == []
-
-
-def test_list_sessions_newest_first(server, tmp_path):
+def test_streamed_compression_summary_is_not_shown_as_the_answer(server, lich_model, cli, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
-    write_records(d / "20260101T000000Z-1.jsonl", msg(user("first  question\nmore")), msg(assistant("a")))
-    write_records(d / "20260102T000000Z-1-x.jsonl", msg(user("second")), msg(assistant("b")),
-                  msg(user("again")), msg(assistant("c")))
-    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
-    os.utime(d / "20260102T000000Z-1-x.jsonl", (1_700_000_100, 1_700_000_100))
-    proc = run_lich("--list-sessions", env=cli_env(server, tmp_path))
-    when = [time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) for t in (1_700_000_100, 1_700_000_000)]
-    assert (proc.returncode, proc.stderr) == (0, "")
-    assert proc.stdout == (f"20260102T000000Z-1-x  {when[0]}     4 messages  second\n"
-                           f"20260101T000000Z-1  {when[1]}     2 messages  first question more\n")
+    write_records(d / "20260101T000000Z-1.jsonl",
+                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
+    queue(server, stream_reply("SUMMARY ", "TEXT"), stream_reply("the ", "answer"))
+    assert cli("--context-budget", "100", "--resume", "20260101T000000Z-1", "go") == (
+        0, "the answer\n", "(history compressed: 12 characters of summary)\n")
 
 
-def test_help_lists_the_options():
-    proc = run_lich("--help")
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: lich ")
-    for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
-                   "--session-dir", "--no-session", "--label", "--resume", "--continue", "--list-sessions",
-                   "--allow", "--yolo", "--root", "--json", "--no-stream", "--quiet", "--verbose", "--version"):
-        assert option in proc.stdout
+def test_deeply_nested_tool_arguments_on_the_command_line(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
+    assert cli("--no-stream", "--root", str(workspace), "go") == (
+        0, "ok\n", "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n")
 
 
-def test_main_returns_codes_in_process(capsys):
-    assert lich.main(["--version"]) == 0
-    assert capsys.readouterr().out == f"lich {lich.__version__}\n"
-    assert lich.main(["--max-turns", "x", "hi"]) == 2
-
-
-def wait_for_request(server, count=1, timeout=10):
-    deadline = time.monotonic() + timeout
-    while len(server.requests) < count:
-        assert time.monotonic() < deadline, "no request arrived"
-        time.sleep(0.02)
-
-
-def start_lich(*args, env):
-    full = dict(os.environ)
-    full.update(env)
-    return subprocess.Popen([sys.executable, str(LICH_PY), *args], env=full, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
-def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, tmp_path, stream):
-    import signal as signals
-
-    first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
-    keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
-    server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
-                                delay=0.25, content_type="text/event-stream" if stream else "application/json"))
-    proc = start_lich(*([] if stream else ["--no-stream"]), "slow question", env=cli_env(server, tmp_path))
-    wait_for_request(server)
-    time.sleep(0.3)
-    started = time.monotonic()
-    proc.send_signal(signals.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    assert proc.returncode == 130, err
-    assert time.monotonic() - started < 5
-    assert "Traceback" not in err
-    [path] = sessions_in(tmp_path)
-    recs = records(path)
-    assert recs[:2] == [meta(event="run_start", input_chars=13, history_size=0), recs[1]]
-    assert recs[2] == msg(user("slow question"))
-    if stream:
-        assert out == "partial \n"
-        assert recs[-1] == meta(event="run_error", error="AbortError: chat stream aborted")
-    assert lich.read_session_messages(path) == [recs[1]["message"]]
-    queue(server, openai_reply("resumed"))
-    proc = run_lich("--no-stream", "-c", "go on", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "resumed\n")
-
-
-SECRET = "sk-MARKER-0123456789-secret"
-
-
-def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
+def test_api_keys_never_appear_in_any_output(server, cli, tmp_path, workspace):
     env = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET, "OPENAI_BASE_URL": server.url + "/v1",
            "ANTHROPIC_BASE_URL": server.url, "LICH_SESSION_DIR": str(tmp_path / "sessions")}
     echo = {"error": {"message": f"Incorrect API key provided: {SECRET}", "type": "invalid_request_error",
@@ -4325,8 +5311,8 @@ def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
     outputs = []
     for args, replies in runs:
         queue(server, *replies)
-        proc = run_lich(*args, "--root", str(workspace), "hi", env=env)
-        outputs.append(proc.stdout + proc.stderr)
+        _, out, err = cli(*args, "--root", str(workspace), "hi", env=env)
+        outputs.append(out + err)
     assert all(SECRET not in o for o in outputs), [o for o in outputs if SECRET in o]
     assert "redacted" in outputs[3]
     for path in sessions_in(tmp_path):
@@ -4334,76 +5320,55 @@ def test_api_keys_never_appear_in_any_output(server, tmp_path, workspace):
     assert server.requests[0]["headers"]["authorization"] == f"Bearer {SECRET}"
 
 
-class Pty:
-    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal."""
-
-    def __init__(self, *args, env):
-        import pty
-
-        self.master, slave = pty.openpty()
-        full = dict(os.environ)
-        full.update(env)
-        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env=full, close_fds=True)
-        os.close(slave)
-        self.output = ""
-        import codecs
-
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def expect(self, text, timeout=10):
-        """Read until ``text`` appears; returns everything read up to and including it."""
-        import select
-
-        deadline = time.monotonic() + timeout
-        while text not in self.output:
-            left = deadline - time.monotonic()
-            assert left > 0, f"{text!r} never came; got {self.output!r}"
-            ready, _, _ = select.select([self.master], [], [], left)
-            if ready:
-                try:
-                    data = os.read(self.master, 65536)
-                except OSError:
-                    data = b""
-                assert data, f"the terminal closed before {text!r}; got {self.output!r}"
-                self.output += self.decoder.decode(data).replace("\r\n", "\n")
-        head, _, self.output = self.output.partition(text)
-        return head + text
-
-    def send(self, line):
-        os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
-
-    def close(self):
-        """Wait for the process; everything it wrote after the last expect is in ``rest``."""
-        import select
-
-        self.rest = self.output
-        try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                ready, _, _ = select.select([self.master], [], [], 0.1)
-                try:
-                    data = os.read(self.master, 65536) if ready else b""
-                except OSError:  # the terminal closed: the process is gone
-                    break
-                self.rest += self.decoder.decode(data).replace("\r\n", "\n")
-                if not ready and self.proc.poll() is not None:
-                    break
-            self.proc.wait(timeout=10)
-        finally:
-            os.close(self.master)
-        return self.proc.returncode
+def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(server, cli, tmp_path, workspace):
+    keys = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET}
+    env = {**keys, "OPENAI_BASE_URL": server.url + "/v1", "ANTHROPIC_BASE_URL": server.url,
+           "LICH_SESSION_DIR": str(tmp_path / "sessions"), "NO_COLOR": "1"}
+    echo = f"your key {SECRET} is wrong"
+    runs = [
+        (["--no-stream"], {}, [Reply(200, f"<html>{echo}</html>", content_type="application/json")]),
+        ([], {}, [Reply(200, chunks=[sse((None, {"error": {"message": echo, "type": "server_error"}}))])]),
+        (["--json"], {}, [Reply(429, openai_error(echo), headers={"Retry-After": "1"})]),
+        (["--no-stream"], {}, [Reply(200, {"choices": [{"message": {"content": 5}}], "note": echo})]),
+        (["-m", "anthropic:c"], {}, [Reply(200, chunks=[anthropic_sse(
+            message_start(), {"type": "error", "error": {"type": "overloaded_error", "message": echo}})])]),
+        ([], {"OPENAI_BASE_URL": f"http://127.0.0.1:{free_port()}/v1"}, []),
+        ([], {"OPENAI_API_KEY": SECRET + "\r"}, [openai_reply("stripped")]),
+        (["-m", "anthropic:c"], {"ANTHROPIC_API_KEY": SECRET + "\n"}, [anthropic_reply(text_block("ok"))]),
+        (["--json"], {"OPENAI_API_KEY": " " + SECRET}, [openai_reply("ok")]),
+        ([], {"OPENAI_API_KEY": SECRET + "é"}, []),
+        (["--yolo"], {}, [tool_reply(("c1", "bash", '{"command": "exit 3"}')), openai_reply("ok")]),
+        (["-c"], {}, [stream_reply("resumed")]),
+        (["--resume", "nope"], {}, []),
+        (["--list-sessions"], {}, []),
+    ]
+    outputs, codes = [], []
+    for args, extra, replies in runs:
+        queue(server, *replies)
+        code, out, err = cli("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
+        outputs.append(out + err)
+        codes.append(code)
+    assert codes == [1] * 6 + [0, 0, 0, 1] + [0, 0, 2, 0]
+    assert [o for o in outputs if SECRET in o] == []
+    assert "[redacted]" in outputs[0] and "[redacted]" in outputs[1]
+    assert outputs[9].endswith("lich: error: auth: openai: the API key holds a space, a control or a non-ASCII "
+                               "character, which an HTTP header cannot carry: check OPENAI_API_KEY (or "
+                               "api_key=...) for stray characters\n")
+    for path in sessions_in(tmp_path):
+        assert SECRET not in path.read_text()
+    assert all(r["headers"].get("authorization", f"Bearer {SECRET}") == f"Bearer {SECRET}"
+               and r["headers"].get("x-api-key", SECRET) == SECRET for r in server.requests)
 
 
-PROMPT = "› "
+# --- interactive chat ---
 
 
-def test_interactive_chat_resume_clear_sessions_exit(server, tmp_path):
+def test_interactive_chat_resume_clear_sessions_exit(server, lich_model, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
     write_records(d / "20260101T000000Z-1.jsonl", msg(user("earlier q")), msg(assistant("earlier a")))
     os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
-    term = Pty(env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term = Pty(env={"NO_COLOR": "1"})
     term.expect(PROMPT)
     term.send("/resume 20260101T000000Z-1")
     assert "resumed 20260101T000000Z-1: 2 messages" in term.expect(PROMPT)
@@ -4439,7 +5404,7 @@ def test_interactive_chat_resume_clear_sessions_exit(server, tmp_path):
         assert path.name[:-len(".jsonl")] in listing
 
 
-def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, workspace):
+def test_interactive_approvals_yes_no_always_and_ctrl_d(server, lich_model, workspace):
     write = ("write_file", '{"path": "out.txt", "content": "%s"}')
     queue(server,
           tool_reply(("c1", write[0], write[1] % "first")),
@@ -4447,7 +5412,7 @@ def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, worksp
           tool_reply(("c3", write[0], write[1] % "third"), ("c4", "edit_file",
                      '{"path": "out.txt", "old_text": "third", "new_text": "fourth"}'), ("c5", write[0], '{"path": "b.txt", "content": "x"}')),
           stream_reply("All written."))
-    term = Pty("--allow", "write", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
     term.expect(PROMPT)
     term.send("write things")
     term.expect("allow? [y]es / [n]o / [a]lways ")
@@ -4470,65 +5435,26 @@ def test_interactive_approvals_yes_no_always_and_ctrl_d(server, tmp_path, worksp
     assert term.close() == 0
 
 
-def test_streamed_compression_summary_is_not_shown_as_the_answer(server, tmp_path):
-    d = tmp_path / "sessions"
-    d.mkdir()
-    write_records(d / "20260101T000000Z-1.jsonl",
-                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
-    queue(server, stream_reply("SUMMARY ", "TEXT"), stream_reply("the ", "answer"))
-    proc = run_lich("--context-budget", "100", "--resume", "20260101T000000Z-1", "go",
-                    env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "the answer\n")
-    assert proc.stderr == "(history compressed: 12 characters of summary)\n"
-
-
-def test_one_provider_is_retried(server, tmp_path):
-    queue(server, Reply(500, "upstream hiccup"), openai_reply("second time lucky"))
-    proc = run_lich("--no-stream", "hi", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout, len(server.requests)) == (0, "second time lucky\n", 2)
-
-
-def test_ctrl_c_kills_a_running_shell_tool(server, tmp_path, workspace):
+def test_a_chat_turn_given_up_on_cannot_come_back(server, lich_model, tmp_path, workspace):
     import signal as signals
 
-    queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
-    proc = start_lich("--yolo", "--no-stream", "--root", str(workspace), "run it",
-                      env=cli_env(server, tmp_path))
-    pid_file = workspace / "pid"
-    deadline = time.monotonic() + 10
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    shell = int(pid_file.read_text())
-    proc.send_signal(signals.SIGINT)
-    out, err = proc.communicate(timeout=10)
-    assert (proc.returncode, out) == (130, ""), err
-    assert err.splitlines()[0].startswith("→ bash echo $$ > pid; sleep 30 & wait")
-    assert "✗ " in err and "aborted" in err
-    with pytest.raises(ProcessLookupError):
-        os.kill(shell, 0)
-    [path] = sessions_in(tmp_path)
-    history = lich.read_session_messages(path)
-    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool"]
-    assert history[-1]["is_error"] is True
-
-
-def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
-    import signal as signals
-
-    # the first answer takes 2.5 s and asks for a write: Ctrl-C gives up on it after 1 s
-    slow = Reply(200, chunks=["", json.dumps(openai_reply(
+    # the first answer, which asks for a write, is held back until Ctrl-C has given up on it
+    late = threading.Event()
+    slow = Reply(200, chunks=[json.dumps(openai_reply(
         "LATE TEXT", ("c1", "write_file", '{"path": "late.txt", "content": "no"}'),
-        finish="tool_calls"))], delay=1.25, content_type="application/json")
+        finish="tool_calls"))], hold=late, content_type="application/json")
     queue(server, slow, stream_reply("Fresh answer."))
-    term = Pty("--yolo", "--root", str(workspace), env={**cli_env(server, tmp_path), "NO_COLOR": "1"})
-    term.expect(PROMPT)
-    term.send("slow one")
-    wait_for_request(server)
-    term.proc.send_signal(signals.SIGINT)
-    assert "interrupted" in term.expect(PROMPT)
-    term.send("next one")
-    assert "Fresh answer.\n" in term.expect(PROMPT)
+    term = Pty("--yolo", "--root", str(workspace), env={"NO_COLOR": "1"})
+    try:
+        term.expect(PROMPT)
+        term.send("slow one")
+        wait_for_request(server)
+        term.proc.send_signal(signals.SIGINT)
+        assert "interrupted" in term.expect(PROMPT)
+        term.send("next one")
+        assert "Fresh answer.\n" in term.expect(PROMPT)
+    finally:
+        late.set()  # the given-up run gets its answer now
     ended = meta(event="run_error", error="AbortError: chat stream aborted")
     deadline = time.monotonic() + 15
     while not any(ended in records(p) for p in sessions_in(tmp_path)):  # its answer came
@@ -4537,6 +5463,7 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
     term.send("/exit")
     assert term.close() == 0
     assert "LATE TEXT" not in term.rest and "write_file" not in term.rest
+    assert "LATE TEXT" not in term.transcript and "write_file" not in term.transcript
     assert not (workspace / "late.txt").exists()
     assert len(server.requests) == 2
     assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["next one"]
@@ -4547,528 +5474,125 @@ def test_a_chat_turn_given_up_on_cannot_come_back(server, tmp_path, workspace):
         ("user", "next one"), ("assistant", "Fresh answer.")]
 
 
-def test_the_spinner_runs_while_waiting_on_a_terminal(server, tmp_path):
-    queue(server, Reply(200, chunks=["", openai_sse(delta_chunk(content="done"), delta_chunk(finish="stop"))],
-                        delay=0.4))
-    term = Pty(env=cli_env(server, tmp_path))
+def test_the_spinner_runs_while_waiting_on_a_terminal(server, lich_model):
+    answered = threading.Event()  # the answer waits until the spinner was seen
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="done"), delta_chunk(finish="stop"))],
+                        hold=answered))
+    term = Pty()
     term.expect(PROMPT)
     term.send("hi")
-    shown = term.expect(PROMPT)
+    try:
+        shown = term.expect("⠋ thinking")
+    finally:
+        answered.set()
+    shown += term.expect(PROMPT)
     assert "⠋ thinking" in shown and "\x1b[K" in shown and "done" in shown
     term.send("/exit")
     assert term.close() == 0
 
 
-# ============================================================================
-# Hardening
-# ============================================================================
+def test_api_key_marker_appears_nowhere_in_interactive_chat(server, lich_model, tmp_path, workspace):
+    term = Pty("-v", "--root", str(workspace), env={"OPENAI_API_KEY": SECRET, "NO_COLOR": "1"})
+    term.expect(PROMPT)
+    queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), stream_reply("It says hello."))
+    term.send("read a.txt")
+    term.expect(PROMPT)
+    queue(server, Reply(401, openai_error(f"Incorrect API key provided: {SECRET}", code="invalid_api_key")))
+    term.send("again")
+    shown = term.expect(PROMPT)
+    assert "lich: error: auth: openai: HTTP 401 (invalid_api_key): Incorrect API key provided: [redacted]" in shown
+    term.send("/sessions")
+    term.expect(PROMPT)
+    term.send("/resume latest")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert SECRET not in term.transcript and SECRET not in "".join(p.read_text() for p in sessions_in(tmp_path))
+    assert [r["headers"]["authorization"] for r in server.requests] == [f"Bearer {SECRET}"] * 3
 
 
-def check_event_order(events, max_turns, outcome=None, error=None):
-    """Assert every ordering guarantee of the spec's event table on one run's events."""
-    i, n = 0, len(events)
-    llm_ends = 0
-    expected_turn = 1
-    ended = None
-    while i < n:
-        assert events[i] == {"type": "turn_start", "turn": expected_turn}, (i, events[i])
-        turn = expected_turn
-        i += 1
-        if events[i]["type"] == "error":
-            assert isinstance(events[i]["error"], lich.AbortError) and i == n - 1
-            ended = ("aborted", turn - 1)
-            break
-        if events[i]["type"] == "compress_start":
-            assert events[i + 1]["type"] == "compress_end"
-            i += 2
-        assert events[i] == {"type": "llm_start", "turn": turn}
-        i += 1
-        if events[i]["type"] == "error":
-            assert i == n - 1 and events[i]["error"] is error
-            ended = ("raised", None)
-            break
-        assert events[i]["type"] == "llm_end" and events[i]["turn"] == turn
-        llm_ends += 1
-        calls = events[i]["result"].message.get("tool_calls") or []
-        i += 1
-        for call in calls:
-            if events[i]["type"] == "tool_call_start":
-                assert events[i] == {"type": "tool_call_start", "turn": turn, "call": call}
-                assert events[i + 1]["type"] == "tool_call_end" and events[i + 1]["call"] is call
-                assert events[i + 1]["cancelled"] is False
-                i += 2
-            else:
-                assert events[i]["type"] == "tool_call_end" and events[i]["call"] is call
-                assert events[i]["cancelled"] is True
-                i += 1
-        if not calls:
-            assert events[i]["type"] == "final" and events[i + 1] == {"type": "turn_end", "turn": turn}
-            assert i + 2 == n
-            ended = ("final", turn)
-            break
-        if turn == max_turns:
-            assert events[i:] == [{"type": "budget_exhausted", "turns_used": max_turns},
-                                  {"type": "turn_end", "turn": turn}]
-            ended = ("budget", max_turns)
-            break
-        expected_turn += 1
-    assert sum(e["type"] == "final" for e in events) <= 1
-    assert sum(e["type"] == "llm_start" for e in events) == llm_ends + (ended[0] == "raised")
-    if outcome is not None:
-        assert (outcome.stopped_reason, outcome.turns_used) == ended
-        assert_history_is_paired(outcome.messages)
-    return ended
+# --- sessions ---
 
 
-def assert_history_is_paired(messages):
-    """Every tool message follows its assistant call; every call has exactly one tool message;
-    call ids are non-empty and never repeat (Anthropic refuses repeated ids)."""
-    pending = None
-    seen = set()
-    for message in messages:
-        if message["role"] == "tool":
-            assert pending, f"tool message without its call: {message}"
-            assert message["tool_call_id"] == pending.pop(0)
-            continue
-        assert not pending, f"unanswered tool calls before {message}"
-        pending = [c["id"] for c in message.get("tool_calls") or []]
-        assert all(isinstance(i, str) and i and i not in seen for i in pending), pending
-        assert len(set(pending)) == len(pending), pending
-        seen.update(pending)
-    assert not pending
+def test_sessions_options(server, lich_model, cli, tmp_path):
+    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
+    assert cli("--no-stream", "--label", "my run", "hi") == (0, "one\n", "")
+    assert cli("--no-stream", "--no-session", "hi") == (0, "two\n", "")
+    other = tmp_path / "elsewhere"
+    assert cli("--no-stream", "--session-dir", str(other), "hi") == (0, "three\n", "")
+    [labelled] = sessions_in(tmp_path)
+    assert labelled.name.endswith("-my-run.jsonl")
+    assert len(list(other.iterdir())) == 1
 
 
-def random_run(rng, session_dir=None):
-    """A scripted run of random shape; returns (events, max_turns, outcome, error).
-
-    With ``session_dir`` the run goes through run_agent (prompt "go") and is recorded there.
-    """
-    signal = threading.Event()
-    max_turns = rng.randint(1, 6)
-    error = lich.ProviderError("random failure", "server")
-    counter = iter(range(10**6))
-
-    def chat(messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
-        roll = rng.random()
-        if messages and messages[0].get("content") == lich.COMPRESSION_SYSTEM_PROMPT:
-            if roll < 0.3:
-                raise RuntimeError("summarizer down")
-            return lich.ChatResult(assistant("summary"))
-        if roll < 0.07:
-            raise error
-        if roll < 0.12:
-            signal_holder.set()
-        if roll < 0.3:
-            return lich.ChatResult(assistant("final " + "x" * rng.randint(0, 400)))
-        calls = [(f"c{next(counter)}", rng.choice(["echo", "fail", "boom", "stop"]), "{}")
-                 for _ in range(rng.randint(1, 3))]
-        return lich.ChatResult(assistant("y" * rng.randint(0, 400), *calls))
-
-    signal_holder = signal
-    tools = SignallingTools(signal)
-    tools.raise_on = "boom"
-    emitter, events = recorder_emitter()
-    messages = long_history(rng.randint(0, 14)) if rng.random() < 0.5 else [user("go")]
-    budget = rng.choice([None, 50, 200, 10_000])
-    if rng.random() < 0.05:
-        signal.set()
-    try:
-        if session_dir is None:
-            outcome = lich.run_conversation(chat, tools, messages, max_turns=max_turns,
-                                            context_budget_tokens=budget, signal=signal, emitter=emitter)
-        else:
-            outcome = lich.run_agent("go", chat=chat, tools=tools, history=messages, max_turns=max_turns,
-                                     context_budget_tokens=budget, signal=signal, emitter=emitter,
-                                     session_dir=session_dir)
-    except lich.ProviderError as exc:
-        assert exc is error
-        return events, max_turns, None, error
-    return events, max_turns, outcome, None
+def test_resume_by_id_prefix_latest_and_continue(server, lich_model, cli, tmp_path):
+    queue(server, openai_reply("first answer"))
+    assert cli("--no-stream", "--label", "first", "first question") == (0, "first answer\n", "")
+    [first] = sessions_in(tmp_path)
+    first_id = first.name[:-len(".jsonl")]
+    for ref_args in (["--resume", first_id], ["--resume", first_id[:-4]], ["--resume", "latest"], ["-c"]):
+        resumed = lich.read_session_messages(first if "--resume" in ref_args[:1] and ref_args[1] != "latest"
+                                             else sessions_in(tmp_path)[-1])
+        queue(server, openai_reply("again"))
+        assert cli("--no-stream", *ref_args, "next") == (0, "again\n", ""), ref_args
+        assert server.requests[-1]["json"]["messages"][1:] == [
+            {"role": m["role"], "content": m["content"]} for m in resumed[1:]] + [
+            {"role": "user", "content": "next"}]
+        # each resumed run records into a new file seeded with that history
+        assert lich.read_session_messages(sessions_in(tmp_path)[-1]) == [
+            *resumed, user("next"), assistant("again")]
+    assert len(sessions_in(tmp_path)) == 5
+    assert len(resumed) == 7  # -c took the run before it, which had resumed the one before
 
 
-def test_event_ordering_holds_for_random_runs():
-    import random
-
-    rng = random.Random(20261130)
-    seen = set()
-    for _ in range(400):
-        events, max_turns, outcome, error = random_run(rng)
-        seen.add(check_event_order(events, max_turns, outcome, error)[0])
-        seen.update(e["type"] for e in events if e["type"].startswith("compress"))
-        seen.update("cancelled" for e in events if e.get("cancelled"))
-    assert seen == {"final", "budget", "aborted", "raised", "compress_start", "compress_end",
-                    "cancelled"}
+@pytest.mark.parametrize("ref", [
+    "nope", "../sessions/x", "/etc/passwd", "", "../sessions/20260101T000000Z-1", "a\0b", "x" * 10_000,
+    "latest\n",
+], ids=["unknown", "traversal", "absolute", "empty", "traversal-to-a-real-one", "nul", "10000-chars",
+        "newline"])
+def test_resume_of_an_unknown_or_hostile_session_exits_2(server, lich_model, cli, tmp_path, ref):
+    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
+    assert cli("--resume", ref, "hi") == (2, "", f"lich: session not found: {ref}\n")
+    assert server.requests == [] and len(sessions_in(tmp_path)) == 1
 
 
-def test_random_runs_record_sessions_that_replay_their_whole_transcript(tmp_path):
-    import random
-
-    rng = random.Random(20261201)
-    endings = set()
-    for i in range(150):
-        events, max_turns, outcome, error = random_run(rng, session_dir=tmp_path / str(i))
-        ended = check_event_order(events, max_turns, outcome, error)[0]
-        endings.add(ended)
-        [path] = (tmp_path / str(i)).iterdir()
-        recorded = records(path)
-        seeded = recorded[0]["meta"]["history_size"] + 1
-        happened = []
-        for event in events:
-            if event["type"] == "llm_end":
-                happened.append(event["result"].message)
-            elif event["type"] == "tool_call_end":
-                happened.append(lich.tool_message_from_result(event["call"], event["result"]))
-        transcript = [r["message"] for r in recorded[1:1 + seeded]] + happened
-        assert [r["message"] for r in recorded if r["kind"] == "message"] == transcript
-        last = recorded[-1]["meta"]
-        assert last == ({"event": "run_error", "error": "ProviderError: random failure"} if ended == "raised" else
-                        {"event": "run_end", "stopped_reason": ended, "usage": outcome.usage_total})
-        while transcript and transcript[-1]["role"] == "user":
-            transcript.pop()
-        assert lich.read_session_messages(path) == transcript
-        assert_history_is_paired(transcript)
-    assert endings == {"final", "budget", "aborted", "raised"}
+def test_list_sessions_newest_first(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl", msg(user("first  question\nmore")), msg(assistant("a")))
+    write_records(d / "20260102T000000Z-1-x.jsonl", msg(user("second")), msg(assistant("b")),
+                  msg(user("again")), msg(assistant("c")))
+    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
+    os.utime(d / "20260102T000000Z-1-x.jsonl", (1_700_000_100, 1_700_000_100))
+    when = [time.strftime("%Y-%m-%d %H:%M", time.localtime(t)) for t in (1_700_000_100, 1_700_000_000)]
+    listing = (f"20260102T000000Z-1-x  {when[0]}     4 messages  second\n"
+               f"20260101T000000Z-1  {when[1]}     2 messages  first question more\n")
+    assert cli("--list-sessions") == (0, listing, "")
 
 
-def echo_tools():
-    tools = lich.Tools()
-
-    @tools.tool
-    def echo(text: str = "") -> str:
-        """Echo the text."""
-        return "echo:" + text
-
-    return tools
-
-
-def wire_call(call_id, name="echo", arguments='{"text": "x"}'):
-    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    if call_id is not None:
-        call["id"] = call_id
-    return call
-
-
-def openai_calls_reply(*calls, content=None):
-    """A Chat Completions body whose tool calls are given in their wire form, as they are."""
-    body = openai_reply(content, finish="tool_calls")
-    body["choices"][0]["message"]["tool_calls"] = list(calls)
-    return body
-
-
-def wire_problem(messages):
-    """Why a strict provider would refuse these Chat Completions messages, or None: a tool result
-    that answers no call of the assistant message before it, a call left unanswered, a tool
-    call id that is empty or repeats."""
-    seen, pending = set(), []
-    for m in messages:
-        if m["role"] == "tool":
-            if m["tool_call_id"] not in pending:
-                return f"tool message {m['tool_call_id']!r} answers no pending call"
-            pending.remove(m["tool_call_id"])
-            continue
-        if pending:
-            return f"calls {pending} unanswered before a {m['role']} message"
-        ids = [c["id"] for c in m.get("tool_calls") or []]
-        if not all(ids) or seen & set(ids) or len(set(ids)) != len(ids):
-            return f"empty or repeated tool call ids {ids}"
-        seen.update(ids)
-        pending = ids
-    return f"calls {pending} unanswered" if pending else None
-
-
-# ---- model misbehaviour ---------------------------------------------------------------
-
-NOT_JSON = ("the arguments of echo are not valid JSON (Expecting ',' delimiter: line 1 column 13 "
-            "(char 12)); send one JSON object")
-
-
-@pytest.mark.parametrize("calls, answers", [
-    ([wire_call("a", arguments='{"text": "x"')], [("a", NOT_JSON)]),
-    ([wire_call("a", name="nope")], [("a", 'unknown tool "nope"; the available tools are: echo')]),
-    ([wire_call("dup"), wire_call("dup"), wire_call("dup_2")],
-     [("dup", "echo:x"), ("dup_3", "echo:x"), ("dup_2", "echo:x")]),
-    ([wire_call(""), wire_call(None), wire_call("call_1")],
-     [("call_0", "echo:x"), ("call_1", "echo:x"), ("call_1_2", "echo:x")]),
-    ([wire_call("a", arguments="[1, 2]")],
-     [("a", "the arguments of echo must be a JSON object, not an array")]),
-    ([wire_call("a", arguments='"x"')], [("a", "the arguments of echo must be a JSON object, not a string")]),
-    ([wire_call("a", arguments={"text": "decoded"})], [("a", "echo:decoded")]),
-    ([wire_call("a", arguments="")], [("a", "echo:")]),
-    ([wire_call(f"c{i}", arguments=json.dumps({"text": str(i)})) for i in range(100)],
-     [(f"c{i}", f"echo:{i}") for i in range(100)]),
-], ids=["invalid-json", "unknown-tool", "duplicate-ids", "empty-and-missing-ids", "list-arguments",
-        "string-arguments", "decoded-arguments", "empty-arguments", "100-calls"])
-def test_misbehaving_tool_calls_through_openai_are_answered_and_recorded(server, tmp_path, calls, answers):
-    queue(server, openai_calls_reply(*calls), openai_reply("done"))
-    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-    asked = run.messages[1]
-    told = [(m["tool_call_id"], m["content"] if not m["is_error"] else json.loads(m["content"])["error"])
-            for m in run.messages[2:-1]]
-    assert (run.stopped_reason, told, run.messages[-1]) == ("final", answers, assistant("done"))
-    assert [c["id"] for c in asked["tool_calls"]] == [i for i, _ in answers]
-    assert records(run.session_path) == [
-        meta(event="run_start", input_chars=2, history_size=0), *[msg(m) for m in run.messages],
-        meta(event="run_end", stopped_reason="final", usage={"input_tokens": 14, "output_tokens": 6})]
-    assert lich.read_session_messages(run.session_path) == run.messages
-    assert_history_is_paired(run.messages)
-    assert wire_problem(server.requests[1]["json"]["messages"]) is None
-
-
-def test_a_server_that_never_sends_call_ids_gets_unique_ones_across_turns(server, tmp_path):
-    queue(server, openai_calls_reply(wire_call(None)), openai_calls_reply(wire_call(None), wire_call(None)),
-          openai_reply("done"))
-    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=5, session_dir=tmp_path)
-    assert [m.get("tool_call_id") or [c["id"] for c in m.get("tool_calls") or []] for m in run.messages] == [
-        [], ["call_0"], "call_0", ["call_0_2", "call_1"], "call_0_2", "call_1", []]
-    assert lich.read_session_messages(run.session_path) == run.messages
-    for request in server.requests[1:]:
-        assert wire_problem(request["json"]["messages"]) is None
-
-
-def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tmp_path):
+def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli, tmp_path):
+    big = "b" * 10_000_000
+    d = tmp_path / "sessions"
+    d.mkdir()
     path = write_records(
-        tmp_path / "old.jsonl", msg(user("q")), msg(assistant("", ("", "echo", "{}"), ("a", "echo", "{}"))),
-        msg(tool_msg("", "first")), msg(tool_msg("a", "second")), msg(assistant("", ("a", "echo", "{}"))),
-        msg(tool_msg("a", "third")), msg(assistant("", ("a", "echo", "{}"), ("a_2", "echo", "{}"))),
-        msg(tool_msg("a", "fourth")))
+        d / "20260101T000000Z-1.jsonl",
+        msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
+        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
+        "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
+        msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
+        msg(assistant("", ("c1", "echo", "{}"))))
     history = lich.read_session_messages(path)
-    assert history == [
-        user("q"), assistant("", ("call_2", "echo", "{}"), ("a", "echo", "{}")),
-        tool_msg("call_2", "first"), tool_msg("a", "second"), assistant("", ("a_2", "echo", "{}")),
-        tool_msg("a_2", "third"), assistant("", ("a_3", "echo", "{}"), ("a_2_2", "echo", "{}")),
-        tool_msg("a_3", "fourth"), tool_msg("a_2_2", INTERRUPTED, is_error=True)]
-    assert_history_is_paired(history)
-    again = write_records(tmp_path / "again.jsonl", *[msg(m) for m in history])
-    assert lich.read_session_messages(again) == history
+    assert history == [user(big), {"role": "user", "content": "nested", "x": json.loads(deep(500))},
+                       assistant("crlf"), assistant("", ("c1", "echo", "{}")),
+                       tool_msg("c1", INTERRUPTED, is_error=True)]
+    queue(server, openai_reply("resumed"))
+    assert cli("--no-stream", "--resume", "20260101T000000Z-1", "go on") == (0, "resumed\n", "")
+    sent = server.requests[0]["json"]["messages"]
+    assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
+    assert wire_problem(sent) is None
+    code, out, _ = cli("--list-sessions")
+    assert code == 0 and out.count("\n") == 2
 
-
-
-def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
-    count = 30_000  # quadratic work would take minutes here
-    path = write_records(tmp_path / "hostile.jsonl", msg(user("q")),
-                         msg(assistant("", *[("", "echo", "{}")] * count)),
-                         *[msg(tool_msg("", str(i))) for i in range(count)])
-    history = finishes(lambda: lich.read_session_messages(path), timeout=60)
-    assert [m["tool_call_id"] for m in history[2:]] == [f"call_{i}" for i in range(2, count + 2)]
-    assert [m["content"] for m in history[2:]] == [str(i) for i in range(count)]
-    chat = ScriptedChat(assistant("", *[("dup", "echo", "{}")] * count))
-    run = finishes(lambda: lich.run_conversation(chat, EchoTools(), [user("q")], max_turns=1), timeout=60)
-    assert [c["id"] for c in run.messages[1]["tool_calls"]] == ["dup"] + [f"dup_{i}" for i in range(2, count + 1)]
-
-def anthropic_tool_use_reply(*blocks):
-    return anthropic_reply(*blocks, stop="tool_use")
-
-
-def test_misbehaving_tool_use_through_anthropic_is_answered_and_recorded(server, tmp_path):
-    queue(server, anthropic_tool_use_reply(
-        text_block("Let me see."), tool_use_block("t1", "echo", {"text": "a"}), tool_use_block("t1", "echo", [1]),
-        tool_use_block("", "echo", "hello"), tool_use_block("t2", "nope", None)),
-        anthropic_reply(text_block("done")))
-    run = lich.run_agent("go", chat=anthropic_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-    assert run.messages[1] == assistant("Let me see.", ("t1", "echo", '{"text": "a"}'), ("t1_2", "echo", "[1]"),
-                                        ("call_2", "echo", '"hello"'), ("t2", "nope", "{}"))
-    assert [m["content"] for m in run.messages[2:-1]] == [
-        "echo:a", *[json.dumps({"ok": False, "output": "", "error": e}) for e in (
-            "the arguments of echo must be a JSON object, not an array",
-            "the arguments of echo must be a JSON object, not a string",
-            'unknown tool "nope"; the available tools are: echo')]]
-    assert (run.stopped_reason, lich.read_session_messages(run.session_path)) == ("final", run.messages)
-    wire = server.requests[1]["json"]["messages"]
-    uses = [b for b in wire[1]["content"] if b["type"] == "tool_use"]
-    results = [b["tool_use_id"] for b in wire[2]["content"]]
-    assert [b["id"] for b in uses] == results == ["t1", "t1_2", "call_2", "t2"]
-    assert [b["input"] for b in uses] == [{"text": "a"}, {"_raw_arguments": "[1]"},
-                                          {"_raw_arguments": '"hello"'}, {}]
-
-
-@pytest.mark.parametrize("body, final", [
-    (openai_calls_reply(content="answer"), assistant("answer")),
-    (openai_reply(None), assistant("")),
-], ids=["content-and-empty-tool-calls", "null-content"])
-def test_an_answer_without_tool_calls_is_final_through_openai(server, tmp_path, body, final):
-    queue(server, body)
-    run = lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-    assert (run.stopped_reason, run.final, run.turns_used) == ("final", final, 1)
-    assert records(run.session_path)[2:] == [msg(final), meta(event="run_end", stopped_reason="final",
-                                                              usage={"input_tokens": 7, "output_tokens": 3})]
-
-
-@pytest.mark.parametrize("body, error", [
-    ({"id": "x", "object": "chat.completion", "model": "m"},
-     "KeyError: 'choices'"),
-    ({"choices": []}, "IndexError: list index out of range"),
-    ({"choices": [{"message": None}]}, "AttributeError: 'NoneType' object has no attribute 'get'"),
-    ({"choices": [{"message": {"content": 5}}]}, "TypeError: message content is a int"),
-], ids=["missing-choices", "empty-choices", "null-message", "number-content"])
-def test_an_answer_of_the_wrong_shape_ends_the_run_recorded(server, tmp_path, body, error):
-    queue(server, openai_calls_reply(wire_call("a")), body)
-    with pytest.raises(lich.ProviderError) as info:
-        lich.run_agent("go", chat=openai_at(server), tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
-    assert str(info.value) == (f"openai: invalid response: unexpected JSON shape ({error}): "
-                               f"{json.dumps(body)!r}")
-    [path] = tmp_path.iterdir()
-    assert records(path) == [
-        meta(event="run_start", input_chars=2, history_size=0), msg(user("go")),
-        msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x")),
-        meta(event="run_error", error=f"ProviderError: {info.value}")]
-    assert lich.read_session_messages(path) == [user("go"), assistant("", ("a", "echo", '{"text": "x"}')),
-                                                tool_msg("a", "echo:x")]
-
-
-# ---- provider faults, end to end ------------------------------------------------------
-
-FIRST_TURN = [msg(user("go")), msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x"))]
-OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delta_chunk(content="covered"),
-                                                 delta_chunk(finish="stop"))])
-
-
-@pytest.mark.parametrize("provider, faults, ending", [
-    ("openai-stream", [Reply(200, reset_after=0), OPENAI_STREAM_OK], "recovered"),
-    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="par"), done=False), "x" * 50],
-                             reset_after=1)],
-     ("invalid_response", ("openai: stream broke off before its end: (\"Connection broken: ConnectionResetError"
-                           "(104, 'Connection reset by peer')\", ConnectionResetError(104, 'Connection reset by "
-                           "peer'))"))),
-    ("openai", [Reply(200, b"", content_type="application/json")],
-     ("invalid_response", "openai: invalid response: body is not JSON: ''")),
-    ("openai", [Reply(200, json.dumps(openai_reply("cut"))[:40], content_type="application/json")],
-     ("invalid_response", "openai: invalid response: body is not JSON: "
-                          + repr(json.dumps(openai_reply("cut"))[:40]))),
-    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="no end"), done=False)])],
-     ("invalid_response", "openai: invalid response: stream ended before [DONE]")),
-    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="slow")), ""], delay=0.6),
-                       OPENAI_STREAM_OK], "recovered"),
-    ("openai", [Reply(429, openai_error("slow down"), headers={"Retry-After": "1"}), openai_reply("recovered")],
-     "recovered"),
-    ("openai", [Reply(500, "oops"), openai_reply("recovered")], "recovered"),
-    ("openai", [Reply(500, "oops"), Reply(500, "oops again")],
-     ("server", "openai: HTTP 500: oops again")),
-    ("anthropic", [Reply(529, anthropic_error("overloaded_error", "Overloaded")),
-                   anthropic_reply(text_block("recovered"))], "recovered"),
-], ids=["reset-before-headers", "reset-mid-stream", "empty-body", "truncated-json", "no-end-marker",
-        "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
-def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_kept(
-        server, tmp_path, provider, faults, ending):
-    if provider == "anthropic":
-        chat = anthropic_at(server, timeout=0.3)
-        first = anthropic_tool_use_reply(tool_use_block("a", "echo", {"text": "x"}))
-    else:
-        chat = openai_at(server, stream=provider.endswith("stream"), timeout=0.3)
-        first = openai_calls_reply(wire_call("a"))
-    queue(server, first, *faults)
-    retrying = lich.Router([chat], retries=1, base_delay=0.01, max_delay=0.05)
-    start = meta(event="run_start", input_chars=2, history_size=0)
-    if ending == "recovered":
-        run = lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-        assert (run.stopped_reason, run.final) == ("final", assistant("recovered"))
-        assert records(run.session_path)[:-1] == [start, *FIRST_TURN, msg(assistant("recovered"))]
-        assert len(server.requests) == 3
-        return
-    with pytest.raises(lich.ProviderError) as info:
-        lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
-    assert (info.value.kind, str(info.value)) == ending
-    [path] = tmp_path.iterdir()
-    assert records(path) == [start, *FIRST_TURN, meta(event="run_error", error=f"ProviderError: {ending[1]}")]
-    assert lich.read_session_messages(path) == [m["message"] for m in FIRST_TURN]
-
-
-# ---- tool faults ----------------------------------------------------------------------
-
-
-def failed(error, output=""):
-    return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
-
-
-def test_tool_faults_become_results_and_the_run_goes_on(tmp_path, ws):
-    tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=0.5)
-
-    @tools.tool
-    def explode() -> str:
-        """Raise."""
-        raise RuntimeError("kaboom")
-
-    @tools.tool
-    def leave() -> str:
-        """Exit the interpreter."""
-        sys.exit(3)
-
-    @tools.tool
-    def cyclic() -> dict:
-        """Return what JSON cannot encode."""
-        loop = {}
-        loop["self"] = loop
-        return loop
-
-    @tools.tool
-    def raw() -> str:
-        """Return bytes where text belongs."""
-        return lich.ToolResult(ok=True, output=b"\xff\xfe")
-
-    calls = [("c1", "explode", "{}"), ("c2", "leave", "{}"), ("c3", "cyclic", "{}"), ("c4", "raw", "{}"),
-             ("c5", "bash", '{"command": "echo started; exec sleep 60"}'),
-             ("c6", "bash", json.dumps({"command": "printf 'bad \\377\\376 bytes\\n'"})),
-             ("c7", "bash", '{"command": "echo fine"}')]
-    chat = ScriptedChat(assistant("", *calls), assistant("done"))
-    started = time.monotonic()
-    run = lich.run_agent("go", chat=chat, tools=tools, max_turns=3, session_dir=tmp_path)
-    assert time.monotonic() - started < 20
-    assert (run.stopped_reason, run.final) == ("final", assistant("done"))
-    assert [(m["content"], m["is_error"]) for m in run.messages[2:-1]] == [
-        (failed("RuntimeError: kaboom"), True),
-        (failed("SystemExit: 3"), True),
-        ("{'self': {...}}", False),
-        (failed("TypeError: the tool runner returned a ToolResult holding bytes, not str"), True),
-        (failed("the command timed out after 0.5 seconds and was killed", "started\n"), True),
-        ("bad \ufffd\ufffd bytes\n[exit code 0]", False),
-        ("fine\n[exit code 0]", False)]
-    assert chat.calls[1]["messages"] == run.messages[:-1]
-    assert records(run.session_path)[1:-1] == [msg(m) for m in run.messages]
-
-
-SHELL_FLOOD = """
-import json, resource, sys
-sys.path.insert(0, sys.argv[1])
-import lich
-
-def peak_kib():
-    # VmHWM: this process's own peak; ru_maxrss can carry the parent's across fork and exec
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    except OSError:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak // 1024 if sys.platform == "darwin" else peak
-
-def chat(messages, **options):
-    if len(messages) == 1:
-        command = "head -c 50000000 /dev/zero | tr '\\\\0' a"
-        call = {"id": "c1", "name": "bash", "arguments": json.dumps({"command": command})}
-        return lich.ChatResult({"role": "assistant", "content": "", "tool_calls": [call]})
-    return lich.ChatResult({"role": "assistant", "content": "done"})
-
-before = peak_kib()
-run = lich.run_agent("flood", chat=chat, tools=lich.coding_tools(sys.argv[2], allow_shell=True),
-                     max_turns=2, session_dir=sys.argv[3])
-growth = peak_kib() - before
-blob = b"x" * (60 << 20)  # the control: buffering the output would have shown like this
-control = peak_kib() - before
-print(json.dumps({"growth": growth, "control": control, "tool": run.messages[2]["content"],
-                  "stopped": run.stopped_reason}))
-"""
-
-
-def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
-    proc = subprocess.run([sys.executable, "-c", SHELL_FLOOD, str(HERE), str(ws), str(tmp_path / "s")],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert (report["growth"] < 100 << 10, report["control"] >= 50 << 10) == (True, True), report
-    assert (report["stopped"], report["tool"]) == (
-        "final", "a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000 + "\n[exit code 0]")
-
-
-# ---- disk faults ----------------------------------------------------------------------
 
 DROP_DAC = """
 import ctypes, os, sys
@@ -5086,44 +5610,35 @@ os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 
 
-def run_lich_via(wrapper, *args, env):
-    """``python lich.py ARGS`` started through a small Python ``wrapper`` that execs it."""
-    full = {**os.environ, **env}
-    return subprocess.run([sys.executable, "-c", wrapper, *args], env=full, capture_output=True,
-                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
-
-
-def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server, tmp_path):
+def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server, lich_model, cli, tmp_path):
     sessions = tmp_path / "sessions"
     sessions.mkdir()
     sessions.chmod(0o500)
     queue(server, openai_reply("answer"))
-    args = [str(LICH_PY), "--no-stream", "hi"]
-    if os.geteuid() == 0:
-        proc = run_lich_via(DROP_DAC, *args, env=cli_env(server, tmp_path))
-        if proc.returncode == 99:
+    if os.geteuid() == 0:  # root ignores the folder's mode, unless a process gives that power up
+        code, out, err = Process("-c", DROP_DAC, LICH_PY, "--no-stream", "hi").wait()
+        if code == 99:
             pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
     else:
-        proc = run_lich(*args[1:], env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "answer\n"), proc.stderr
-    assert proc.stderr == ("lich: warning: session recording is off: cannot create a session file: "
-                           "Permission denied\n")
+        code, out, err = cli("--no-stream", "hi")
+    assert (code, out, err) == (0, "answer\n", ("lich: warning: session recording is off: cannot create a "
+                                                "session file: Permission denied\n"))
     assert list(sessions.iterdir()) == []
 
 
-def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, tmp_path, workspace):
+def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, lich_model, tmp_path, workspace):
     turns = 12
     calls = [(f"c{i}", "read_file", '{"path": "a.txt"}') for i in range(turns)]
     queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls],
           openai_reply("All read."))
-    limit = 4000
-    proc = run_lich_via(LIMIT_FILE_SIZE, str(limit), str(LICH_PY), "-q", "--no-stream", "-s", "sys",
-                        "--root", str(workspace), "read it", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "All read.\n"), proc.stderr
+    limit = 4000  # RLIMIT_FSIZE holds for the whole process: lich runs in one of its own
+    code, out, err = Process("-c", LIMIT_FILE_SIZE, limit, LICH_PY, "-q", "--no-stream", "-s", "sys",
+                             "--root", workspace, "read it").wait()
+    assert (code, out) == (0, "All read.\n"), err
     [path] = sessions_in(tmp_path)
     session_id = path.name[:-len(".jsonl")]
-    assert proc.stderr == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
-                           f"File too large\n")
+    assert err == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
+                   f"File too large\n")
     recorded = records(path)  # every line whole
     expected = [meta(event="run_start", input_chars=7, history_size=0), msg({"role": "system", "content": "sys"}),
                 msg(user("read it"))]
@@ -5136,582 +5651,87 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
     assert history[-1]["role"] != "user"
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="/dev/full is Linux-only")
-def test_a_session_device_that_is_full_warns_once_and_the_run_goes_on(tmp_path, caplog):
-    handle = lich.SessionHandle(str(tmp_path / "full.jsonl"), os.open("/dev/full", os.O_WRONLY))
-    script = [assistant("", (f"c{i}", "echo", "{}")) for i in range(5)] + [assistant("done")]
-    with caplog.at_level("WARNING", logger="lich"):
-        run = lich.run_agent("go", chat=ScriptedChat(*script), tools=EchoTools(), max_turns=10, session=handle)
-    handle.close()
-    assert (run.stopped_reason, run.turns_used, run.final) == ("final", 6, assistant("done"))
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", "session recording stopped: full: OSError: [Errno 28] No space left on device")]
+# --- process ---
 
 
-# ---- hostile input --------------------------------------------------------------------
+def test_version_subprocess():
+    assert Process(LICH_PY, "--version").wait() == (0, f"lich {lich.__version__}\n", "")
 
 
-@pytest.mark.parametrize("ref", ["../sessions/20260101T000000Z-1", "a\0b", "x" * 10_000, "latest\n"],
-                         ids=["traversal", "nul", "10000-chars", "newline"])
-def test_hostile_session_refs_on_the_command_line(server, tmp_path, monkeypatch, capsys, ref):
-    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
-    monkeypatch.setenv("LICH_MODEL", f"openai:m@{server.url}/v1")
-    if "\0" in ref:  # no argv can carry a NUL: in process
-        code, err = lich.main(["--resume", ref, "hi"]), capsys.readouterr().err
-    else:
-        proc = run_lich("--resume", ref, "hi", env=cli_env(server, tmp_path))
-        code, err = proc.returncode, proc.stderr
-    assert (code, err) == (2, f"lich: session not found: {ref}\n")
-    assert server.requests == [] and len(sessions_in(tmp_path)) == 1
+def test_help_lists_the_options():
+    # argparse prints the script's help and exits: the process's own output and exit code
+    code, out, err = Process(LICH_PY, "--help").wait()
+    assert (code, err) == (0, "") and out.startswith("usage: lich ")
+    for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
+                   "--session-dir", "--no-session", "--label", "--resume", "--continue", "--list-sessions",
+                   "--allow", "--yolo", "--root", "--json", "--no-stream", "--quiet", "--verbose", "--version"):
+        assert option in out
 
 
-def deep(depth):
-    return "[" * depth + "]" * depth
+def test_import_does_not_import_requests():
+    assert Process("-c", "import sys, lich; print('requests' in sys.modules)", cwd=HERE).wait() == (
+        0, "False\n", "")
 
 
-def test_hostile_session_files_read_leniently_and_resume(server, tmp_path):
-    big = "b" * 10_000_000
-    d = tmp_path / "sessions"
-    d.mkdir()
-    path = write_records(
-        d / "20260101T000000Z-1.jsonl",
-        msg(user(big)), "x" * 10_000_000, b"\xff\xfe\xfd" * 1000, deep(200_000),
-        msg({"role": "user", "content": "nested", "x": json.loads(deep(500))}),
-        "[1, 2, 3]", "42", "null", '"a string"', json.dumps(msg(assistant("crlf"))) + "\r\n",
-        msg({"role": "assistant", "content": None, "tool_calls": "nope"}), msg({"role": "tool", "content": "x"}),
-        msg(assistant("", ("c1", "echo", "{}"))))
-    history = lich.read_session_messages(path)
-    assert history == [user(big), {"role": "user", "content": "nested", "x": json.loads(deep(500))},
-                       assistant("crlf"), assistant("", ("c1", "echo", "{}")),
-                       tool_msg("c1", INTERRUPTED, is_error=True)]
-    queue(server, openai_reply("resumed"))
-    proc = run_lich("--no-stream", "--resume", "20260101T000000Z-1", "go on", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "resumed\n"), proc.stderr[-2000:]
-    sent = server.requests[0]["json"]["messages"]
-    assert [m["content"] for m in sent[1:3]] == [big, "nested"] and sent[-1] == user("go on")
-    assert wire_problem(sent) is None
-    listing = run_lich("--list-sessions", env=cli_env(server, tmp_path))
-    assert listing.returncode == 0 and listing.stdout.count("\n") == 2
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
+def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, lich_model, cli, tmp_path, stream):
+    import signal as signals
 
-
-def test_a_10_mb_prompt_through_run_agent(tmp_path):
-    prompt = "p" * 10_000_000
-    chat = ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("read"))
-    run = lich.run_agent(prompt, chat=chat, tools=EchoTools(), max_turns=3, session_dir=tmp_path,
-                         context_budget_tokens=1000)
-    assert (run.stopped_reason, run.messages[0], len(chat.calls)) == ("final", user(prompt), 2)
-    assert records(run.session_path)[0] == meta(event="run_start", input_chars=10_000_000, history_size=0)
-    assert lich.read_session_messages(run.session_path) == run.messages
-
-
-def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, tmp_path):
-    piped = ("log line\n" * 1_000_000) + "`" * 1_000_000 + "\nend\n"
-    queue(server, openai_reply("summarised"))
-    proc = run_lich("--no-stream", "summarise", input=piped, env=cli_env(server, tmp_path), timeout=60)
-    assert (proc.returncode, proc.stdout) == (0, "summarised\n"), proc.stderr[-2000:]
-    fence = "`" * 1_000_001
-    expected = f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\nsummarise"
-    assert server.requests[0]["json"]["messages"][-1] == user(expected)
+    first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
+    keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
+    server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
+                                delay=0.1, content_type="text/event-stream" if stream else "application/json"))
+    child = Process(LICH_PY, *([] if stream else ["--no-stream"]), "slow question")
+    wait_for_request(server)
+    # streaming, Ctrl-C comes once the first words are out (one small write: one read)
+    shown = os.read(child.popen.stdout.fileno(), 100).decode() if stream else ""
+    started = time.monotonic()
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert code == 130, err
+    assert time.monotonic() - started < 5
+    assert "Traceback" not in err
     [path] = sessions_in(tmp_path)
-    assert lich.read_session_messages(path)[1:] == [user(expected), assistant("summarised")]
+    recs = records(path)
+    assert recs[:2] == [meta(event="run_start", input_chars=13, history_size=0), recs[1]]
+    assert recs[2] == msg(user("slow question"))
+    if stream:
+        assert shown + out == "partial \n"
+        assert recs[-1] == meta(event="run_error", error="AbortError: chat stream aborted")
+    assert lich.read_session_messages(path) == [recs[1]["message"]]
+    queue(server, openai_reply("resumed"))
+    assert cli("--no-stream", "-c", "go on") == (0, "resumed\n", "")
+
+
+def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspace):
+    import signal as signals
+
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
+    child = Process(LICH_PY, "--yolo", "--no-stream", "--root", workspace, "run it")
+    pid_file = workspace / "pid"
+    deadline = time.monotonic() + 10
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    shell = int(pid_file.read_text())
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert (code, out) == (130, ""), err
+    assert err.splitlines()[0].startswith("→ bash echo $$ > pid; sleep 30 & wait")
+    assert "✗ " in err and "aborted" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(shell, 0)
+    [path] = sessions_in(tmp_path)
+    history = lich.read_session_messages(path)
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool"]
+    assert history[-1]["is_error"] is True
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
-def test_piped_bytes_that_are_not_utf8_are_replaced(server, tmp_path, encoding):
+def test_piped_bytes_that_are_not_utf8_are_replaced(server, lich_model, encoding):
+    # the process's own stdin, as PYTHONIOENCODING sets it up
     queue(server, openai_reply("ok"))
-    env = {**os.environ, **cli_env(server, tmp_path), "PYTHONIOENCODING": encoding}
-    proc = subprocess.run([sys.executable, str(LICH_PY), "--no-stream", "summarise"], env=env, timeout=60,
-                          input=b"caf\xe9 \xff\xfe\nend\n", capture_output=True, check=False)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"ok\n", b"")
+    assert Process(LICH_PY, "--no-stream", "summarise", input=b"caf\xe9 \xff\xfe\nend\n",
+                   env={"PYTHONIOENCODING": encoding}).wait() == (0, b"ok\n", b"")
     piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
     assert server.requests[0]["json"]["messages"][-1] == user(piped)
-
-
-def strict_json(body):
-    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
-    text = body.decode("utf-8")
-    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
-    return json.loads(text)
-
-
-@pytest.mark.parametrize("at", ["openai", "anthropic"])
-def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
-    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
-    chat = openai_at(server) if at == "openai" else anthropic_at(server)
-    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
-    queue(server, done)
-    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
-    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
-    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
-    assert lich.read_session_messages(run.session_path) == run.messages
-    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
-    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
-
-
-DEEP = deep(100_000)
-
-
-@pytest.mark.parametrize("at, stream, reply, kind, message", [
-    ("openai", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
-     f"openai: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
-    ("openai", True, Reply(200, chunks=[sse((None, DEEP))]), "invalid_response",
-     f"openai: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
-    ("anthropic", False, Reply(200, DEEP, content_type="application/json"), "invalid_response",
-     f"anthropic: invalid response: body is not JSON: {DEEP[:200] + '...'!r}"),
-    ("anthropic", True, Reply(200, chunks=[sse(("message_start", DEEP))]), "invalid_response",
-     f"anthropic: invalid response: SSE data is not JSON: {DEEP[:200] + '...'!r}"),
-    ("openai", False, Reply(500, DEEP, content_type="application/json"), "server",
-     f"openai: HTTP 500: {DEEP[:2000]}..."),
-], ids=["openai-body", "openai-stream", "anthropic-body", "anthropic-stream", "error-body"])
-def test_deeply_nested_json_from_a_provider_is_a_classified_error(server, at, stream, reply, kind, message):
-    server.replies.append(reply)
-    with pytest.raises(lich.ProviderError) as info:
-        (openai_at if at == "openai" else anthropic_at)(server, stream=stream)(USER)
-    assert (info.value.kind, str(info.value)) == (kind, message)
-
-
-def test_deeply_nested_tool_arguments_go_back_to_anthropic(server):
-    server.reply(200, anthropic_reply(text_block("ok")))
-    chat = ScriptedChat(assistant("", ("t1", "echo", DEEP)), lambda messages: anthropic_at(server)(messages))
-    run = lich.run_agent("go", chat=chat, tools=EchoTools(), max_turns=3)
-    assert (run.stopped_reason, run.final) == ("final", assistant("ok"))
-    assert server.requests[0]["json"]["messages"][1]["content"] == [
-        {"type": "tool_use", "id": "t1", "name": "echo", "input": {"_raw_arguments": DEEP}}]
-
-
-def test_deeply_nested_tool_arguments_on_the_command_line(server, tmp_path, workspace):
-    queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
-    proc = run_lich("--no-stream", "--root", str(workspace), "go", env=cli_env(server, tmp_path))
-    assert (proc.returncode, proc.stdout) == (0, "ok\n")
-    assert proc.stderr == "→ read_file ✗ the arguments of read_file are not valid JSON (maximum recu…\n"
-
-
-def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
-    _make_links(ws, tmp_path)
-    os.mkfifo(ws / "pipe")
-    os.symlink("pipe", ws / "pipe_link")
-    os.symlink(".", ws / "self")
-    (ws / "sub").mkdir()
-    os.symlink("..", ws / "sub" / "up")
-    tools = lich.coding_tools(ws, allow_write=True)
-    calls = [("read_file", {"path": p}) for p in ("loop_a", "pipe", "pipe_link", "zero", "self/self/inside.txt")]
-    calls += [("write_file", {"path": p, "content": "x"}) for p in ("pipe", "loop_a", "zero")]
-    calls += [("edit_file", {"path": p, "old_text": "a", "new_text": "b"}) for p in ("pipe_link", "zero")]
-    calls += [("list_files", {}), ("search", {"pattern": "inside"}), ("search", {"pattern": "x", "path": "pipe"})]
-    script = [assistant("", *[(f"c{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]),
-              assistant("done")]
-    run = finishes(lambda: lich.run_agent("poke", chat=ScriptedChat(*script), tools=tools, max_turns=2,
-                                          session_dir=tmp_path / "s"), timeout=30)
-    answers = [json.loads(m["content"])["error"] if m["is_error"] else m["content"] for m in run.messages[2:-1]]
-    assert answers == [
-        "too many levels of symbolic links: loop_a",
-        "path is not a regular file: pipe",
-        "path is not a regular file: pipe_link",
-        "path is outside the workspace: zero",
-        "     1\tinside",
-        "path is not a regular file: pipe",
-        "too many levels of symbolic links: loop_a",
-        "path is outside the workspace: zero",
-        "path is not a regular file: pipe_link",
-        "path is outside the workspace: zero",
-        "alias.txt\ninside.txt",
-        "alias.txt:1: inside\ninside.txt:1: inside",
-        "path is not a regular file or a directory: pipe",
-    ]
-    assert run.stopped_reason == "final" and not (ws / "pipe").is_file()
-
-
-# ---- secrets --------------------------------------------------------------------------
-
-
-def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(server, tmp_path, workspace):
-    keys = {"OPENAI_API_KEY": SECRET, "ANTHROPIC_API_KEY": SECRET}
-    env = {**keys, "OPENAI_BASE_URL": server.url + "/v1", "ANTHROPIC_BASE_URL": server.url,
-           "LICH_SESSION_DIR": str(tmp_path / "sessions"), "NO_COLOR": "1"}
-    echo = f"your key {SECRET} is wrong"
-    runs = [
-        (["--no-stream"], {}, [Reply(200, f"<html>{echo}</html>", content_type="application/json")]),
-        ([], {}, [Reply(200, chunks=[sse((None, {"error": {"message": echo, "type": "server_error"}}))])]),
-        (["--json"], {}, [Reply(429, openai_error(echo), headers={"Retry-After": "1"})]),
-        (["--no-stream"], {}, [Reply(200, {"choices": [{"message": {"content": 5}}], "note": echo})]),
-        (["-m", "anthropic:c"], {}, [Reply(200, chunks=[anthropic_sse(
-            message_start(), {"type": "error", "error": {"type": "overloaded_error", "message": echo}})])]),
-        ([], {"OPENAI_BASE_URL": f"http://127.0.0.1:{free_port()}/v1"}, []),
-        ([], {"OPENAI_API_KEY": SECRET + "\r"}, [openai_reply("stripped")]),
-        (["-m", "anthropic:c"], {"ANTHROPIC_API_KEY": SECRET + "\n"}, [anthropic_reply(text_block("ok"))]),
-        (["--json"], {"OPENAI_API_KEY": " " + SECRET}, [openai_reply("ok")]),
-        ([], {"OPENAI_API_KEY": SECRET + "é"}, []),
-        (["--yolo"], {}, [tool_reply(("c1", "bash", '{"command": "exit 3"}')), openai_reply("ok")]),
-        (["-c"], {}, [stream_reply("resumed")]),
-        (["--resume", "nope"], {}, []),
-        (["--list-sessions"], {}, []),
-    ]
-    outputs, codes = [], []
-    for args, extra, replies in runs:
-        queue(server, *replies)
-        proc = run_lich("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
-        outputs.append(proc.stdout + proc.stderr)
-        codes.append(proc.returncode)
-    assert codes == [1] * 6 + [0, 0, 0, 1] + [0, 0, 2, 0]
-    assert [o for o in outputs if SECRET in o] == []
-    assert "[redacted]" in outputs[0] and "[redacted]" in outputs[1]
-    assert outputs[9].endswith("lich: error: auth: openai: the API key holds a space, a control or a non-ASCII "
-                               "character, which an HTTP header cannot carry: check OPENAI_API_KEY (or "
-                               "api_key=...) for stray characters\n")
-    for path in sessions_in(tmp_path):
-        assert SECRET not in path.read_text()
-    assert all(r["headers"].get("authorization", f"Bearer {SECRET}") == f"Bearer {SECRET}"
-               and r["headers"].get("x-api-key", SECRET) == SECRET for r in server.requests)
-
-
-def test_api_key_marker_appears_nowhere_in_interactive_chat(server, tmp_path, workspace):
-    env = {**cli_env(server, tmp_path), "OPENAI_API_KEY": SECRET, "NO_COLOR": "1"}
-    term = Pty("-v", "--root", str(workspace), env=env)
-    term.expect(PROMPT)
-    queue(server, tool_reply(("c1", "read_file", '{"path": "a.txt"}')), stream_reply("It says hello."))
-    term.send("read a.txt")
-    term.expect(PROMPT)
-    queue(server, Reply(401, openai_error(f"Incorrect API key provided: {SECRET}", code="invalid_api_key")))
-    term.send("again")
-    shown = term.expect(PROMPT)
-    assert "lich: error: auth: openai: HTTP 401 (invalid_api_key): Incorrect API key provided: [redacted]" in shown
-    term.send("/sessions")
-    term.expect(PROMPT)
-    term.send("/resume latest")
-    term.expect(PROMPT)
-    term.send("/exit")
-    assert term.close() == 0
-    assert SECRET not in term.output and SECRET not in "".join(p.read_text() for p in sessions_in(tmp_path))
-    assert [r["headers"]["authorization"] for r in server.requests] == [f"Bearer {SECRET}"] * 3
-
-
-def test_provider_errors_and_reprs_never_carry_the_key(server):
-    import traceback
-
-    chats = [openai_at(server, api_key=SECRET), anthropic_at(server, api_key=SECRET),
-             openai_at(server, api_key=SECRET, stream=True), lich.OpenAIChat("m", api_key=SECRET + "\r\n"),
-             lich.chat_from_spec(f"openai:a@{server.url}/v1,anthropic:b@{server.url}", api_key=SECRET,
-                                 base_delay=0.001)]
-    faults = [Reply(401, openai_error(SECRET)), Reply(200, f"{SECRET}", content_type="application/json"),
-              Reply(200, chunks=[sse((None, {"error": {"message": SECRET}}))]), Reply(500, SECRET * 3)]
-    texts = [repr(chat) for chat in chats]
-    for chat in chats:
-        for fault in faults:
-            server.replies[:] = [fault, fault, fault, fault, fault, fault]
-            try:
-                chat(USER)
-            except lich.ProviderError as exc:
-                shown = traceback.format_exception(type(exc), exc, exc.__traceback__)
-                texts += [str(exc), repr(exc), "".join(shown)]
-    assert len(texts) == 5 + 3 * len(chats) * len(faults)
-    assert [t for t in texts if SECRET in t] == []
-
-
-# ---- concurrency ----------------------------------------------------------------------
-
-
-def run_threads(count, target):
-    """Run ``target(n)`` in ``count`` threads released together; returns their results by n."""
-    barrier, results, errors = threading.Barrier(count), {}, []
-
-    def body(n):
-        try:
-            barrier.wait()
-            results[n] = target(n)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(n,)) for n in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors == [] and len(results) == count
-    return results
-
-
-def tagged_script(tag):
-    return [assistant(f"{tag} asks", (f"{tag}-c1", "echo", "{}"), (f"{tag}-c2", "echo", "{}")),
-            assistant(f"{tag} done")]
-
-
-def tagged_messages(tag, prompt):
-    return [user(prompt), *tagged_script(tag)[:1], tool_msg(f"{tag}-c1", "echo:{}"),
-            tool_msg(f"{tag}-c2", "echo:{}"), tagged_script(tag)[1]]
-
-
-def test_50_threads_run_agent_into_their_own_sessions(tmp_path):
-    def agent(n):
-        return lich.run_agent(f"task {n}", chat=ScriptedChat(*tagged_script(f"t{n}")), tools=EchoTools(),
-                              max_turns=3, session_dir=tmp_path, label=f"t{n % 3}")
-
-    runs = run_threads(50, agent)
-    assert len({run.session_path for run in runs.values()}) == 50 == len(list(tmp_path.iterdir()))
-    for n, run in runs.items():
-        expected = tagged_messages(f"t{n}", f"task {n}")
-        assert run.messages == expected
-        assert records(run.session_path) == [
-            meta(event="run_start", input_chars=len(f"task {n}"), history_size=0), *map(msg, expected),
-            meta(event="run_end", stopped_reason="final", usage={"input_tokens": 20, "output_tokens": 4})]
-        assert lich.read_session_messages(run.session_path) == expected
-
-
-def test_8_threads_share_one_session_handle_through_run_agent(tmp_path):
-    handle = lich.open_session(tmp_path)
-
-    def agent(n):
-        history = []
-        for r in range(3):
-            tag = f"t{n}r{r}"
-            run = lich.run_agent(f"task {tag}", chat=ScriptedChat(*tagged_script(tag)), tools=EchoTools(),
-                                 history=history, max_turns=3, session=handle)
-            assert run.messages == history + tagged_messages(tag, f"task {tag}")
-            history = run.messages
-        return history
-
-    histories = run_threads(8, agent)
-    handle.close()
-    recorded = records(handle.path)  # every line whole: none torn or interleaved
-    messages = [r["message"] for r in recorded if r["kind"] == "message"]
-    for n, history in histories.items():
-        mine = [m for m in messages if f"t{n}r" in json.dumps(m)]
-        assert mine == history
-    assert len(messages) == sum(map(len, histories.values()))
-    metas = sorted(r["meta"]["event"] for r in recorded if r["kind"] == "meta")
-    assert metas == ["run_end"] * 24 + ["run_start"] * 24
-    assert_history_is_paired(lich.read_session_messages(handle.path))
-
-
-# ---- crash safety ---------------------------------------------------------------------
-
-# The scripted model of the crash test: per prompt, one (text pieces, tool calls) per turn.
-CRASH_SCRIPT = {
-    "build": [
-        (["Planning ", "the ", "build."], [("write_file", {"path": "notes.txt", "content": "v1\n"}),
-                                           ("write_parts", {"name": "parts.txt", "parts": 3}),
-                                           ("bash", {"command": "printf beta > b.txt; echo built"})]),
-        (["Checking."], [("read_file", {"path": "notes.txt"}),
-                         ("edit_file", {"path": "notes.txt", "old_text": "v1", "new_text": "v2"}),
-                         ("list_files", {}), ("write_parts", {"name": "more.txt", "parts": 2})]),
-        (["All ", "built ", "and ", "checked."], []),
-    ],
-    "check": [
-        (["Looking ", "again."], [("search", {"pattern": "v2"}), ("bash", {"command": "cat b.txt"}),
-                                  ("write_parts", {"name": "last.txt", "parts": 2})]),
-        (["Still ", "fine."], []),
-    ],
-    "go on": [(["Resumed."], [])],
-}
-
-
-def crash_model(request):
-    """The loopback server's responder for the crash test: the script, over SSE or JSON."""
-    body = request["json"]
-    if body is None:  # the client was killed while it sent the request
-        return Reply(400, openai_error("incomplete request"))
-    messages = body["messages"]
-    problem = wire_problem(messages)
-    if problem:
-        return Reply(400, openai_error(problem))
-    if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
-        prompt, turn, (texts, calls) = "summary", 0, (["Built ", "notes."], [])
-    else:
-        if messages[-1]["role"] == "user":
-            prompt, turn = messages[-1]["content"], 0
-        else:  # the ids of the calls just answered say where the script is, compressed or not
-            asked = next(m for m in reversed(messages) if m["role"] == "assistant")
-            prompt, step, _ = asked["tool_calls"][0]["id"].split("-")
-            turn = int(step) + 1
-        texts, calls = CRASH_SCRIPT[prompt][turn]
-    wired = [(f"{prompt}-{turn}-{i}", name, json.dumps(args)) for i, (name, args) in enumerate(calls)]
-    if not body.get("stream"):
-        return Reply(200, openai_reply("".join(texts), *wired, finish="tool_calls" if calls else "stop"))
-    chunks = [delta_chunk(content=t) for t in texts]
-    chunks += [delta_chunk(tool_calls=[call_delta(i, a[:5], id=c, name=n)]) for i, (c, n, a) in enumerate(wired)]
-    chunks += [delta_chunk(tool_calls=[call_delta(i, a[5:])]) for i, (c, n, a) in enumerate(wired)]
-    chunks.append(delta_chunk(finish="tool_calls" if calls else "stop"))
-    return Reply(200, chunks=[openai_sse(c, done=False) for c in chunks] + [sse((None, "[DONE]"))])
-
-
-CRASH_DRIVER = r'''
-import json, os, random, shutil, signal, sys, time
-config = json.loads(sys.argv[1])
-sys.path.insert(0, config["lich"])
-import lich
-import requests  # noqa: F401  imported once, before the forks
-
-SYSTEM = "You are scripted."
-
-
-def agent(point, folder):
-    """Two recorded runs into one session; SIGKILLs itself when ``point`` comes."""
-    ws = os.path.join(folder, "ws")
-    os.makedirs(ws)
-    handle = lich.open_session(os.path.join(folder, "sessions"))
-    counts = {"event": 0, "delta": 0, "part": 0}
-    kinds = []  # the type of each event, in order
-
-    def tick(kind, event=None):
-        counts[kind] += 1
-        if event is not None:
-            kinds.append(event["type"])
-        if point is not None and point == [kind, counts[kind]]:
-            shutil.copyfile(handle.path, os.path.join(folder, "snapshot"))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    tools = lich.coding_tools(ws, allow_write=True, allow_shell=True)
-
-    @tools.tool
-    def write_parts(name: str, parts: int) -> str:
-        """Write a file of the workspace line by line."""
-        with open(os.path.join(ws, name), "w") as f:
-            for i in range(parts):
-                f.write(f"part {i}\n")
-                f.flush()
-                tick("part")
-        return f"wrote {parts} parts to {name}"
-
-    chat = lich.OpenAIChat("scripted", base_url=config["url"] + "/v1", stream=True, timeout=30,
-                           on_delta=lambda text: tick("delta"))
-    history = []
-    for prompt in ("build", "check"):
-        emitter = lich.AgentEmitter()
-        emitter.on_any(lambda event: tick("event", event))  # before the recorder: kills before its record
-        run = lich.run_agent(prompt, chat=chat, tools=tools, history=history, session=handle,
-                             emitter=emitter, max_turns=5, system_prompt=SYSTEM,
-                             context_budget_tokens=150)
-        history = run.messages
-    handle.close()
-    with open(os.path.join(folder, "counts"), "w") as f:
-        json.dump({"counts": counts, "events": kinds}, f)
-
-
-def resume(folder, name):
-    """``lich --resume <the killed session> "go on"``, the command line in this process."""
-    for fd, part in ((1, "out"), (2, "err")):
-        os.dup2(os.open(os.path.join(folder, "resume." + part), os.O_WRONLY | os.O_CREAT, 0o600), fd)
-    return lich.main(["--no-stream", "--resume", name, "--session-dir",
-                      os.path.join(folder, "sessions"), "--root", os.path.join(folder, "ws"), "-m",
-                      "openai:scripted@" + config["url"] + "/v1", "-s", SYSTEM, "go on"])
-
-
-def fork(work, *args, kill_after=None):
-    """Run ``work(*args)`` in a child process; returns how it ended: an exit code or "SIGKILL"."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = work(*args) or 0
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    if kill_after is not None:
-        time.sleep(kill_after)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return signal.Signals(os.WTERMSIG(status)).name
-    return os.WEXITSTATUS(status)
-
-
-root = config["root"]
-durations = []
-for name in ("reference", "warm1", "warm2"):  # a run takes longest cold: time the warm ones too
-    started = time.monotonic()
-    assert fork(agent, None, os.path.join(root, name)) == 0
-    durations.append(time.monotonic() - started)
-duration = min(durations)
-with open(os.path.join(root, "reference", "counts")) as f:
-    reference = json.load(f)
-rng = random.Random(config["seed"])
-points = [[kind, n] for kind, total in reference["counts"].items() for n in range(1, total + 1)]
-rng.shuffle(points)
-report = []
-kills = 0
-for i in range(config["max_points"]):
-    if i < len(points):
-        point = points[i]
-    elif kills < config["kills"]:  # then kills at random moments, until there were enough
-        point = ["timer", round(rng.uniform(0, duration), 4)]
-    else:
-        break
-    folder = os.path.join(root, f"kill{i:03d}")
-    if point[0] == "timer":
-        ended = fork(agent, None, folder, kill_after=point[1])
-    else:
-        ended = fork(agent, point, folder)
-    sessions = os.listdir(folder + "/sessions") if os.path.isdir(folder + "/sessions") else []
-    entry = {"folder": folder, "point": point, "ended": ended, "session": None, "resumed": None}
-    if ended == "SIGKILL" and sessions:
-        entry["session"] = os.path.join(folder, "sessions", sessions[0])
-        entry["resumed"] = fork(resume, folder, sessions[0][:-len(".jsonl")])
-    report.append(entry)
-    kills += ended == "SIGKILL"
-print(json.dumps({"reference": reference, "duration": duration, "report": report}))
-'''
-
-
-def session_lines(path):
-    """(records of the whole lines with "ts" removed, the bytes after the last newline)."""
-    *lines, tail = Path(path).read_bytes().split(b"\n")
-    out = []
-    for line in lines:
-        record = json.loads(line)
-        assert TS.fullmatch(record.pop("ts")), line
-        out.append(record)
-    return out, tail
-
-
-def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(server, tmp_path):
-    server.responder = crash_model
-    config = {"lich": str(HERE), "url": server.url, "root": str(tmp_path), "seed": 20261130, "kills": 110,
-              "max_points": 400}
-    proc = subprocess.run([sys.executable, "-c", CRASH_DRIVER, json.dumps(config)], capture_output=True,
-                          text=True, timeout=300, check=False, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    outcome = json.loads(proc.stdout)
-    [reference_path] = (tmp_path / "reference" / "sessions").iterdir()
-    reference, tail = session_lines(reference_path)
-    assert tail == b"" and reference[-1] == meta(event="run_end", stopped_reason="final",
-                                                 usage={"input_tokens": 0, "output_tokens": 0})
-    system = {"role": "system", "content": "You are scripted."}
-    killed_at = set()  # the types of the events a kill came with: after every record before them
-    for entry in outcome["report"]:
-        kind, n = entry["point"]
-        if entry["ended"] != "SIGKILL":  # a timer that went off after the run: nothing to check
-            assert (kind, entry["ended"]) == ("timer", 0), entry
-            continue
-        if entry["session"] is None:  # killed before it opened its session file
-            assert kind == "timer", entry
-            continue
-        path = Path(entry["session"])
-        recorded, tail = session_lines(path)
-        if kind == "timer":  # a kill mid-write may leave a torn last line, and only that
-            assert reference_path.read_bytes().split(b"\n")[len(recorded)].startswith(tail), entry
-        else:
-            assert path.read_bytes() == (Path(entry["folder"]) / "snapshot").read_bytes(), entry
-            assert tail == b"", entry
-            if kind == "event":
-                killed_at.add(outcome["reference"]["events"][n - 1])
-        assert recorded == reference[:len(recorded)], entry
-        history = lich.read_session_messages(path)
-        assert_history_is_paired(history)
-        assert history == [] or history[-1]["role"] != "user", entry
-        assert entry["resumed"] == 0, (entry, (Path(entry["folder"]) / "resume.err").read_text()[-2000:])
-        assert (Path(entry["folder"]) / "resume.out").read_text() == "Resumed.\n"
-        [resumed] = [p for p in path.parent.iterdir() if p != path]
-        assert lich.read_session_messages(resumed) == [*(history or [system]), user("go on"),
-                                                       assistant("Resumed.")]
-    kills = [e for e in outcome["report"] if e["ended"] == "SIGKILL"]
-    assert len(kills) >= 100, len(kills)
-    assert {e["point"][0] for e in kills} == {"event", "delta", "part", "timer"}
-    assert killed_at == {"turn_start", "compress_start", "compress_end", "llm_start", "llm_end",
-                            "tool_call_start", "tool_call_end", "final", "turn_end"}
-    assert meta(event="compress", summary_chars=len("Built notes.")) in reference
