@@ -1253,8 +1253,15 @@ def list_sessions(session_dir) -> list:
                     continue
     except OSError:
         return []
-    found.sort(reverse=True)
+    found.sort(key=lambda found: (found[0], _session_order(found[1])), reverse=True)
     return [os.path.join(session_dir, name) for _, name in found]
+
+
+def _session_order(name):
+    """A session name as a sort key: its stamp, then its counter as a number (-10 after -9)."""
+    stamp, _, rest = name.partition("-")
+    counter = rest.split("-", 1)[0].split(".", 1)[0]
+    return (stamp, int(counter) if counter.isdigit() else -1, name)
 
 
 def resolve_session(session_dir, ref) -> str:
@@ -3643,12 +3650,13 @@ _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
 _PROCESS_LINE_MAX_BYTES = 16 << 10  # of a line a search process prints, what is kept
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
-_WORKER_BOOT = (  # the search worker: this very file, loaded under another name
+_SEARCH_WORKERS_KEPT = 2        # idle search workers kept for the next search
+_WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "import importlib.util, sys\n"
     "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
     "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
     "spec.loader.exec_module(module)\n"
-    "module._search_worker(sys.argv[2])\n")
+    "module._search_worker()\n")
 
 
 def _read_lines(f, max_chars):
@@ -3691,10 +3699,7 @@ def _search_text(regex, text, number, found):
     pos = counted = 0
     while pos <= end:
         match = regex.search(text, pos)
-        if match is None or match.start() > end or (match.start() == end == len(text) - 1
-                                                    and not text[match.start():match.end()]
-                                                    and pos <= end and text[end:] == "\n"
-                                                    and match.start() != pos and False):
+        if match is None or match.start() > end:
             break
         line_start = text.rfind("\n", 0, match.start()) + 1
         line_end = text.find("\n", match.start())
@@ -3795,21 +3800,130 @@ def _open_beneath(folder_fd, rel, flags):
             os.close(fd)
 
 
-def _search_worker(job):
-    """The search worker's main: a search of its working folder (or its stdin), printed as
-    JSON lines. Runs in a process of its own, so that lich can stop any regex at once."""
-    job = json.loads(job)
-    regex = re.compile(job["pattern"], re.MULTILINE)
-    wanted = _Glob(job["glob"]) if job["glob"] else _match_all
-    rules = _gitignore_rules(job["gitignore"])
+def _search_worker():
+    """A search worker's main: one search per job line on stdin, its records as JSON lines on
+    stdout, then ``["done"]``. An alarm ends the process if a job outlives its time limit:
+    its default action kills even a process caught in a regex."""
+    import signal as signals
+
     out = sys.stdout
 
     def emit(*record):
         out.write(json.dumps(record) + "\n")
 
-    fd = os.open(".", os.O_RDONLY) if job["folder"] else 0
-    _search_tree(regex, fd, job["folder"], job["prefix"], wanted, rules, emit, lambda: None)
-    out.flush()
+    for line in sys.stdin:
+        job = json.loads(line)
+        signals.alarm(job["seconds"] + 1)
+        try:
+            regex = re.compile(job["pattern"], re.MULTILINE)
+            wanted = _Glob(job["glob"]) if job["glob"] else _match_all
+            root = os.open(job["root"], os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            try:
+                flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if job["folder"] else
+                         os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_NOFOLLOW", 0)
+                fd = os.dup(root) if job["rel"] == "." else _open_beneath(root, job["rel"], flags)
+            finally:
+                os.close(root)
+            _search_tree(regex, fd, job["folder"], job["prefix"], wanted,
+                         _gitignore_rules(job["gitignore"]), emit, lambda: None)
+        except (OSError, re.error, _ToolFailure) as e:
+            emit("e", str(e))
+        signals.alarm(0)
+        emit("done")
+        out.flush()
+
+
+class _SearchWorkers:
+    """Search workers kept between searches, so a search costs no process start; a worker
+    whose search must stop (time limit, signal) is killed, never reused."""
+
+    def __init__(self):
+        self._idle = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
+
+    def search(self, job, on_record, signal):
+        """("done", error or None), ("timeout" | "aborted", None), or None when no worker starts."""
+        import selectors
+        worker = self._take()
+        if worker is None:
+            return None
+        try:
+            worker.stdin.write((json.dumps(job) + "\n").encode())
+            worker.stdin.flush()
+        except OSError:
+            _kill_group(worker.pid)
+            return None
+        deadline = time.monotonic() + job["seconds"]
+        pending = bytearray()
+        error, ended = [], None
+
+        def on_line(line):
+            nonlocal ended
+            record = json.loads(line)
+            if record[0] == "done":
+                ended = "done"
+            elif record[0] == "e":
+                error.append(record[1])
+            else:
+                on_record(record)
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(worker.stdout, selectors.EVENT_READ)
+            while ended is None:
+                now = time.monotonic()
+                if signal.is_set() or now >= deadline:
+                    ended = "aborted" if signal.is_set() else "timeout"
+                    break
+                if selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                    chunk = os.read(worker.stdout.fileno(), _FILE_READ_BYTES)
+                    if not chunk:
+                        ended = "died"
+                        break
+                    pending += chunk
+                    _split_lines(pending, on_line)
+        if ended == "done":
+            self._keep(worker)
+            return "done", (error[0] if error else None)
+        _kill_group(worker.pid)
+        worker.wait()
+        if ended == "died":
+            return "done", f"the search worker exited (code {worker.returncode})"
+        return ended, None
+
+    def _take(self):
+        import subprocess
+        with self._lock:
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.poll() is None:
+                    return worker
+        source = globals().get("__file__")
+        if not (sys.executable and source and os.path.isfile(source)
+                and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
+            return None  # no Python to start here (an embedding host): search in this process
+        try:
+            worker = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, source],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True,
+                                      env=_tool_environment())
+        except OSError:
+            return None
+        weakref.finalize(self, _kill_group, worker.pid)
+        return worker
+
+    def _keep(self, worker):
+        with self._lock:
+            if len(self._idle) < _SEARCH_WORKERS_KEPT:
+                self._idle.append(worker)
+                return
+        worker.stdin.close()
+        worker.wait()
 
 
 class _Matches:
@@ -3902,6 +4016,7 @@ class _Workspace:
         self.root = _Root(root)
         self.approve = approve
         self.shell_timeout = shell_timeout
+        self._workers = _SearchWorkers()
 
     def read_file(self, path: str, offset: int = 1, limit: int = _READ_DEFAULT_LIMIT) -> str:
         """Read a text file of the workspace: its lines, numbered from 1; long lines are cut.
@@ -3992,7 +4107,7 @@ class _Workspace:
             ended = self._search_with_rg(pattern, fd, folder, prefix, glob, wanted, gitignore,
                                          matches, signal)
             if ended is None:
-                ended = self._search_in_worker(pattern, fd, folder, prefix, glob, gitignore,
+                ended = self._search_in_worker(pattern, real, folder, prefix, glob, gitignore,
                                                matches, signal)
             if ended is None:
                 ended = self._search_here(regex, fd, folder, prefix, wanted, gitignore, matches,
@@ -4063,37 +4178,25 @@ class _Workspace:
             return None  # a Python pattern ripgrep does not take: the worker searches
         return ended
 
-    def _search_in_worker(self, pattern, fd, folder, prefix, glob, gitignore, matches, signal):
-        """The search done by lich itself in a process of its own; None where it cannot start."""
-        source = globals().get("__file__")
-        if not sys.executable or not source or not os.path.isfile(source):
-            return None
-        job = json.dumps({"pattern": pattern, "glob": glob, "gitignore": gitignore,
-                          "folder": folder, "prefix": prefix})
+    def _search_in_worker(self, pattern, real, folder, prefix, glob, gitignore, matches,
+                          signal):
+        """The search done by a worker process of lich's own; None where none can start."""
+        job = {"pattern": pattern, "glob": glob, "gitignore": gitignore, "folder": folder,
+               "root": self.root.path, "rel": self.root.relative(real), "prefix": prefix,
+               "seconds": _SEARCH_SECONDS}
 
-        def on_line(line):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                return
+        def on_record(record):
             if record[0] == "m":
                 matches.add(record[1], record[2], record[3])
             elif record[0] == "x":
                 matches.skipped.append((record[1], record[2]))
 
-        cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
-        if folder and cwd is None:
-            cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
-        try:
-            ended, code, errors = _run_reader([sys.executable, "-c", _WORKER_BOOT, source, job],
-                                              on_line, signal, cwd=cwd,
-                                              stdin=None if folder else fd)
-        except OSError:
+        ended = self._workers.search(job, on_record, signal)
+        if ended is None:
             return None
-        if ended == "done" and code != 0:
-            last = errors.strip().splitlines()[-1:] or [f"exit code {code}"]
-            raise _ToolFailure(f"the search failed: {last[0]}")
-        return ended
+        if ended[1] is not None:
+            raise _ToolFailure(f"the search failed: {ended[1]}")
+        return ended[0]
 
     def _search_here(self, regex, fd, folder, prefix, wanted, gitignore, matches, signal):
         """The search done in this process: the signal is seen between blocks, but a regex
@@ -4400,21 +4503,826 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     return tools
 
 
+# --- MCP ---
+
+_MCP_PROTOCOL = "2025-11-25"  # the newest revision with the initialize handshake
+_MCP_PROTOCOLS = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"})
+_MCP_CLOSE_SECONDS = 2.0      # close(): stdin closed, then this long before SIGTERM, then SIGKILL
+_MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error messages
+_MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
+_MCP_MAX_PAGES = 100          # tools/list pages read
+
+
+class _RPCError(Exception):
+    """A JSON-RPC error answer: ``args`` are (code, message)."""
+
+
+class _Gone(Exception):
+    """The MCP server is not there any more: its process ended or it cannot be reached."""
+
+
+class _SessionExpired(_Gone):
+    """An HTTP server no longer knows our session: a new handshake starts another."""
+
+
+def _mcp_content(result) -> str:
+    """The text of a tools/call result: text content joined by newlines, other content one
+    line each (``[image: image/png, 1234 bytes]``, ``[resource: uri]``)."""
+    lines = []
+    for item in result.get("content") or ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "text":
+            lines.append(str(item.get("text", "")))
+        elif kind in ("image", "audio"):
+            data = item.get("data") if isinstance(item.get("data"), str) else ""
+            size = len(data) * 3 // 4 - (len(data) - len(data.rstrip("=")))  # base64's padding
+            lines.append(f"[{kind}: {item.get('mimeType', '?')}, {size} bytes]")
+        elif kind == "resource_link":
+            lines.append(f"[resource: {item.get('uri', '?')}]")
+        elif kind == "resource":
+            lines.append(f"[resource: {(item.get('resource') or {}).get('uri', '?')}]")
+        else:
+            lines.append(f"[{kind} content]")
+    if not lines and result.get("structuredContent") is not None:
+        lines.append(json.dumps(result["structuredContent"], ensure_ascii=False))
+    return "\n".join(lines)
+
+
+class _StdioServer:
+    """An MCP server run as a process, spoken to in newline-delimited JSON-RPC: one reader
+    thread hands each answer to the thread waiting for it, answers the server's pings and
+    notes a changed tool list."""
+
+    def __init__(self, argv, env, cwd, on_list_changed):
+        import subprocess
+        environ = _tool_environment()
+        environ.update(env or {})
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, cwd=cwd, env=environ,
+                                         start_new_session=True)
+        except OSError as e:
+            raise MCPError(f"cannot start the MCP server {argv[0]!r}: {e.strerror or e}") from e
+        self.name = os.path.basename(argv[0])
+        self.on_list_changed = on_list_changed
+        self._lock = threading.Lock()  # the waiting answers, the next id, stdin
+        self._waiting = {}  # id -> [Event, answer or None]
+        self._next_id = 1
+        self._stderr = deque()
+        self._stderr_size = 0
+        self._gone = None  # why the server cannot answer any more
+        for target in (self._read_stdout, self._read_stderr):
+            threading.Thread(target=target, name="lich-mcp", daemon=True).start()
+
+    def request(self, method, params, seconds, signal):
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            slot = self._waiting[request_id] = [threading.Event(), None]
+        try:
+            self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+            deadline = time.monotonic() + seconds
+            while not slot[0].wait(min(_WATCH_SECONDS, max(0.0, deadline - time.monotonic()))):
+                reason = "aborted" if signal is not None and signal.is_set() else \
+                    "timeout" if time.monotonic() >= deadline else None
+                if reason is not None:
+                    self.notify("notifications/cancelled",
+                                {"requestId": request_id, "reason": f"the client {reason}"})
+                    raise _Cut(reason)
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+        answer = slot[1]
+        if answer is None:
+            raise _Gone(self._gone)
+        if "error" in answer:
+            error = answer["error"] if isinstance(answer["error"], dict) else {}
+            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
+        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+
+    def notify(self, method, params=None):
+        message = {"jsonrpc": "2.0", "method": method}
+        if params is not None:
+            message["params"] = params
+        try:
+            self._send(message)
+        except _Gone:
+            pass
+
+    def _send(self, message):
+        line = json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            if self._gone is not None:
+                raise _Gone(self._gone)
+            try:
+                self.proc.stdin.write(line)
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as e:
+                raise _Gone(f"the MCP server {self.name} does not read its input: "
+                            f"{getattr(e, 'strerror', None) or e}") from None
+
+    def _read_stdout(self):
+        for line in iter(lambda: self.proc.stdout.readline(_MCP_LINE_MAX_BYTES), b""):
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # not a message: MCP servers must not print anything else there
+            if isinstance(message, dict):
+                self._received(message)
+        code = self.proc.wait()
+        self._end(f"the MCP server {self.name} exited (code {code}){self.stderr_tail(': ')}")
+
+    def _received(self, message):
+        method = message.get("method")
+        if method is None:  # an answer
+            with self._lock:
+                slot = self._waiting.get(message.get("id"))
+            if slot is not None:
+                slot[1] = message
+                slot[0].set()
+        elif "id" in message:  # the server asks: a ping is answered, the rest refused
+            answer = {"jsonrpc": "2.0", "id": message["id"]}
+            if method == "ping":
+                answer["result"] = {}
+            else:
+                answer["error"] = {"code": -32601, "message": f"lich does not offer {method}"}
+            try:
+                self._send(answer)
+            except _Gone:
+                pass
+        elif method == "notifications/tools/list_changed":
+            self.on_list_changed()
+
+    def _read_stderr(self):
+        for line in iter(self.proc.stderr.readline, b""):
+            text = line.decode("utf-8", "replace").rstrip()
+            _log.debug("mcp %s: %s", self.name, text)
+            with self._lock:
+                self._stderr.append(text)
+                self._stderr_size += len(text)
+                while self._stderr_size > _MCP_STDERR_KEEP and len(self._stderr) > 1:
+                    self._stderr_size -= len(self._stderr.popleft())
+
+    def stderr_tail(self, lead=""):
+        with self._lock:
+            text = "\n".join(self._stderr).strip()
+        return f"{lead}{text}" if text else ""
+
+    def _end(self, why):
+        with self._lock:
+            self._gone = self._gone or why
+            waiting = list(self._waiting.values())
+        for slot in waiting:
+            slot[0].set()
+
+    def close(self):
+        self._end(f"the MCP server {self.name} was closed")
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        import signal as signals
+        for stop in (None, signals.SIGTERM, signals.SIGKILL):
+            if stop is not None:
+                try:
+                    os.killpg(self.proc.pid, stop)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                self.proc.wait(_MCP_CLOSE_SECONDS)
+                break
+            except Exception:  # subprocess.TimeoutExpired
+                continue
+        _kill_group(self.proc.pid)  # what it started, if it left them behind
+
+
+class _HTTPServer:
+    """An MCP server spoken to over Streamable HTTP: a POST per message, the answer as JSON
+    or as an SSE stream; the session id the server gives is sent back on every request."""
+
+    def __init__(self, url, headers, on_list_changed):
+        self.url = url
+        self.name = _redact_url(url)
+        self.headers = dict(headers or {})
+        self.on_list_changed = on_list_changed
+        self.session_id = None
+        self.protocol = None
+        self._local = threading.local()
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def _http(self):
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = _new_http_session()
+        return session
+
+    def _headers(self):
+        headers = {"Accept": "application/json, text/event-stream",
+                   "Content-Type": "application/json", **self.headers}
+        if self.session_id:
+            headers["Mcp-Session-Id"] = self.session_id
+        if self.protocol:
+            headers["MCP-Protocol-Version"] = self.protocol
+        return headers
+
+    def _post(self, message, exchange):
+        requests = _requests()
+        try:
+            response = self._http().post(self.url, data=_wire_json(message),
+                                         headers=self._headers(), timeout=(_CONNECT_TIMEOUT, None),
+                                         stream=True, allow_redirects=False)
+        except requests.RequestException as e:
+            exchange.check()
+            raise _Gone(f"cannot reach the MCP server {self.name}: "
+                        f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
+        if response.status_code == 404 and self.session_id:
+            response.close()
+            self.session_id = None
+            raise _SessionExpired(f"the MCP server {self.name} ended the session")
+        if response.status_code >= 300:
+            text = _snippet(response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True))
+            response.close()
+            raise _Gone(f"the MCP server {self.name} answered HTTP {response.status_code}: {text}")
+        return response
+
+    def request(self, method, params, seconds, signal):
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+        with _Exchange(signal, seconds) as exchange:
+            try:
+                response = self._post(message, exchange)
+                try:
+                    answer = self._answer(response, request_id, exchange)
+                finally:
+                    response.close()
+            except _Cut as cut:
+                self.notify("notifications/cancelled",
+                            {"requestId": request_id, "reason": f"the client {cut.args[0]}"})
+                raise
+            except _requests().RequestException as e:
+                exchange.check()
+                raise _Gone(f"the MCP server {self.name} broke off: {e}") from None
+        if method == "initialize":
+            self.session_id = response.headers.get("mcp-session-id") or self.session_id
+        if "error" in answer:
+            error = answer["error"] if isinstance(answer["error"], dict) else {}
+            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
+        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+
+    def _answer(self, response, request_id, exchange):
+        """The answer to ``request_id`` from a JSON body or an SSE stream."""
+        if response.headers.get("content-type", "").startswith("application/json"):
+            messages = [json.loads(response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True))]
+        else:
+            messages = (json.loads(data) for _, data in
+                        _sse_events(response.iter_content(None), exchange.check) if data.strip())
+        for message in messages:
+            for each in message if isinstance(message, list) else [message]:
+                if not isinstance(each, dict):
+                    continue
+                if each.get("method") is None and each.get("id") == request_id:
+                    return each
+                if each.get("method") == "ping" and "id" in each:
+                    self._deliver({"jsonrpc": "2.0", "id": each["id"], "result": {}})
+                elif each.get("method") == "notifications/tools/list_changed":
+                    self.on_list_changed()
+        exchange.check()
+        raise _Gone(f"the MCP server {self.name} ended its answer without one")
+
+    def notify(self, method, params=None):
+        self._deliver({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})})
+
+    def _deliver(self, message):
+        """POST a message that gets no answer (a notification, or our answer to the server)."""
+        try:
+            with _Exchange(None, _CONNECT_TIMEOUT) as exchange:
+                self._post(message, exchange).close()
+        except (_Gone, _Cut):
+            pass
+
+    def stderr_tail(self, lead=""):
+        return ""
+
+    def close(self):
+        if self.session_id:
+            try:
+                self._http().delete(self.url, headers=self._headers(), timeout=_CONNECT_TIMEOUT)
+            except _requests().RequestException:
+                pass
+
+
+class MCPTools:
+    """The tools of one MCP server as a ToolRunner, and a context manager that closes it.
+
+    ``specs()`` lists every page of ``tools/list`` (again after the server says its list
+    changed); ``run(call, signal)`` sends ``tools/call``, calls from several threads at once,
+    and never raises: an error, a set signal, the timeout or a dead server is a failed result.
+    """
+
+    def __init__(self, server, *, timeout, prefix):
+        self._server = server
+        self.timeout = timeout
+        self.prefix = prefix
+        self.name = server.name
+        self.protocol = None
+        self.instructions = None
+        self._tools = None  # the server's tool specs, or None to list them again
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"MCPTools({self.name!r})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def _handshake(self):
+        result = self._server.request("initialize", {
+            "protocolVersion": _MCP_PROTOCOL, "capabilities": {},
+            "clientInfo": {"name": "lich", "version": __version__}}, self.timeout, None)
+        protocol = result.get("protocolVersion")
+        if protocol not in _MCP_PROTOCOLS:
+            raise MCPError(f"the MCP server {self.name} speaks protocol {protocol!r}, which lich "
+                           f"does not ({', '.join(sorted(_MCP_PROTOCOLS))})")
+        self.protocol = self._server.protocol = protocol
+        self.instructions = result.get("instructions")
+        self._server.notify("notifications/initialized")
+
+    def _list_changed(self):
+        self._tools = None
+
+    def specs(self) -> list:
+        """The server's tools as tool specs, names prefixed."""
+        tools = self._tools
+        if tools is None:
+            tools, cursor = [], None
+            for _ in range(_MCP_MAX_PAGES):
+                try:
+                    page = self._server.request("tools/list", {"cursor": cursor} if cursor else {},
+                                                self.timeout, None)
+                except (_RPCError, _Gone, _Cut) as e:
+                    _log.warning("cannot list the tools of the MCP server %s: %s", self.name,
+                                 e.args[-1] if e.args else e)
+                    return []
+                tools += [t for t in page.get("tools") or () if isinstance(t, dict)
+                          and isinstance(t.get("name"), str)]
+                cursor = page.get("nextCursor")
+                if not cursor:
+                    break
+            self._tools = tools
+        return [{"name": self.prefix + t["name"], "description": t.get("description") or "",
+                 "parameters": t.get("inputSchema") or {"type": "object", "properties": {}}}
+                for t in tools]
+
+    def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult:
+        """Call the tool on the server; never raises."""
+        try:
+            name = call.get("name") if isinstance(call, dict) else None
+            if not isinstance(name, str) or not name.startswith(self.prefix):
+                return ToolResult(ok=False, error=f"unknown tool {name!r} for the MCP server "
+                                                  f"{self.name}")
+            raw = call.get("arguments")
+            try:
+                arguments = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
+            except (ValueError, RecursionError) as e:
+                return ToolResult(ok=False, error=f"the arguments of {name} are not valid JSON "
+                                                  f"({e}); send one JSON object")
+            if not isinstance(arguments, dict):
+                return ToolResult(ok=False, error=f"the arguments of {name} must be a JSON "
+                                                  f"object, not {_json_kind(arguments)}")
+            params = {"name": name[len(self.prefix):], "arguments": arguments}
+            try:
+                result = self._server.request("tools/call", params, self.timeout, signal)
+            except _SessionExpired:
+                self._handshake()
+                result = self._server.request("tools/call", params, self.timeout, signal)
+        except _Cut as cut:
+            return ToolResult(ok=False, error="aborted" if cut.args[0] == "aborted"
+                              else f"timed out after {self.timeout:g} s")
+        except _RPCError as e:
+            return ToolResult(ok=False, error=f"{e.args[1]} (MCP error {e.args[0]})")
+        except _Gone as e:
+            return ToolResult(ok=False, error=str(e.args[0] if e.args else e))
+        except Exception as e:  # run never raises
+            _log.debug("MCP call %r failed", call, exc_info=True)
+            return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
+        text = _mcp_content(result)
+        if result.get("isError"):
+            return ToolResult(ok=False, error=text or "the tool reported an error")
+        return ToolResult(ok=True, output=text)
+
+    def close(self) -> None:
+        """End the server: close its input, wait, terminate, kill (stdio); DELETE (HTTP)."""
+        self._server.close()
+
+
+def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix="") -> MCPTools:
+    """Start (or reach) an MCP server and shake hands with it; returns its MCPTools.
+
+    ``server`` is a command -- a list, or a string split as a shell would -- spoken to over
+    stdio, or an ``http://`` / ``https://`` URL spoken to over Streamable HTTP (``headers``
+    for its authorization). A stdio server runs in its own process group, in ``cwd``, with
+    lich's environment minus the provider keys, plus ``env``; its stderr goes to the
+    ``lich`` logger. A server that fails to start or to answer within ``timeout`` seconds
+    raises MCPError with its own words.
+    """
+    holder = []
+
+    def list_changed():
+        if holder:
+            holder[0]._list_changed()
+
+    if isinstance(server, str) and _HTTP_URL.match(server):
+        transport = _HTTPServer(server, headers, list_changed)
+    else:
+        import shlex
+        argv = shlex.split(server) if isinstance(server, str) else [str(a) for a in server]
+        if not argv:
+            raise ValueError("mcp_tools needs a command or a URL")
+        transport = _StdioServer(argv, env, cwd, list_changed)
+    tools = MCPTools(transport, timeout=timeout, prefix=prefix)
+    holder.append(tools)
+    try:
+        tools._handshake()
+    except (_RPCError, _Gone, _Cut) as e:
+        tools.close()
+        if isinstance(e, _Gone):
+            reason = e.args[0]
+        elif isinstance(e, _RPCError):
+            reason = f"the MCP server {transport.name} refused to start a session: {e.args[1]}"
+        else:
+            reason = f"the MCP server {transport.name} did not answer within {timeout:g} s"
+        tail = transport.stderr_tail("\n") if not isinstance(e, _Gone) else ""
+        raise MCPError(reason + tail) from None
+    except BaseException:
+        tools.close()
+        raise
+    return tools
+
+
+# ============================================================================
+# Many runs
+# ============================================================================
+
+_TASK_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_TASK_KEYS = frozenset({"id", "prompt", "history", "system_prompt", "root"})
+
+
+@dataclass
+class BatchResult:
+    """How one task of ``run_batch`` ended; ``ok`` when it ended with a final answer."""
+
+    id: str
+    ok: bool
+    stopped_reason: Optional[str]
+    final: Optional[str]
+    output: Any = None
+    error: Optional[str] = None
+    usage: dict = field(default_factory=_zero_usage)
+    session_path: Optional[str] = None
+
+
+def _batch_tasks(tasks) -> list:
+    """The tasks as dicts with ids, checked before anything runs."""
+    checked, ids = [], set()
+    for position, task in enumerate(tasks):
+        task = {"prompt": task} if isinstance(task, str) else task
+        if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
+            raise ValueError(f"task {position} must be a prompt or a dict with a 'prompt' string")
+        unknown = sorted(set(task) - _TASK_KEYS)
+        if unknown:
+            raise ValueError(f"task {position} has unknown keys: {', '.join(unknown)}")
+        task_id = task.get("id", str(position))
+        if not isinstance(task_id, str) or not _TASK_ID.match(task_id):
+            raise ValueError(f"task {position}: the id {task_id!r} must be 1 to 64 letters, "
+                             f"digits, '_', '.' or '-'")
+        if task_id in ids:
+            raise ValueError(f"task {position}: the id {task_id!r} is used twice")
+        ids.add(task_id)
+        checked.append({**task, "id": task_id})
+    return checked
+
+
+def _error_text(exc) -> str:
+    kind = exc.kind if isinstance(exc, ProviderError) else type(exc).__name__
+    return _redact_secrets(f"{kind}: {exc}")
+
+
+_batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
+
+
+def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
+    """One task of a batch, in whatever thread or process runs it; never raises."""
+    try:
+        if isinstance(chat, str):
+            chats = getattr(_batch_chats, "chats", None)
+            if chats is None:
+                chats = _batch_chats.chats = {}
+            key = (chat, id(limiter))
+            if key not in chats:
+                chats[key] = chat_from_spec(chat, limiter=limiter)
+            chat = chats[key]
+        elif limiter is not None:
+            chat = limiter.wrap(chat)
+        if tools is not None and not hasattr(tools, "specs") and callable(tools):
+            tools = tools(task)
+        elif tools is None and task.get("root") is not None:
+            tools = coding_tools(task["root"])
+        params = dict(loop_params)
+        if "system_prompt" in task:
+            params["system_prompt"] = task["system_prompt"]
+        emitter = AgentEmitter()
+        if trace:
+            trace_otel(emitter, **_chat_identity(chat))
+        run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
+                        session_dir=session_dir, label=task["id"], emitter=emitter, **params)
+    except BaseException as exc:  # failures are data: the batch goes on
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return BatchResult(task["id"], False, None, None, error=_error_text(exc))
+    final = run.final.get("content") if run.final else None
+    return BatchResult(task["id"], run.stopped_reason == "final", run.stopped_reason, final,
+                       output=run.output, usage=run.usage_total, session_path=run.session_path)
+
+
+def _results_file(out, redo):
+    """(descriptor opened for appending, {id: BatchResult of the ok lines already there})."""
+    out = os.fspath(out)
+    done = {}
+    if not redo:
+        try:
+            with open(out, "rb") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                        result = BatchResult(**record)
+                    except (ValueError, TypeError, RecursionError):
+                        continue  # a line cut by a kill, or not ours
+                    if result.ok and isinstance(result.id, str):
+                        done[result.id] = result
+        except FileNotFoundError:
+            pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(out, flags | (os.O_TRUNC if redo else 0), 0o644)
+    size = os.fstat(fd).st_size
+    if size:
+        with open(out, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
+                os.write(fd, b"\n")
+    return fd, done
+
+
+def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=None, out=None,
+              redo=False, limiter=None, max_errors=None, signal=None, on_result=None,
+              trace=False, **loop_params) -> list:
+    """Run many tasks, each one ``run_agent``; returns their BatchResults in task order.
+
+    ``tasks`` are prompts or dicts ``{"id"?, "prompt", "history"?, "system_prompt"?, "root"?}``
+    (ids default to the position; unique, ``[A-Za-z0-9_.-]{1,64}``). ``chat`` is a ChatFn or
+    a spec string (a Router per worker); ``tools`` a ToolRunner, or ``tools(task)`` giving
+    one; a task's ``root`` without ``tools`` means ``coding_tools(root)``. Tasks run on
+    ``workers`` threads, or on ``executor`` (any ``concurrent.futures.Executor``: a process
+    pool, a Dask client's executor), to which each is submitted whole. ``limiter`` limits
+    every call (in each process). ``out`` is a JSONL file: a line per finished task,
+    appended and flushed as it finishes; tasks with an ok line there are not run again (a
+    killed batch resumes) unless ``redo``. A task that raises is an ``ok=False`` result;
+    after ``max_errors`` of them, or once ``signal`` is set, no new task starts (running
+    ones stop at their next boundary; tasks never started have ``error`` "not started").
+    ``on_result(result)`` is called in the caller's thread as each task finishes;
+    ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
+    """
+    import concurrent.futures as futures
+
+    _check_max_turns(loop_params.get("max_turns"))
+    tasks = _batch_tasks(tasks)
+    fd, done = _results_file(out, redo) if out is not None else (None, {})
+    results = {task_id: result for task_id, result in done.items()}
+    pending = [task for task in tasks if task["id"] not in results]
+    own = executor is None
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
+        if own else executor
+    if own and signal is not None:
+        loop_params["signal"] = signal  # threads share the caller's signal
+    errors = 0
+    running = {}
+    try:
+        while pending or running:
+            stop = (signal is not None and signal.is_set()) or (
+                max_errors is not None and errors >= max_errors)
+            while pending and not stop and len(running) < max(1, workers):
+                task = pending.pop(0)
+                args = (task, chat, tools, limiter, session_dir, trace, loop_params)
+                if own:  # spans of the tasks nest under the caller's current one
+                    import contextvars
+                    submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
+                else:
+                    submitted = pool.submit(_run_task, *args)
+                running[submitted] = task
+            if not running:
+                break
+            finished, _ = futures.wait(running, timeout=_WATCH_SECONDS,
+                                       return_when=futures.FIRST_COMPLETED)
+            for future in finished:
+                task = running.pop(future)
+                try:
+                    result = future.result()
+                except BaseException as exc:  # the executor's failure: this task is lost
+                    result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
+                results[task["id"]] = result
+                errors += not result.ok and result.stopped_reason is None
+                if fd is not None:
+                    os.write(fd, (json.dumps(asdict(result), ensure_ascii=False) + "\n").encode())
+                if on_result is not None:
+                    on_result(result)
+    finally:
+        for future in running:
+            future.cancel()
+        if own:
+            pool.shutdown(wait=True)
+        if fd is not None:
+            os.close(fd)
+    why = "the signal was set" if signal is not None and signal.is_set() else \
+        f"{errors} tasks failed (max_errors={max_errors})"
+    return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
+                                                   error=f"not started: {why}")
+            for task in tasks]
+
+
+# ============================================================================
+# Tracing
+# ============================================================================
+
+
+def _chat_identity(chat) -> dict:
+    """The ``model`` and ``provider`` of a ChatFn, looking through Routers and limiters."""
+    while True:
+        inner = getattr(chat, "chats", None) or [getattr(chat, "chat", None)]
+        if inner[0] is None or inner[0] is chat:
+            break
+        chat = inner[0]
+    model, provider = getattr(chat, "model", None), getattr(chat, "provider", None)
+    return {"model": model if isinstance(model, str) else None,
+            "provider": provider if isinstance(provider, str) and provider else None}
+
+
+def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_content=False):
+    """Turn the runs on ``emitter`` into OpenTelemetry spans (the GenAI conventions); returns
+    the unsubscribe function.
+
+    ``invoke_agent`` (INTERNAL) spans a run, from its first ``turn_start`` to its end, under
+    whatever span is current where it starts; it is the parent of a ``chat {model}``
+    (CLIENT) span per chat call and an ``execute_tool {name}`` (INTERNAL) span per tool call
+    that ran. Failures set the span's status to ERROR and ``error.type``. Arguments, results
+    and the assistant's text are recorded only with ``capture_content``. Needs the
+    ``opentelemetry-api`` package; ``tracer`` defaults to ``get_tracer("lich", __version__)``.
+    """
+    try:
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+    except ImportError as e:
+        raise ImportError("trace_otel needs the OpenTelemetry API: pip install "
+                          "opentelemetry-api (and opentelemetry-sdk to export spans)") from e
+    tracer = tracer or trace.get_tracer("lich", __version__)
+    kinds = trace.SpanKind
+    common = {"gen_ai.provider.name": provider, "gen_ai.request.model": model}
+    common = {k: v for k, v in common.items() if v is not None}
+    state = {"agent": None, "context": None, "chat": None, "tools": {}, "usage": _zero_usage()}
+
+    def fail(span, exc_or_type, description=None):
+        kind = exc_or_type if isinstance(exc_or_type, str) else (
+            exc_or_type.kind if isinstance(exc_or_type, ProviderError) else type(exc_or_type).__name__)
+        span.set_attribute("error.type", kind)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, _redact_secrets(
+            description if description is not None else str(exc_or_type)) or None))
+
+    def end_run(error=None):
+        agent = state["agent"]
+        if agent is None:
+            return
+        for span in [state["chat"], *state["tools"].values()]:
+            if span is not None:
+                if error is not None:
+                    fail(span, error)
+                span.end()
+        agent.set_attribute("gen_ai.usage.input_tokens", state["usage"]["input_tokens"])
+        agent.set_attribute("gen_ai.usage.output_tokens", state["usage"]["output_tokens"])
+        if error is not None:
+            fail(agent, error)
+        agent.end()
+        state.update(agent=None, context=None, chat=None, tools={}, usage=_zero_usage())
+
+    def on_event(event):
+        kind = event["type"]
+        if kind == "turn_start" and state["agent"] is None:
+            state["agent"] = tracer.start_span(
+                "invoke_agent", context=otel_context.get_current(), kind=kinds.INTERNAL,
+                attributes={"gen_ai.operation.name": "invoke_agent", **common})
+            state["context"] = trace.set_span_in_context(state["agent"])
+        elif state["agent"] is None:
+            return
+        elif kind == "llm_start":
+            state["chat"] = tracer.start_span(
+                f"chat {model}" if model else "chat", context=state["context"], kind=kinds.CLIENT,
+                attributes={"gen_ai.operation.name": "chat", **common})
+        elif kind == "llm_end" and state["chat"] is not None:
+            span, result = state["chat"], event["result"]
+            usage = result.usage or {}
+            _add_usage(state["usage"], usage)
+            attributes = {"gen_ai.response.model": result.model,
+                          "gen_ai.response.finish_reasons": [result.stop_reason] if result.stop_reason else None,
+                          "gen_ai.usage.input_tokens": usage.get("input_tokens"),
+                          "gen_ai.usage.output_tokens": usage.get("output_tokens"),
+                          "gen_ai.usage.cache_read.input_tokens": usage.get("cache_read_tokens")}
+            if capture_content:
+                attributes["gen_ai.output.messages"] = _redact_secrets(json.dumps(
+                    [_output_message(result)], ensure_ascii=False))
+            span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+            span.end()
+            state["chat"] = None
+        elif kind == "tool_call_start":
+            call = event["call"]
+            attributes = {"gen_ai.operation.name": "execute_tool",
+                          "gen_ai.tool.name": str(call.get("name")),
+                          "gen_ai.tool.call.id": str(call.get("id"))}
+            if capture_content:
+                attributes["gen_ai.tool.call.arguments"] = _redact_secrets(
+                    str(call.get("arguments") or ""))
+            state["tools"][id(call)] = tracer.start_span(
+                f"execute_tool {call.get('name')}", context=state["context"], kind=kinds.INTERNAL,
+                attributes=attributes)
+        elif kind == "tool_call_end" and not event.get("cancelled"):
+            span = state["tools"].pop(id(event["call"]), None)
+            if span is not None:
+                result = event["result"]
+                if capture_content:
+                    span.set_attribute("gen_ai.tool.call.result",
+                                       result.output if result.ok else format_tool_result_content(result))
+                if not result.ok:
+                    fail(span, "tool_error", result.error)
+                span.end()
+        elif kind == "error":
+            error = event["error"]
+            if state["chat"] is not None:
+                fail(state["chat"], error)
+                state["chat"].end()
+                state["chat"] = None
+            end_run(error)  # the loop emits nothing after an error
+        elif kind == "budget_exhausted":
+            state["agent"].set_attribute("lich.stopped_reason", "budget")
+        elif kind == "turn_end":
+            end_run()
+
+    return emitter.on_any(on_event)
+
+
+def _output_message(result) -> dict:
+    """A ChatResult as one of the GenAI conventions' output messages."""
+    message = result.message
+    parts = [{"type": "text", "content": message.get("content")}] if message.get("content") else []
+    for call in message.get("tool_calls") or ():
+        try:
+            arguments = json.loads(call.get("arguments") or "{}")
+        except (ValueError, RecursionError):
+            arguments = call.get("arguments")
+        parts.append({"type": "tool_call", "id": call.get("id"), "name": call.get("name"),
+                      "arguments": arguments})
+    return {"role": "assistant", "parts": parts, "finish_reason": result.stop_reason or "stop"}
+
+
 # ============================================================================
 # Command line
 # ============================================================================
 
-
 _DEFAULT_MAX_TURNS = 30
 _DEFAULT_CONTEXT_BUDGET = 100_000
+_DEFAULT_WORKERS = 8
 _DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
 _DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
 _LIST_SESSIONS_LIMIT = 20
-_ABORT_GRACE_SECONDS = 1.0
+_PROMPT_SHOWN_CHARS = 200       # of a session's first prompt, in --list-sessions --json
+_ABORT_GRACE_SECONDS = 3.0      # after Ctrl-C, how long a run may take to stop before lich leaves
+_QUIT_WINDOW_SECONDS = 2.0      # a second Ctrl-C this soon quits, whatever lich is doing
 _TOOL_SUMMARY_CHARS = 60
+_PREVIEW_LINES = 3              # lines of a tool's output shown under its line
+_DIFF_SHOWN_LINES = 40          # an approval's diff longer than this is cut in the middle
+_RECAP_LINES = 4                # lines of each message of the last exchange shown on resume
+_TOOL_ELAPSED_SECONDS = 1.0     # a tool running longer shows its elapsed time
+_INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into the system prompt
+_HISTORY_LINES = 1000           # chat input lines kept between chats
+_DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
+_POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_INTERRUPTED_NOTE = "[interrupted by the user]"
 _NO_MODEL_HELP = (
     "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
     "anthropic:claude-sonnet-4-5), or set OPENAI_API_KEY or ANTHROPIC_API_KEY; for a local "
@@ -4424,53 +5332,127 @@ _DEFAULT_SYSTEM_PROMPT = (
     "Your tools: {tools}. Paths are relative to that folder and must stay inside it. "
     "Look before you change anything, keep changes small, and say what you did. "
     "Answer concisely in plain text.")
-_REPL_HELP = """commands:
-  /resume [ID|latest]  continue a recorded session (latest by default)
-  /sessions            list recent sessions
-  /clear               start a new conversation and session file
-  /help                this text
-  /exit                leave (Ctrl-D too)"""
+_CHAT_COMMANDS = {
+    "/model": "/model [SPEC]       show the model, or switch to SPEC for the next turns",
+    "/allow": "/allow [revoke N|all]  show what was allowed always, or take it back",
+    "/compact": "/compact            compress the conversation now",
+    "/cost": "/cost               tokens used in this chat",
+    "/resume": "/resume [ID|latest] continue a recorded session (latest of this folder)",
+    "/sessions": "/sessions           list recent sessions",
+    "/clear": "/clear              start a new conversation and session file",
+    "/help": "/help               this text",
+    "/exit": "/exit               leave (Ctrl-D too)",
+}
+_CHAT_KEYS = ('Enter sends; a line ending in \\ goes on to the next; """ on a line of its own '
+              'opens and closes a block; pasted text is one message. Ctrl-C stops a turn, twice '
+              'quits.')
+_HELP_EPILOG = """examples:
+  lich "why does the test fail?"                 one question, read-only tools
+  lich --allow write --allow shell "fix it"      may edit files and run commands (asks on a terminal)
+  git diff | lich "review this"                  piped text is added as context
+  lich                                           interactive chat (/help inside)
+  lich -i "look around"                          chat, starting with a first prompt
+  lich -c "go on"                                continue this folder's latest session
+  lich --mcp "uvx mcp-server-time" "time in Lima?"   tools of an MCP server
+  lich --schema '{"type":"object"}' "..."        the answer as one JSON value
+  lich --batch tasks.jsonl --out results.jsonl   many tasks; run it again to resume
+
+exit codes:
+  0 a final answer   1 a provider or runtime error   2 a usage error or unknown session
+  3 the turn budget ran out   130 interrupted
+
+environment:
+  LICH_MODEL            the default model spec
+  OPENAI_API_KEY, OPENAI_BASE_URL, ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL
+  LICH_SESSION_DIR      where sessions go (else $XDG_STATE_HOME/lich/sessions)
+  NO_COLOR              no colour; TERM=dumb: no colour, spinner or cursor movement
+  OTEL_*                OpenTelemetry exporter settings, with --otel"""
+
+
+def _cli_log():
+    import logging
+
+    return logging.getLogger("lich")
 
 
 class _UsageError(Exception):
     """A command-line mistake: exit 2 with the message."""
 
 
+class _Quit(Exception):
+    """A second Ctrl-C (or SIGTERM, SIGHUP): leave now with ``args[0]`` as the exit code."""
+
+
+# --- options and defaults ---
+
+
 def _build_parser():
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="lich", description="A coding agent on the command line: one-shot with PROMPT, "
-        "an interactive chat without. Piped stdin is added to the prompt as context.")
+        prog="lich", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_HELP_EPILOG,
+        description="A coding agent on the command line: one-shot with PROMPT, an interactive "
+                    "chat without. Piped stdin is added to the prompt as context.")
     add = parser.add_argument
     add("prompt", nargs="?", metavar="PROMPT", help="what to do; omit for interactive chat")
-    add("-m", "--model", metavar="SPEC", help="provider:model[@base_url], comma-separated for "
-        "failover (default: $LICH_MODEL, else by the API key that is set)")
-    add("--base-url", metavar="URL", help="the provider's base URL")
-    add("-s", "--system", metavar="TEXT", help="the system prompt")
-    add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
-        help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
-    add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
-        metavar="TOKENS", help=f"compress history above this estimate (default "
-        f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
-    add("--temperature", type=float, metavar="T", help="sampling temperature")
-    add("--session-dir", metavar="DIR", help="where sessions are recorded (default "
-        "$LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
-        "~/.local/state/lich/sessions)")
-    add("--no-session", action="store_true", help="record nothing")
-    add("--label", metavar="L", help="a label for the session file name")
-    add("--resume", metavar="ID", help="continue a session: an id, a unique prefix or 'latest'")
-    add("-c", "--continue", dest="resume", action="store_const", const="latest",
-        help="continue the latest session (= --resume latest)")
-    add("--list-sessions", action="store_true", help="list recent sessions, newest first")
-    add("--allow", action="append", choices=("write", "shell"), default=[],
-        help="offer the file-writing or shell tools (repeatable)")
-    add("--yolo", action="store_true", help="offer write and shell tools, never ask")
-    add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
-    add("--json", action="store_true", help="print every loop event as a JSON line on stdout")
-    add("--no-stream", action="store_true", help="print the answer when it is complete")
-    add("-q", "--quiet", action="store_true", help="no tool lines, spinner or notes")
-    add("-v", "--verbose", action="store_true", help="debug logs and tracebacks on stderr")
+    add("-i", "--interactive", action="store_true", help="stay in chat after PROMPT")
+    group = parser.add_argument_group("model")
+    group.add_argument("-m", "--model", metavar="SPEC", help="provider:model[@base_url], "
+                       "comma-separated for failover (default: $LICH_MODEL, else by the API key "
+                       "that is set)")
+    group.add_argument("--base-url", metavar="URL", help="the provider's base URL")
+    group.add_argument("-s", "--system", metavar="TEXT", help="the system prompt")
+    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
+    group.add_argument("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
+                       help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
+    group.add_argument("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
+                       metavar="TOKENS", help=f"compress history above this estimate (default "
+                       f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+    group.add_argument("--schema", metavar="JSON|@FILE", help="answer with one JSON value "
+                       "valid under this JSON Schema (printed as one line)")
+    group = parser.add_argument_group("tools")
+    group.add_argument("--allow", action="append", choices=("write", "shell"), default=[],
+                       help="offer the file-writing or shell tools (repeatable); on a terminal "
+                       "each call asks first")
+    group.add_argument("--yolo", action="store_true", help="offer write and shell tools and "
+                       "never ask")
+    group.add_argument("--mcp", action="append", default=[], metavar="SERVER",
+                       help="offer an MCP server's tools: a command line or an http(s) URL "
+                       "(repeatable)")
+    group.add_argument("--root", default=".", metavar="DIR", help="the tools' workspace "
+                       "(default: .)")
+    group.add_argument("--no-project-instructions", action="store_true",
+                       help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
+    group = parser.add_argument_group("sessions")
+    group.add_argument("--session-dir", metavar="DIR", help="where sessions are recorded "
+                       "(default $LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
+                       "~/.local/state/lich/sessions)")
+    group.add_argument("--no-session", action="store_true", help="record nothing")
+    group.add_argument("--label", metavar="L", help="a label for the session file name")
+    group.add_argument("--resume", metavar="ID", help="continue a session: an id, a unique "
+                       "prefix or 'latest'")
+    group.add_argument("-c", "--continue", dest="continue_", action="store_true",
+                       help="continue the latest session of this folder")
+    group.add_argument("--list-sessions", action="store_true", help="list sessions, newest first")
+    group = parser.add_argument_group("batches")
+    group.add_argument("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
+                       "({\"id\", \"prompt\", ...}) or one prompt per line")
+    group.add_argument("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
+                       help=f"tasks run at once (default {_DEFAULT_WORKERS})")
+    group.add_argument("--out", metavar="PATH", help="the batch's results file (default: JSON "
+                       "lines on stdout); an existing one resumes the batch")
+    group.add_argument("--redo", action="store_true", help="run every task again")
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", action="store_true", help="print every loop event as a JSON "
+                       "line on stdout")
+    group.add_argument("--no-stream", action="store_true", help="show the answer when it is "
+                       "complete")
+    group.add_argument("--otel", action="store_true", help="send OpenTelemetry spans, as the "
+                       "OTEL_* variables say")
+    group.add_argument("-q", "--quiet", action="store_true", help="no tool lines, spinner, "
+                       "notes or usage")
+    group.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks "
+                       "on stderr")
     add("--version", action="version", version=f"lich {__version__}")
     return parser
 
@@ -4495,11 +5477,14 @@ def _int_at_least(text, low):
     return value
 
 
+def _state_home(environ) -> str:
+    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                           "state")
+    return os.path.join(state, "lich")
+
+
 def _default_session_dir(environ) -> str:
-    if environ.get("LICH_SESSION_DIR"):
-        return environ["LICH_SESSION_DIR"]
-    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "lich", "sessions")
+    return environ.get("LICH_SESSION_DIR") or os.path.join(_state_home(environ), "sessions")
 
 
 def _default_model(environ) -> str:
@@ -4531,24 +5516,345 @@ def _prompt_with_stdin(prompt, piped) -> str:
     return f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\n{prompt}"
 
 
-def _tool_summary(call) -> str:
-    """A few words saying what a tool call does: its first string argument."""
+def _project_instructions(root):
+    """(file name, text) of AGENTS.md in ``root``, else CLAUDE.md, else None."""
+    for name in ("AGENTS.md", "CLAUDE.md"):
+        try:
+            with open(os.path.join(root, name), "rb") as f:
+                text = f.read(_INSTRUCTIONS_MAX_BYTES).decode("utf-8", "replace").strip()
+        except OSError:
+            continue
+        if text:
+            return name, text
+    return None
+
+
+def _output_schema(text):
+    """The --schema value: JSON, or @FILE holding it; it must be an object."""
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise _UsageError(f"--schema: cannot read {text[1:]}: {e.strerror or e}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise _UsageError(f"--schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise _UsageError("--schema must be a JSON object")
+    return schema
+
+
+def _otel_provider(term):
+    """The tracer provider the OpenTelemetry SDK makes from the OTEL_* variables; the console
+    exporter writes to stderr (stdout carries the answer)."""
+    try:
+        from importlib.metadata import entry_points
+
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        raise _UsageError("--otel needs the OpenTelemetry SDK: pip install opentelemetry-api "
+                          "opentelemetry-sdk (and an exporter, e.g. "
+                          "opentelemetry-exporter-otlp)") from None
+    provider = TracerProvider(resource=Resource.create())
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
+             if n.strip() and n.strip().lower() != "none"]
+    if not names:
+        term.note("lich: --otel: OTEL_TRACES_EXPORTER is not set, so spans go nowhere")
+    for name in names:
+        if name == "console":
+            exporter = ConsoleSpanExporter(out=sys.stderr)
+        else:
+            found = entry_points(group="opentelemetry_traces_exporter", name=name)
+            if not found:
+                raise _UsageError(f"--otel: no OpenTelemetry exporter named {name!r} is "
+                                  f"installed (for otlp: pip install opentelemetry-exporter-otlp)")
+            exporter = next(iter(found)).load()()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+# --- the terminal ---
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(text) -> str:
+    """``text`` with every control character but newline and tab spelled out (``\\x1b``,
+    ``\\r``): what the model wrote can neither move the cursor nor recolour the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _count_text(n) -> str:
+    """12345 as "12.3k", 1234567 as "1.2M"."""
+    if n < 1000:
+        return str(n)
+    if n < 1_000_000:
+        return f"{n / 1000:.1f}k".replace(".0k", "k")
+    return f"{n / 1_000_000:.1f}M".replace(".0M", "M")
+
+
+def _usage_line(usage) -> str:
+    """``tokens: 12.3k in (9.8k cached), 1.2k out``."""
+    cached = usage.get("cache_read_tokens") or 0
+    cached_text = f" ({_count_text(cached)} cached)" if cached else ""
+    return (f"tokens: {_count_text(usage.get('input_tokens', 0))} in{cached_text}, "
+            f"{_count_text(usage.get('output_tokens', 0))} out")
+
+
+class _Terminal:
+    """Everything the CLI shows: the answer on stdout; progress, notes and errors on stderr.
+
+    On a stderr terminal (not TERM=dumb) it draws a spinner and redraws lines in place;
+    colour unless NO_COLOR. Text that came from the model is shown with its control
+    characters spelled out. A closed stdout makes lich leave quietly.
+    """
+
+    def __init__(self, *, quiet=False, json_lines=False, environ=None):
+        environ = os.environ if environ is None else environ
+        self.quiet = quiet
+        self.json_lines = json_lines
+        self.stdout_tty = _isatty(sys.stdout)
+        self.fancy = _isatty(sys.stderr) and environ.get("TERM") != "dumb"
+        self.color = self.fancy and not environ.get("NO_COLOR")
+        self._open_line = False   # a tool line written, its mark not yet
+        self._answer_open = False  # streamed text not yet ended by a newline
+        self._answer_to = None     # where streamed text goes
+        self._spinner = None       # (stop Event, thread)
+        self._spinner_label = ""
+        self._lock = threading.RLock()
+
+    # -- stdout: the answer
+
+    def delta(self, text, *, final_only=False) -> bool:
+        """Streamed answer text: to stdout on a terminal, else to stderr for the eye only;
+        whether it was shown."""
+        if not text:
+            return False
+        self.stop_spinner()
+        with self._lock:
+            if self.stdout_tty and not final_only:
+                out = sys.stdout
+            elif self.fancy and not self.quiet:
+                out = sys.stderr
+            else:
+                return False
+            if self._open_line:
+                sys.stderr.write("\n")
+                self._open_line = False
+            self._write(out, _visible(text) if _isatty(out) else text)
+            self._answer_open = not text.endswith("\n")
+            self._answer_to = out
+            return True
+
+    def end_answer(self):
+        with self._lock:
+            if self._answer_open:
+                self._write(self._answer_to, "\n")
+                self._answer_open = False
+
+    def answer(self, text):
+        """A whole answer on stdout."""
+        if text:
+            self.end_answer()
+            shown = _visible(text) if self.stdout_tty else text
+            self._write(sys.stdout, shown if shown.endswith("\n") else shown + "\n")
+
+    def json_line(self, value):
+        self._write(sys.stdout, json.dumps(value, ensure_ascii=False, default=repr) + "\n")
+
+    # -- stderr: everything else
+
+    def note(self, text):
+        if not self.quiet:
+            self.line(text)
+
+    def line(self, text, *, dim=False):
+        self.stop_spinner()
+        with self._lock:
+            self.end_answer()
+            self._stderr(self._paint(text, "2") if dim else text)
+            self._stderr("\n")
+
+    def error(self, text):
+        self.line(f"lich: {text}")
+
+    def tool_line(self, text):
+        """Start a tool's line; its mark ends it."""
+        if self.quiet or self.json_lines:
+            return
+        self.stop_spinner()
+        with self._lock:
+            self.end_answer()
+            self._stderr(self._paint(self._fit(_visible(text)), "2"))
+            self._open_line = True
+
+    def tool_mark(self, text, ok, preview=()):
+        if self.quiet or self.json_lines:
+            return
+        self.stop_spinner()
+        with self._lock:
+            mark = self._paint("✓", "32") if ok else self._paint("✗", "31")
+            self._stderr((" " if self._open_line else "") + mark + (" " + _visible(text) if text
+                                                                    else "") + "\n")
+            self._open_line = False
+            for line in preview:
+                self._stderr(self._paint(self._fit("    " + _visible(line)), "2") + "\n")
+
+    def ask(self, question):
+        """Show ``question`` (lines; the last one is where the answer is typed)."""
+        self.stop_spinner()
+        with self._lock:
+            if self._open_line:
+                self._stderr("\n")
+                self._open_line = False
+            self.end_answer()
+            self._stderr(_visible(question))
+
+    def status(self, text):
+        """A line redrawn in place on a terminal (a batch's progress); else printed."""
+        if self.quiet:
+            return
+        with self._lock:
+            if self.fancy:
+                self._stderr("\r\033[K" + self._fit(text))
+            else:
+                self._stderr(text + "\n")
+
+    def end_status(self):
+        if self.fancy and not self.quiet:
+            self._stderr("\n")
+
+    def start_spinner(self, label="thinking", started=None):
+        if not self.fancy or self.quiet or self.json_lines:
+            return
+        self.stop_spinner()
+        stop = threading.Event()
+        began = time.monotonic() if started is None else started
+
+        def spin():
+            frame = 0
+            while not stop.wait(_SPINNER_INTERVAL):
+                elapsed = time.monotonic() - began
+                extra = f" {elapsed:.0f} s" if elapsed >= _TOOL_ELAPSED_SECONDS else ""
+                with self._lock:
+                    if not self._open_line and not self._answer_open:
+                        self._stderr(f"\r{_SPINNER_FRAMES[frame % len(_SPINNER_FRAMES)]} "
+                                     f"{label}{extra}\033[K")
+                        frame += 1
+            with self._lock:
+                if frame:
+                    self._stderr("\r\033[K")
+
+        thread = threading.Thread(target=spin, daemon=True)
+        self._spinner = (stop, thread)
+        thread.start()
+
+    def stop_spinner(self):
+        spinner, self._spinner = self._spinner, None
+        if spinner is not None:
+            spinner[0].set()
+            if spinner[1] is not threading.current_thread():
+                spinner[1].join()
+
+    def _fit(self, text):
+        """``text`` cut to the terminal's width, at a word where it can be."""
+        if not self.fancy:
+            return text
+        width = shutil.get_terminal_size((100, 24)).columns
+        if len(text) <= width:
+            return text
+        cut = text.rfind(" ", 0, width - 1)
+        return text[:cut if cut > width // 2 else width - 1] + "…"
+
+    def _paint(self, text, code):
+        return f"\033[{code}m{text}\033[0m" if self.color else text
+
+    def _stderr(self, text):
+        self._write(sys.stderr, text)
+
+    def _write(self, stream, text):
+        try:
+            stream.write(text)
+            stream.flush()
+        except BrokenPipeError:
+            if stream is sys.stdout:
+                raise _Quit(_EXIT_OK) from None  # `lich ... | head`: the reader has what it wanted
+        except ValueError:  # closed
+            pass
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# --- what runs show ---
+
+
+def _call_arguments_of(call) -> dict:
     try:
         args = json.loads(call.get("arguments") or "{}")
     except (ValueError, RecursionError):
-        args = None
-    text = ""
-    if isinstance(args, dict):
-        text = next((v for v in args.values() if isinstance(v, str)), "")
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
+def _tool_summary(call) -> str:
+    """A few words saying what a tool call does: its first string argument, cut."""
+    text = next((v for v in _call_arguments_of(call).values() if isinstance(v, str)), "")
     text = " ".join(text.split())
     if len(text) > _TOOL_SUMMARY_CHARS:
         text = text[:_TOOL_SUMMARY_CHARS - 1] + "…"
     return f"{call.get('name')} {text}".rstrip()
 
 
-def _short_reason(result) -> str:
-    reason = " ".join(str(result.error or "failed").split())
-    return reason if len(reason) <= _TOOL_SUMMARY_CHARS else reason[:_TOOL_SUMMARY_CHARS - 1] + "…"
+def _lines(text) -> list:
+    return text.splitlines() if text else []
+
+
+def _how_many(n, one, many) -> str:
+    return f"{'no' if n == 0 else n} {one if n == 1 else many}"
+
+
+def _tool_outcome(call, result, elapsed):
+    """(words after the tool's mark, preview lines) for a finished tool call."""
+    name, args = call.get("name"), _call_arguments_of(call)
+    output = result.output or ""
+    if not result.ok:
+        reason = (result.error or "failed").splitlines()[0] if result.error else "failed"
+        words, preview = reason, _lines(output)
+    elif name == "read_file":
+        count = sum(1 for line in _lines(output) if line[:6].strip().isdigit())
+        words, preview = _how_many(count, "line", "lines"), []
+    elif name == "list_files":
+        files = [line for line in _lines(output) if not line.startswith(("[... ", "... ", "no files"))]
+        words, preview = _how_many(len(files), "file", "files"), []
+    elif name == "search":
+        count = sum(1 for line in _lines(output) if re.match(r"[^\n]*:\d+: ", line))
+        words, preview = _how_many(count, "match", "matches"), []
+    elif name == "edit_file":
+        old, new = args.get("old_text") or "", args.get("new_text") or ""
+        words, preview = f"+{len(_lines(new))} -{len(_lines(old))}", []
+    elif name == "write_file":
+        words, preview = f"+{len(_lines(args.get('content') or ''))} lines", []
+    else:
+        words, preview = "", _lines(output)
+    if name == "bash" and preview and re.fullmatch(r"\[exit code -?\d+\]", preview[-1]):
+        preview = preview[:-1]
+    if len(preview) > _PREVIEW_LINES:
+        more = len(preview) - _PREVIEW_LINES
+        preview = preview[:_PREVIEW_LINES] + [f"… {_how_many(more, 'more line', 'more lines')}"]
+    if " omitted ...]" in output:
+        words += " (output cut)"
+    if elapsed >= _TOOL_ELAPSED_SECONDS:
+        words += f" ({elapsed:.1f} s)"
+    return words.strip(), preview
 
 
 def _plain(value):
@@ -4560,184 +5866,303 @@ def _plain(value):
                 described[name] = getattr(value, name)
         return described
     if hasattr(value, "__dataclass_fields__"):
-        from dataclasses import asdict
-
         return asdict(value)
     return value
 
 
-class _Terminal:
-    """Everything the CLI shows: the answer on stdout; progress, notes and errors on stderr."""
-
-    def __init__(self, *, quiet=False, json_lines=False, color=False):
-        self.quiet = quiet
-        self.json_lines = json_lines
-        self.color = color  # a terminal that shows colour, so also a spinner
-        self._tool_line_open = False  # "→ tool args" written, its mark not yet
-        self._answer_open = False  # streamed text not yet ended by a newline
-        self._spinner_stop = None
-        self._spinner_thread = None
-        self._lock = threading.Lock()
-
-    # -- stdout: the answer ------------------------------------------------------------
-
-    def delta(self, text: str) -> None:
-        self.stop_spinner()
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            self._answer_open = not text.endswith("\n")
-
-    def end_answer(self) -> None:
-        if self._answer_open:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            self._answer_open = False
-
-    def answer(self, text: str) -> None:
-        if text:
-            sys.stdout.write(text if text.endswith("\n") else text + "\n")
-            sys.stdout.flush()
-
-    def json_line(self, value) -> None:
-        sys.stdout.write(json.dumps(value, ensure_ascii=False, default=repr) + "\n")
-        sys.stdout.flush()
-
-    # -- stderr: everything else -------------------------------------------------------
-
-    def note(self, text: str) -> None:
-        if not self.quiet:
-            self.line(text)
-
-    def line(self, text: str) -> None:
-        self.stop_spinner()
-        self._stderr(text + "\n")
-
-    def ask(self, question: str) -> None:
-        """Show ``question`` on a line of its own, the cursor after it."""
-        self.stop_spinner()
-        self._stderr(question)
-
-    def error(self, text: str) -> None:
-        self.end_answer()
-        self.line(f"lich: {text}")
-
-    def tool_start(self, call) -> None:
-        if self.quiet or self.json_lines:
-            return
-        self.stop_spinner()
-        self.end_answer()
-        self._stderr(self._paint("→ " + _tool_summary(call), "2"), leave_open=True)
-
-    def tool_end(self, call, result) -> None:
-        if self.quiet or self.json_lines:
-            return
-        mark = self._paint("✓", "32") if result.ok else self._paint("✗ " + _short_reason(result), "31")
-        if self._tool_line_open:
-            self._stderr(" " + mark + "\n", continues=True)
-        else:  # a skipped call, or its line was ended by a question
-            self._stderr(self._paint("→ " + _tool_summary(call), "2") + " " + mark + "\n")
-
-    def start_spinner(self) -> None:
-        if not self.color or self.quiet or self.json_lines or self._spinner_stop is not None:
-            return
-        stop = self._spinner_stop = threading.Event()
-
-        def spin():
-            frame = 0
-            while not stop.wait(_SPINNER_INTERVAL):
-                self._stderr(f"\r{_SPINNER_FRAMES[frame % len(_SPINNER_FRAMES)]} thinking")
-                frame += 1
-            self._stderr("\r\033[K")
-
-        self._spinner_thread = threading.Thread(target=spin, daemon=True)
-        self._spinner_thread.start()
-
-    def stop_spinner(self) -> None:
-        stop, self._spinner_stop = self._spinner_stop, None
-        if stop is not None:
-            stop.set()
-            self._spinner_thread.join()
-
-    def _stderr(self, text, *, continues=False, leave_open=False):
-        """Write ``text``; an open tool line is ended first unless ``text`` continues it."""
-        with self._lock:
-            if self._tool_line_open and not continues:
-                sys.stderr.write("\n")
-            sys.stderr.write(text)
-            sys.stderr.flush()
-            self._tool_line_open = leave_open
-
-    def _paint(self, text, code):
-        return f"\033[{code}m{text}\033[0m" if self.color else text
-
-
 class _Progress:
-    """Shows one run's events on the terminal, and sums its usage as it goes."""
+    """One run as the terminal shows it, and the history it has built so far."""
 
-    def __init__(self, term: _Terminal):
-        self.term = term
+    def __init__(self, cli, seeded):
+        self.cli = cli
+        self.term = cli.term
+        self.history = list(seeded)  # what the session holds of this run
         self.usage = {"input_tokens": 0, "output_tokens": 0}
-        self.muted = False  # the run was given up on (Ctrl-C) but its thread goes on
+        self.muted = False  # the run was given up on but its thread goes on
         self.compressing = False  # the chat's streamed words are a summary, not the answer
         self.thread = None  # the thread the run works in
+        self.shown = []  # text streamed during the current chat call
+        self._tool_started = None
 
     def __call__(self, event):
         if self.muted:
             return
         term, kind = self.term, event["type"]
         if kind == "llm_end":
-            for key in self.usage:
-                self.usage[key] += event["result"].usage.get(key, 0)
+            for key, value in event["result"].usage.items():
+                self.usage[key] = self.usage.get(key, 0) + value
+            self.history.append(event["result"].message)
+        elif kind == "tool_call_end":
+            self.history.append(tool_message_from_result(event["call"], event["result"]))
+        elif kind == "output_invalid":
+            self.history.append(event["message"])
         if term.json_lines:
             term.json_line({k: _plain(v) for k, v in event.items()})
         elif kind == "llm_start":
-            term.start_spinner()
+            self.shown = []
+            term.start_spinner("thinking")
         elif kind == "llm_end":
             term.stop_spinner()
-            if event["result"].message.get("tool_calls"):
+            message = event["result"].message
+            if message.get("tool_calls"):
                 term.end_answer()
+                if message.get("content") and not self.shown and not term.quiet:
+                    term.line(message["content"], dim=True)  # said between tools: not the answer
         elif kind == "tool_call_start":
-            term.tool_start(event["call"])
+            self._tool_started = time.monotonic()
+            term.start_spinner(_visible(_tool_summary(event["call"])), self._tool_started)
         elif kind == "tool_call_end":
-            term.tool_end(event["call"], event["result"])
+            started = self._tool_started if not event["cancelled"] else None
+            elapsed = time.monotonic() - started if started is not None else 0.0
+            words, preview = _tool_outcome(event["call"], event["result"], elapsed)
+            term.tool_line("→ " + _tool_summary(event["call"]))
+            term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":
             self.compressing = True
         elif kind == "compress_end":
             self.compressing = False
             term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
+        elif kind == "output_invalid":
+            term.note("(the answer did not fit the schema; asking again)")
         elif kind == "error":
             term.stop_spinner()
 
+    def delta(self, text):
+        if self.term.delta(text, final_only=not self.cli.answer_on_stdout):
+            self.shown.append(text)
 
-def _log_to_stderr(term, level):
-    """A logging handler that shows lich's log records on stderr through ``term``."""
-    import logging
 
-    class LogToStderr(logging.Handler):
-        def emit(self, record):
+# --- approvals ---
+
+
+def _diff_lines(before, after, path):
+    import difflib
+
+    lines = list(difflib.unified_diff(before.splitlines(), after.splitlines(), f"a/{path}",
+                                      f"b/{path}", lineterm="", n=2))
+    if len(lines) > _DIFF_SHOWN_LINES:
+        half = _DIFF_SHOWN_LINES // 2
+        lines = lines[:half] + [f"[... {len(lines) - 2 * half} lines not shown ...]"] + lines[-half:]
+    return lines
+
+
+class _Approvals:
+    """The ``approve`` of a chat on a terminal: the whole call shown, then y / n / a / t."""
+
+    def __init__(self, cli):
+        self.cli = cli
+        self.grants = []  # (tool names, exact key or None, what it covers)
+
+    def __call__(self, call) -> bool:
+        name, args = call.get("name"), _call_arguments_of(call)
+        key = self._key(name, args, call)
+        tools = ("write_file", "edit_file") if name in ("write_file", "edit_file") else (name,)
+        if any(name in granted and exact in (None, key) for granted, exact, _ in self.grants):
+            return True
+        what = "file" if name in ("write_file", "edit_file") else "command" if name == "bash" \
+            else "call"
+        body = self._body(name, args, call)
+        self.cli.term.ask("\n".join([f"→ {_tool_summary(call)}", *("  " + line for line in body),
+                                     f"  allow? [y]es / [N]o / [a]lways this {what} / "
+                                     f"[t] always {name}: "]))
+        answer = self.cli.read_answer()
+        if answer is None:
+            raise AbortError("interrupted before the user answered")
+        answer = answer.strip().lower()
+        if answer in ("a", "always"):
+            self.grants.append((tools, key, f"{' and '.join(tools)}: {_visible(key)}"))
+        elif answer in ("t", "tool"):
+            self.grants.append(((name,), None, f"{name}: every call"))
+        return answer in ("y", "yes", "a", "always", "t", "tool")
+
+    def _key(self, name, args, call):
+        if name == "bash":
+            return str(args.get("command", ""))
+        if name in ("write_file", "edit_file"):
+            return str(args.get("path", ""))
+        return str(call.get("arguments") or "")
+
+    def _body(self, name, args, call):
+        if name == "bash":
+            return ["$ " + _visible(str(args.get("command", ""))).replace("\n", "\n    ")]
+        if name == "edit_file":
+            return [_visible(line) for line in _diff_lines(
+                str(args.get("old_text", "")), str(args.get("new_text", "")), args.get("path"))]
+        if name == "write_file":
+            path = str(args.get("path", ""))
+            before = ""
             try:
-                text = record.getMessage()
-                if record.exc_info and self.level <= logging.DEBUG:
-                    import traceback
+                with open(os.path.join(self.cli.root, path), "rb") as f:
+                    before = f.read(_DIFF_MAX_BYTES).decode("utf-8", "replace")
+            except OSError:
+                pass
+            return [_visible(line) for line in _diff_lines(before, str(args.get("content", "")), path)]
+        return [_visible(str(call.get("arguments") or "{}"))]
 
-                    text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
-                prefix = "warning: " if record.levelno >= logging.WARNING else "debug: "
-                self.term.line("lich: " + prefix + text)
-            except Exception:
-                self.handleError(record)
-
-    handler = LogToStderr(level)
-    handler.term = term
-    return handler
+    def describe(self):
+        return [f"{i}. {label}" for i, (_, _, label) in enumerate(self.grants, 1)]
 
 
-def _run_interruptibly(work, signal, term):
-    """Run ``work()`` in a worker thread; Ctrl-C sets ``signal`` and gives it a moment.
+class _ApprovedTools:
+    """A ToolRunner whose every call is approved first (MCP tools on a terminal)."""
 
-    Returns work's result or raises its exception. A second Ctrl-C, or a worker still
-    busy after the grace period (a blocking HTTP read), raises KeyboardInterrupt.
-    """
+    def __init__(self, runner, approve):
+        self.runner = runner
+        self.approve = approve
+
+    def specs(self):
+        return self.runner.specs()
+
+    def run(self, call, signal=None):
+        try:
+            if not self.approve(call):
+                return ToolResult(ok=False, error="the user declined this call")
+        except AbortError as e:
+            return ToolResult(ok=False, error=f"AbortError: {e}")
+        return self.runner.run(call, signal)
+
+
+# --- sessions on the command line ---
+
+
+class _LazySession:
+    """A session file created with the run's first answer, so that a run that never reached
+    a model leaves none; until then its records wait here."""
+
+    def __init__(self, session_dir, label, term):
+        self.session_dir = session_dir
+        self.label = label
+        self.term = term
+        self.handle = None
+        self.waiting = []
+        self.id = None
+
+    @property
+    def path(self):
+        return self.handle.path if self.handle is not None else None
+
+    def append_message(self, message):
+        if self.handle is None and message.get("role") == "assistant":
+            self._open()
+        self._append("append_message", message)
+
+    def append_meta(self, meta):
+        self._append("append_meta", meta)
+
+    def _append(self, method, record):
+        if self.handle is None:
+            self.waiting.append((method, record))
+        else:
+            getattr(self.handle, method)(record)
+
+    def _open(self):
+        self.handle = open_session(self.session_dir, self.label)
+        self.id = self.handle.id
+        for method, record in self.waiting:
+            getattr(self.handle, method)(record)
+        self.waiting = []
+
+    def close(self):
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _session_records(path):
+    """The records of a session file; lines that are not records are skipped."""
+    with open(path, "rb") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def _first_prompt(text) -> str:
+    """A user message as a title: the prompt after a fenced block of piped text."""
+    if text.startswith("```"):
+        text = text.rsplit("```\n\n", 1)[-1]
+    return " ".join(text.split())
+
+
+def _session_summary(path) -> dict:
+    """What --list-sessions says of one session file."""
+    start, last, count, prompt = {}, None, 0, ""
+    for record in _session_records(path):
+        last = record
+        meta = record.get("meta")
+        if not start and isinstance(meta, dict) and meta.get("event") == "run_start":
+            start = meta
+        message = record.get("message")
+        if record.get("kind") == "message" and isinstance(message, dict):
+            count += 1
+            if not prompt and message.get("role") == "user" and isinstance(message.get("content"), str):
+                prompt = _first_prompt(message["content"])
+    return {"id": os.path.splitext(os.path.basename(path))[0], "path": path,
+            "when": (last or {}).get("ts"), "folder": start.get("cwd"), "model": start.get("model"),
+            "messages": count, "prompt": prompt[:_PROMPT_SHOWN_CHARS]}
+
+
+def _session_folder(path):
+    """The ``cwd`` of a session's first run_start, read from its first records."""
+    for i, record in enumerate(_session_records(path)):
+        meta = record.get("meta")
+        if isinstance(meta, dict) and meta.get("event") == "run_start":
+            return meta.get("cwd")
+        if i > 2:
+            return None
+    return None
+
+
+def _latest_session_in(session_dir, folder):
+    for path in list_sessions(session_dir):
+        try:
+            if _session_folder(path) == folder:
+                return path
+        except OSError:
+            continue
+    return None
+
+
+def _recap(history) -> list:
+    """The last exchange of a history, a few lines of each side."""
+    lines = []
+    for role, shown in (("user", "you"), ("assistant", "lich")):
+        message = next((m for m in reversed(history) if m.get("role") == role
+                        and (m.get("content") or "").strip()), None)
+        if message is not None:
+            text = _lines(message["content"].strip())
+            cut = text[:_RECAP_LINES] + ([f"… {_how_many(len(text) - _RECAP_LINES, 'more line', 'more lines')}"]
+                                         if len(text) > _RECAP_LINES else [])
+            lines += [f"{shown}: {cut[0]}"] + [" " * (len(shown) + 2) + line for line in cut[1:]]
+    return lines
+
+
+# --- runs, chat, batch, main ---
+
+
+class _Interrupts:
+    """Ctrl-C as lich reads it: the first stops what runs, a second within 2 s quits."""
+
+    def __init__(self):
+        self.last = None
+        self.exit_code = _EXIT_INTERRUPTED  # 128 + the signal for SIGTERM and SIGHUP
+
+    def pressed(self):
+        now = time.monotonic()
+        if self.last is not None and now - self.last < _QUIT_WINDOW_SECONDS:
+            raise _Quit(self.exit_code)
+        self.last = now
+
+
+class _GivenUp(Exception):
+    """A run that did not stop in time after Ctrl-C: its thread is left to finish alone."""
+
+
+def _run_interruptibly(work, signal, cli):
+    """``work()`` in a worker thread; Ctrl-C sets ``signal``. Returns work's result or raises
+    its exception; _GivenUp when it does not stop within the grace period."""
     outcome = {}
     done = threading.Event()  # not Thread.join: a join cut by Ctrl-C can misreport is_alive
 
@@ -4750,68 +6175,22 @@ def _run_interruptibly(work, signal, term):
             done.set()
 
     threading.Thread(target=target, name="lich-run", daemon=True).start()
-    try:
-        while not done.wait(0.1):
-            pass
-    except KeyboardInterrupt:
-        signal.set()
-        term.stop_spinner()
-        term.end_answer()
-        term.note("interrupted; stopping (Ctrl-C again to quit at once)")
-        if not done.wait(_ABORT_GRACE_SECONDS):
-            raise KeyboardInterrupt from None
+    give_up = None
+    while not done.is_set():
+        try:
+            done.wait(_POLL_SECONDS)
+        except KeyboardInterrupt:
+            cli.interrupts.pressed()
+            if not signal.is_set():
+                signal.set()
+                cli.term.stop_spinner()
+                cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
+                give_up = time.monotonic() + _ABORT_GRACE_SECONDS
+        if give_up is not None and time.monotonic() > give_up and not done.is_set():
+            raise _GivenUp
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
-
-
-def _ask_approval(term: _Terminal, current_signal, always: set):
-    """The ``approve`` function of interactive chat: y / n / a (always allow this tool)."""
-    import select
-
-    def approve(call) -> bool:
-        name = call.get("name")
-        if name in always:
-            return True
-        signal = current_signal()  # the signal of the run that asks
-        term.ask("  allow? [y]es / [n]o / [a]lways ")
-        while not signal.is_set():
-            ready, _, _ = select.select([sys.stdin], [], [], 0.1)
-            if ready:
-                answer = sys.stdin.readline().strip().lower()
-                if answer in ("a", "always"):
-                    always.add(name)
-                    return True
-                return answer in ("y", "yes")
-        return False
-
-    return approve
-
-
-def _list_sessions(session_dir, term: _Terminal) -> int:
-    paths = list_sessions(session_dir)
-    if not paths:
-        term.note("no sessions yet")
-    for path in paths[:_LIST_SESSIONS_LIMIT]:
-        try:
-            messages = read_session_messages(path)
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(path)))
-        except OSError:  # removed meanwhile
-            continue
-        first = next((m["content"] for m in messages if m["role"] == "user"), "")
-        first = " ".join(first.split())[:_TOOL_SUMMARY_CHARS]
-        session_id = os.path.splitext(os.path.basename(path))[0]
-        sys.stdout.write(f"{session_id}  {when}  {len(messages):>4} messages  {first}\n")
-    if len(paths) > _LIST_SESSIONS_LIMIT:
-        term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
-    return _EXIT_OK
-
-
-def _load_session(session_dir, ref) -> list:
-    try:
-        return read_session_messages(resolve_session(session_dir, ref))
-    except FileNotFoundError:
-        raise SessionNotFound(f"session not found: {ref}") from None
 
 
 def _describe_error(exc) -> str:
@@ -4822,52 +6201,142 @@ def _describe_error(exc) -> str:
 
 
 class _Cli:
-    """One invocation of the command line, its options resolved into a chat, tools and a terminal."""
+    """One invocation of the command line: its options resolved into a chat, tools, a terminal."""
 
-    def __init__(self, args, environ, term: _Terminal):
+    def __init__(self, args, environ, term, interrupts):
         self.args = args
         self.term = term
-        self.interactive = args.prompt is None and sys.stdin.isatty()
-        self.streaming = not (args.no_stream or args.json)
+        self.interrupts = interrupts
+        self.environ = environ
+        self.closers = []
+        self.interactive = args.batch is None and _isatty(sys.stdin) and (
+            args.prompt is None or args.interactive)
+        self.asks = (_isatty(sys.stdin) and sys.stderr.isatty() and not args.yolo
+                     and args.batch is None)
+        self.schema = _output_schema(args.schema) if args.schema is not None else None
+        self.streaming = not (args.no_stream or args.json or self.schema or args.batch)
+        self.answer_on_stdout = term.stdout_tty and self.streaming
         self.sessions_home = args.session_dir or _default_session_dir(environ)
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
-        self.signal = threading.Event()  # the current run's: every run gets a fresh one
-        self.progress = None  # the current run's _Progress
-        allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
-        approve = (_ask_approval(term, lambda: self.signal, set())
-                   if self.interactive and not args.yolo else None)
-        root = os.path.abspath(args.root)
-        if not os.path.isdir(root):
+        self.root = os.path.realpath(args.root)
+        if not os.path.isdir(self.root):
             raise _UsageError(f"--root is not a folder: {args.root}")
-        self.tools = coding_tools(root, allow_write="write" in allow, allow_shell="shell" in allow,
-                                  approve=approve)
+        self.approvals = _Approvals(self) if self.asks else None
+        self.allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
+        self.mcp = [self._start_mcp(server) for server in args.mcp]
+        self.tools = self._tools(self.root)
         names = ", ".join(spec["name"] for spec in self.tools.specs())
-        self.system_prompt = (args.system if args.system is not None
-                              else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names))
-        options = {"stream": self.streaming}
+        system = (args.system if args.system is not None
+                  else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names))
+        found = None if args.no_project_instructions else _project_instructions(self.root)
+        if found is not None:
+            system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
+            term.note(f"lich: following {found[0]} of {self.root}")
+        self.system_prompt = system
+        self.otel = _otel_provider(term) if args.otel else None
+        if self.otel is not None:
+            self.closers.append(self.otel.shutdown)
+        self.chat = self._chat(self.model)
+        provider, _, model = self.model.split(",")[0].partition(":")
+        self.identity = {"provider": provider.strip().lower(), "model": model.partition("@")[0]}
+        self.usage = {"input_tokens": 0, "output_tokens": 0}  # this chat's, for /cost
+        self.signal = threading.Event()
+        self.progress = None
+
+    def close(self):
+        for close in reversed(self.closers):
+            try:
+                close()
+            except Exception:
+                _cli_log().debug("closing failed", exc_info=True)
+
+    def _start_mcp(self, server):
+        try:
+            tools = mcp_tools(server, cwd=self.root)
+        except (MCPError, ValueError) as e:
+            raise _UsageError(f"--mcp {server}: {e}") from None
+        self.closers.append(tools.close)
+        return tools
+
+    def _tools(self, root):
+        tools = coding_tools(root, allow_write="write" in self.allow,
+                             allow_shell="shell" in self.allow, approve=self.approvals)
+        if not self.mcp:
+            return tools
+        servers = [_ApprovedTools(m, self.approvals) if self.approvals else m for m in self.mcp]
+        try:
+            return combine_tools(tools, *servers)
+        except ValueError as e:
+            raise _UsageError(f"--mcp: {e}") from None
+
+    def _chat(self, spec):
+        options = {"stream": self.streaming, "on_retry": self._on_retry,
+                   "on_failover": self._on_failover}
         if self.streaming:
             options["on_delta"] = self._delta
-        if args.base_url:
-            options["base_url"] = args.base_url
+        if self.args.base_url:
+            options["base_url"] = self.args.base_url
         try:
-            chat = chat_from_spec(self.model, **options)
+            return chat_from_spec(spec, **options)
         except (ValueError, TypeError) as exc:
             raise _UsageError(str(exc)) from None
-        # retries live below the loop: a single provider gets them through a Router too
-        self.chat = chat if isinstance(chat, Router) else Router([chat])
+
+    def _on_retry(self, error, attempt, delay):
+        if self._current(threading.current_thread()):
+            self.term.note(f"retrying in {delay:.0f} s: {error.kind} (attempt {attempt}/"
+                           f"{self.chat.retries})")
+
+    def _on_failover(self, error, index):
+        if self._current(threading.current_thread()):
+            self.term.note(f"{error.kind} from {self.chat.chats[index - 1]!r}; trying "
+                           f"{self.chat.chats[index]!r}")
+
+    def _current(self, thread):
+        progress = self.progress
+        return progress is not None and not progress.muted and progress.thread in (thread, None)
+
+    def _delta(self, text):
+        """Streamed text, shown when it is the answer of the current run."""
+        progress = self.progress
+        if (progress is not None and progress.thread is threading.current_thread()
+                and not progress.compressing and not progress.muted):
+            progress.delta(text)
+
+    def read_answer(self):
+        """A line typed at an approval question, or None when the run was interrupted."""
+        import select
+
+        signal = self.signal
+        while not signal.is_set():
+            if select.select([sys.stdin], [], [], _POLL_SECONDS)[0]:
+                return sys.stdin.readline()
+        return None
+
+    def open_session(self):
+        if self.session_dir is None:
+            return None
+        return _LazySession(self.session_dir, self.args.label, self.term)
+
+    # -- one run
 
     def run(self, prompt, history, session):
-        """One run_agent turn that Ctrl-C can stop; returns the AgentRunResult.
+        """One user turn; returns (exit code, the history to go on with).
 
-        Each run has its own signal and progress view: a run given up on (a second
-        Ctrl-C, or one it did not honour in time) keeps its signal set and shows nothing
-        more, even while its thread finishes the request it was blocked in.
+        The history after a failed or interrupted run is what the session file holds, so
+        the chat and a later --resume agree; an interrupted request is kept, answered by a
+        note that says so.
         """
+        term = self.term
         signal = self.signal = threading.Event()
-        progress = self.progress = _Progress(self.term)
+        seeded = seed_system_prompt(list(history) + [{"role": "user", "content": prompt}],
+                                    self.system_prompt)
+        progress = self.progress = _Progress(self, seeded)
         emitter = AgentEmitter()
         emitter.on_any(progress)
+        if self.otel is not None:
+            trace_otel(emitter, tracer=self.otel.get_tracer("lich", __version__),
+                       **self.identity)
         args = self.args
 
         def work():
@@ -4875,165 +6344,396 @@ class _Cli:
             return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
                              session=session, emitter=emitter, max_turns=args.max_turns,
                              system_prompt=self.system_prompt, temperature=args.temperature,
-                             context_budget_tokens=args.context_budget or None, signal=signal)
+                             context_budget_tokens=args.context_budget or None, signal=signal,
+                             output_schema=self.schema)
 
         try:
-            return _run_interruptibly(work, signal, self.term)
-        except KeyboardInterrupt:
+            run = _run_interruptibly(work, signal, self)
+        except _GivenUp:  # its thread may still write: the session is left to it
             progress.muted = True
-            raise
-
-    def _delta(self, text):
-        """Streamed text, shown when it is the answer of the current run."""
-        progress = self.progress
-        if (progress.thread is threading.current_thread() and not progress.compressing
-                and not progress.muted):
-            self.term.delta(text)
-
-    def open_session(self):
-        """A new session file for the next run, or None when recording is off or impossible."""
-        if self.session_dir is None:
-            return None
-        try:
-            return open_session(self.session_dir, self.args.label)
-        except OSError as exc:
-            self.term.error(f"warning: session recording is off: cannot create a session file: "
-                            f"{exc.strerror or exc}")
-            self.session_dir = None
-            return None
-
-    def one_shot(self, prompt, history) -> int:
-        """Run ``prompt`` once and show the outcome; returns the exit code."""
-        term, args = self.term, self.args
-        session = self.open_session()
-        path = session.path if session is not None else None
-        try:
-            run = self.run(prompt, history, session)
-        except (KeyboardInterrupt, AbortError):  # a given-up run may still write: no close
-            term.end_answer()
-            self._json_run_end("aborted", path)
-            term.note("lich: stopped: interrupted")
-            return _EXIT_INTERRUPTED
-        except Exception:
-            self._json_run_end("error", path)
-            _close(session)
-            raise
-        _close(session)
-        if args.json:
-            self._json_run_end(run.stopped_reason, path)
-        elif self.streaming:
-            term.end_answer()
-        else:
-            last = run.final or (run.result.message if run.result else None)
-            term.answer((last or {}).get("content") or "")
-        if args.verbose:
-            term.line(f"lich: usage: {run.usage_total['input_tokens']} input tokens, "
-                      f"{run.usage_total['output_tokens']} output tokens")
-        if run.stopped_reason == "budget":
-            term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before "
-                      "a final answer; raise --max-turns or continue with -c")
-            return _EXIT_BUDGET
+            self._interrupted(progress, None)
+            return _EXIT_INTERRUPTED, progress.history
+        except AbortError:
+            self._interrupted(progress, session)
+            return _EXIT_INTERRUPTED, progress.history
+        except Exception as exc:
+            _cli_log().debug("the run failed", exc_info=True)
+            self._end_json("error", progress.usage, session)
+            term.error(_describe_error(exc))
+            self._add_usage(progress.usage)
+            history = progress.history
+            while history and history[-1].get("role") == "user":
+                history = history[:-1]  # as a resume reads it: no unanswered request
+            return _EXIT_ERROR, history
+        self._add_usage(run.usage_total)
         if run.stopped_reason == "aborted":
-            term.note("lich: stopped: interrupted")
-            return _EXIT_INTERRUPTED
-        return _EXIT_OK
+            self._interrupted(progress, session)
+            return _EXIT_INTERRUPTED, progress.history
+        self._show(run, session)
+        if run.stopped_reason == "budget":
+            return _EXIT_BUDGET, run.messages
+        return _EXIT_OK, run.messages
 
-    def _json_run_end(self, stopped_reason, session_path):
+    def _interrupted(self, progress, session):
+        """Close an interrupted turn with a note (and what was shown of its answer)."""
+        term = self.term
+        term.stop_spinner()
+        term.end_answer()
+        last = progress.history[-1] if progress.history else {}
+        if last.get("role") in ("user", "tool"):
+            shown = "".join(progress.shown).strip()
+            note = {"role": "assistant",
+                    "content": f"{shown}\n\n{_INTERRUPTED_NOTE}" if shown else _INTERRUPTED_NOTE}
+            progress.history.append(note)
+            if session is not None:
+                try:
+                    session.append_message(note)
+                except Exception as e:
+                    _cli_log().warning("session recording stopped: %s", e)
+        self._end_json("aborted", progress.usage, session)
+        term.note("lich: stopped: interrupted")
+
+    def _add_usage(self, usage):
+        for key, value in usage.items():
+            self.usage[key] = self.usage.get(key, 0) + value
+
+    def _end_json(self, stopped_reason, usage, session):
         if self.args.json:
             self.term.json_line({"type": "run_end", "stopped_reason": stopped_reason,
-                                 "usage": self.progress.usage, "session_path": session_path})
+                                 "usage": usage, "session_path": getattr(session, "path", None)})
 
-    def repl(self, history) -> int:
+    def _show(self, run, session):
+        """How a run ended, the same for one-shot runs and chat turns."""
+        term, args = self.term, self.args
+        if args.json:
+            self._end_json(run.stopped_reason, run.usage_total, session)
+            return
+        if self.schema is not None:
+            if run.stopped_reason == "final":
+                term.answer(json.dumps(run.output, ensure_ascii=False))
+        elif self.answer_on_stdout:
+            term.end_answer()
+        elif run.final is not None:
+            term.end_answer()
+            term.answer(run.final.get("content") or "")
+        if run.stopped_reason == "budget":
+            term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before a "
+                      f"final answer; raise --max-turns or continue with -c")
+        term.note(_usage_line(run.usage_total))
+
+    # -- modes
+
+    def one_shot(self, prompt, history) -> int:
+        session = self.open_session()
+        try:
+            code, _ = self.run(prompt, history, session)
+        finally:
+            if session is not None:
+                session.close()
+        return code
+
+    def repl(self, history, first=None) -> int:
         """The interactive chat: one session file shared by its turns (a new one after
         /clear, /resume, or a turn given up on while its thread still runs)."""
-        try:
-            import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:
-            pass
-        term, session = self.term, None
-        term.note(f"lich {__version__} · {self.model} · /help for commands, Ctrl-D to leave")
+        term = self.term
+        history_file = self._load_input_history()
+        tools = ", ".join(spec["name"] for spec in self.tools.specs())
+        term.note(f"lich {__version__} · {self.model} · {self.root} · tools: {tools}")
+        term.note("/help for commands, Ctrl-D to leave")
+        session = None
         try:
             while True:
-                try:
-                    line = input("› ").strip()
-                except KeyboardInterrupt:
-                    sys.stderr.write("\n")
-                    continue
-                except EOFError:
-                    sys.stderr.write("\n")
+                if first is not None:
+                    line, first = first, None
+                else:
+                    line = self._read_message()
+                if line is None:
                     return _EXIT_OK
-                except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
-                    term.error("that line is not valid text in this terminal's encoding")
-                    continue
-                if line in ("/exit", "/quit"):
+                command = line.strip()
+                if command in ("/exit", "/quit"):
                     return _EXIT_OK
-                if line.startswith("/"):
-                    history, session = self._command(line, history, session)
+                if command.startswith("/") and "\n" not in command:
+                    history, session = self._command(command, history, session)
                     continue
-                if line:
-                    history, session = self._turn(line, history, session)
+                if not command:
+                    continue
+                if session is None:
+                    session = self.open_session()
+                code, history = self.run(line, history, session)
+                if self.progress.muted and session is not None:
+                    session = None  # a given-up run may still write to its file
         finally:
-            _close(session)
+            if session is not None:
+                session.close()
+            self._save_input_history(history_file)
+
+    def _read_message(self):
+        """One message typed at the prompt (None at end of input): a line ending in ``\\``
+        goes on, ``\"\"\"`` opens and closes a block; a paste is one message (readline's
+        bracketed paste)."""
+        to_stderr = not self.term.stdout_tty  # the prompt must not go into piped stdout
+        while True:
+            try:
+                line = self._input("› ", to_stderr)
+                if line is None:
+                    return None
+                if line.strip() == '"""':
+                    block = []
+                    while True:
+                        more = self._input("… ", to_stderr)
+                        if more is None or more.strip() == '"""':
+                            return "\n".join(block)
+                        block.append(more)
+                while line.endswith("\\"):
+                    more = self._input("… ", to_stderr)
+                    line = line[:-1] + "\n" + (more or "")
+                    if more is None:
+                        break
+                return line
+            except KeyboardInterrupt:
+                self.interrupts.pressed()  # a second one within 2 s quits
+                sys.stderr.write("\n")
+                self.term.note("(Ctrl-C again or Ctrl-D to quit)")
+
+    def _input(self, prompt, to_stderr):
+        try:
+            if to_stderr:
+                sys.stderr.write(prompt)
+                sys.stderr.flush()
+                return input()
+            return input(prompt)
+        except EOFError:
+            sys.stderr.write("\n")
+            return None
+        except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
+            self.term.error("that line is not valid text in this terminal's encoding")
+            return ""
+
+    def _load_input_history(self):
+        try:
+            import readline
+        except ImportError:
+            return None
+        path = os.path.join(_state_home(self.environ), "history")
+        try:
+            readline.read_history_file(path)
+        except OSError:
+            pass
+        readline.set_history_length(_HISTORY_LINES)
+        return path
+
+    def _save_input_history(self, path):
+        if path is None:
+            return
+        import readline
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))  # the prompts are private
+            readline.write_history_file(path)
+        except OSError as e:
+            _cli_log().debug("cannot save the input history: %s", e)
 
     def _command(self, line, history, session):
-        """A REPL command; returns the (history, session) to go on with."""
+        """A chat command; returns the (history, session) to go on with."""
         term = self.term
         command, _, rest = line.partition(" ")
+        rest = rest.strip()
         if command == "/help":
-            term.line(_REPL_HELP)
+            term.line("\n".join(["commands:", *("  " + text for text in _CHAT_COMMANDS.values()),
+                                 _CHAT_KEYS]))
+        elif command == "/model":
+            if rest:
+                self.chat = self._chat(rest)
+                self.model = rest
+            term.note(f"model: {self.model}")
+        elif command == "/allow":
+            self._allow_command(rest)
+        elif command == "/cost":
+            term.line(_usage_line(self.usage) + " in this chat")
+        elif command == "/compact":
+            compressed, chars = compress_messages(self.chat, history)
+            term.note(f"(history compressed: {chars} characters of summary)" if chars
+                      else "nothing to compress")
+            return compressed, session
         elif command == "/sessions":
-            _list_sessions(self.sessions_home, term)
+            _print_sessions(self.sessions_home, term, as_json=False)
         elif command == "/clear":
-            _close(session)
+            if session is not None:
+                session.close()
             term.note("new conversation")
             return [], None
         elif command == "/resume":
-            ref = rest.strip() or "latest"
             try:
-                resumed = _load_session(self.sessions_home, ref)
+                resumed = self.load_session(rest or "latest", folder=not rest)
             except SessionNotFound as exc:
                 term.error(str(exc))
                 return history, session
-            _close(session)
-            term.note(f"resumed {ref}: {len(resumed)} messages")
+            if session is not None:
+                session.close()
             return resumed, None
         else:
-            term.error(f"unknown command {command}; /help lists them")
+            import difflib
+            near = difflib.get_close_matches(command, list(_CHAT_COMMANDS), n=1)
+            hint = f"; did you mean {near[0]}?" if near else "; /help lists them"
+            term.error(f"unknown command {command}{hint}")
         return history, session
 
-    def _turn(self, prompt, history, session):
-        """One chat turn of the REPL; returns the (history, session) to go on with."""
+    def _allow_command(self, rest):
         term = self.term
-        if session is None:
-            session = self.open_session()
-        try:
-            run = self.run(prompt, history, session)
-        except KeyboardInterrupt:  # given up on: its thread may still write to that session
-            term.end_answer()
-            term.note("interrupted")
-            return history, None
-        except AbortError:
-            term.end_answer()
-            term.note("interrupted")
-            return history, session
-        except Exception as exc:
-            import logging
+        if self.approvals is None:
+            term.note("nothing is asked here: " + ("--yolo allows everything" if self.args.yolo
+                                                  else "--allow is the permission"))
+            return
+        grants = self.approvals.grants
+        if rest in ("revoke all", "revoke *"):
+            grants.clear()
+        elif rest.startswith("revoke "):
+            try:
+                del grants[int(rest.split()[1]) - 1]
+            except (ValueError, IndexError):
+                term.error(f"no grant {rest.split()[1]}; /allow lists them")
+                return
+        elif rest:
+            term.error("usage: /allow, /allow revoke N, /allow revoke all")
+            return
+        term.line("\n".join(self.approvals.describe()) if grants
+                  else "nothing is allowed always; each call asks")
 
-            logging.getLogger("lich").debug("the turn failed", exc_info=True)
-            term.error(_describe_error(exc))
-            return history, session
-        if self.streaming:
-            term.end_answer()
+    def load_session(self, ref, *, folder):
+        """The history of a session (``folder``: the latest of this --root), shown briefly."""
+        if folder and ref == "latest":
+            path = _latest_session_in(self.sessions_home, self.root)
+            if path is None:
+                raise SessionNotFound("no session in this folder")
         else:
-            term.answer((run.final or {}).get("content") or "")
-        if run.stopped_reason == "budget":
-            term.note(f"stopped: the turn budget ({self.args.max_turns}) ran out")
-        return run.messages, session
+            path = resolve_session(self.sessions_home, ref)
+        try:
+            history = read_session_messages(path)
+        except FileNotFoundError:
+            raise SessionNotFound(f"session not found: {ref}") from None
+        shown = os.path.splitext(os.path.basename(path))[0]
+        self.term.note(f"resumed {shown}: {len(history)} messages")
+        for line in _recap(history):
+            self.term.line(line, dim=True)
+        return history
+
+    def batch(self) -> int:
+        """Every task of --batch, on --workers threads; resumed from --out."""
+        tasks = _read_tasks(self.args.batch)
+        term, args = self.term, self.args
+        signal = self.signal = threading.Event()
+        started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
+        total = len(tasks)
+
+        def on_result(result):
+            counts["done"] += 1
+            counts["failed"] += result.stopped_reason is None or result.stopped_reason == "aborted"
+            counts["budget"] += result.stopped_reason == "budget"
+            if args.out is None:
+                term.json_line(asdict(result))
+            elapsed = time.monotonic() - started
+            rate = counts["done"] / elapsed if elapsed > 0 else 0.0
+            left = total - counts["done"]
+            eta = f" · ETA {left / rate:.0f} s" if rate and left else ""
+            term.status(f"{counts['done']}/{total} done · {counts['failed']} failed · "
+                        f"{min(args.workers, left)} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+
+        def work():
+            return run_batch(tasks, chat=self.chat, tools=lambda task: self._tools(
+                task.get("root") or self.root), workers=args.workers,
+                session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
+                on_result=on_result, trace=False, max_turns=args.max_turns,
+                system_prompt=self.system_prompt, temperature=args.temperature,
+                context_budget_tokens=args.context_budget or None, output_schema=self.schema)
+
+        try:
+            results = _run_interruptibly(work, signal, self)
+        except _GivenUp:
+            term.end_status()
+            return _EXIT_INTERRUPTED
+        term.end_status()
+        if signal.is_set():
+            return _EXIT_INTERRUPTED
+        if any(not r.ok and r.stopped_reason != "budget" for r in results):
+            return _EXIT_ERROR
+        return _EXIT_BUDGET if any(r.stopped_reason == "budget" for r in results) else _EXIT_OK
 
 
-def _close(session):
-    if session is not None:
-        session.close()
+def _read_tasks(path):
+    """A --batch file's tasks: JSON lines, or else one prompt per line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise _UsageError(f"--batch: cannot read {path}: {getattr(e, 'strerror', None) or e}") \
+            from None
+    if not lines or not lines[0].lstrip().startswith("{"):
+        return lines
+    tasks = []
+    for number, line in enumerate(lines, 1):
+        try:
+            task = json.loads(line)
+        except ValueError as e:
+            raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
+        tasks.append(task)
+    return tasks
+
+
+def _print_sessions(session_dir, term, *, as_json) -> int:
+    paths = list_sessions(session_dir)
+    if not paths:
+        term.note("no sessions yet")
+    for path in paths if as_json else paths[:_LIST_SESSIONS_LIMIT]:
+        try:
+            summary = _session_summary(path)
+        except OSError:  # removed meanwhile
+            continue
+        if as_json:
+            term.json_line(summary)
+            continue
+        when = (summary["when"] or "")[:16].replace("T", " ")
+        term.answer(f"{summary['id']}  {when}  {summary['folder'] or '?'}  "
+                    f"{summary['model'] or '?'}  {summary['messages']:>4} messages  "
+                    f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}")
+    if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
+        term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
+    return _EXIT_OK
+
+
+class _LogHandler:
+    """Shows lich's log records on stderr through the terminal (made a logging.Handler
+    when logging is imported)."""
+
+    def __new__(cls, term, level):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                try:
+                    text = record.getMessage()
+                    if record.exc_info and self.level <= logging.DEBUG:
+                        import traceback
+
+                        text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+                    kind = "warning: " if record.levelno >= logging.WARNING else "debug: "
+                    term.line("lich: " + kind + text)
+                except Exception:
+                    self.handleError(record)
+
+        return Handler(level)
+
+
+def _set_dumpable(dumpable):
+    """Linux: whether other processes of this user (the tools) may read this one's memory and
+    /proc entries, its environment among them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, int(dumpable), 0, 0, 0)  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv=None) -> int:
@@ -5049,39 +6749,83 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
     import logging
+    import signal as signals
 
-    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
-    term = _Terminal(quiet=args.quiet, json_lines=args.json, color=color)
-    handler = _log_to_stderr(term, logging.DEBUG if args.verbose else logging.WARNING)
+    term = _Terminal(quiet=args.quiet, json_lines=args.json or args.list_sessions and False)
     logger = logging.getLogger("lich")
+    handler = _LogHandler(term, logging.DEBUG if args.verbose else logging.WARNING)
     previous_level = logger.level
     logger.addHandler(handler)
     if args.verbose:
         logger.setLevel(logging.DEBUG)
+    interrupts = _Interrupts()
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        def terminated(signum, frame):
+            interrupts.exit_code = 128 + signum
+            raise KeyboardInterrupt
+
+        for name in ("SIGTERM", "SIGHUP"):
+            number = getattr(signals, name, None)
+            if number is not None:
+                handlers[number] = signals.signal(number, terminated)
+    undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
+    if undumpable:
+        _set_dumpable(False)  # a tool cannot read the keys from /proc/<lich>/environ
+    cli = None
     try:
-        return _run_cli(args, os.environ, term)
+        if args.list_sessions:
+            return _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
+                                   as_json=args.json)
+        cli = _Cli(args, os.environ, term, interrupts)
+        return _run_cli(cli)
+    except _Quit as quit:
+        _quiet_stdout()
+        return quit.args[0]
     except (_UsageError, SessionNotFound) as exc:
         term.error(str(exc))
         return _EXIT_USAGE
     except KeyboardInterrupt:
-        return _EXIT_INTERRUPTED
+        return interrupts.exit_code
     except Exception as exc:
         logger.debug("the run failed", exc_info=True)
         term.error(_describe_error(exc))
         return _EXIT_ERROR
     finally:
+        if cli is not None:
+            cli.close()
+        term.stop_spinner()
+        for number, previous in handlers.items():
+            signals.signal(number, previous)
+        if undumpable:
+            _set_dumpable(True)
         logger.removeHandler(handler)
         logger.setLevel(previous_level)
 
 
-def _run_cli(args, environ, term) -> int:
-    if args.list_sessions:
-        return _list_sessions(args.session_dir or _default_session_dir(environ), term)
-    cli = _Cli(args, environ, term)
-    history = [] if args.resume is None else _load_session(cli.sessions_home, args.resume)
+def _quiet_stdout():
+    """After a closed stdout: send what is left to /dev/null, so that nothing complains at exit."""
+    try:
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _run_cli(cli) -> int:
+    args = cli.args
+    if args.json and args.prompt is None and _isatty(sys.stdin) and args.batch is None:
+        raise _UsageError("--json needs a PROMPT or piped stdin")
+    if args.batch is not None:
+        return cli.batch()
+    history = []
+    if args.resume is not None or args.continue_:
+        history = cli.load_session(args.resume or "latest", folder=args.resume is None)
     if cli.interactive:
-        return cli.repl(history)
-    piped = None if sys.stdin.isatty() else _read_piped()
+        return cli.repl(history, first=args.prompt)
+    piped = None if _isatty(sys.stdin) else _read_piped()
     return cli.one_shot(_prompt_with_stdin(args.prompt, piped), history)
 
 
