@@ -40,10 +40,9 @@ import functools
 import inspect
 import json
 import math
+import operator
 import os
-import random
 import re
-import shutil
 import stat
 import threading
 import time
@@ -160,7 +159,7 @@ def _add_secret(key: str) -> None:
         _secrets[key] = (width, pattern)
 
 
-_JSON_ESCAPE = re.compile(r"\\u([0-9a-fA-F]{4})")
+_JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
 
 
 def _redact_secrets(text: str) -> str:
@@ -168,7 +167,7 @@ def _redact_secrets(text: str) -> str:
     if not _secrets or not text:
         return text
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
-        text = _JSON_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
+        text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
     for width, pattern in list(_secrets.values()):
         spans = []
         for found in pattern.finditer(text):
@@ -571,7 +570,7 @@ _ABORT_MESSAGE = "agent loop aborted"
 _NO_TOOLS_ERROR = "no tools are available; answer without calling tools"
 _MAX_TOOL_CALLS_PER_ANSWER = 128  # the rest of a longer batch fail unrun: a history stays small
 _OUTPUT_FORMAT_NAME = "output"
-_FENCED_JSON = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z", re.DOTALL)
+_FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z"
 
 
 def seed_system_prompt(messages, system_prompt) -> list:
@@ -608,6 +607,14 @@ def _unique_call_ids(calls, used, counters) -> list:
     unique"), and some models and servers repeat them or leave them out.
     """
     seen = set()  # ids of ``calls`` kept or given so far
+    for call in calls:  # the common case, kept cheap: every id is fine
+        call_id = call.get("id") if isinstance(call, dict) else None
+        if not (isinstance(call_id, str) and call_id) or call_id in used or call_id in seen:
+            break
+        seen.add(call_id)
+    else:
+        return calls
+    seen.clear()
     taken = {c.get("id") for c in calls if isinstance(c, dict)}  # a fresh id takes none of them
     fixed = None
     for i, call in enumerate(calls):
@@ -747,16 +754,16 @@ def _parse_output(text, schema):
 
     A Markdown code fence around the JSON is tolerated: models add one unasked.
     """
-    fenced = _FENCED_JSON.match(text)
+    fenced = re.match(_FENCED_JSON, text)
     try:
         value = json.loads(fenced.group(1) if fenced else text)
     except (ValueError, RecursionError) as e:
         return None, f"it is not valid JSON ({e})"
     problems = []
-    value = _schema_check(value, schema, "", problems)
+    value = _schema_check(value, schema, "answer", problems)
     if not problems:
         return value, None
-    described = "; ".join(f"{where or 'the value'} must be {expected}, not {got}"
+    described = "; ".join(f"{where} must be {expected}, not {got}"
                           for where, expected, got in problems[:10])
     return None, f"it does not match the schema: {described}"
 
@@ -855,14 +862,18 @@ _SESSION_NAME_ATTEMPTS = 1000
 # --- recording ---
 
 
+_compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # made once:
+_ascii_json = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps builds one per call
+
+
 def _record_line(kind: str, value) -> bytes:
     now = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
     record = {"ts": stamp, "kind": kind, kind: value}
     try:
-        return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        return (_compact_json(record) + "\n").encode()
     except UnicodeEncodeError:  # a lone surrogate: fall back to \\u escapes
-        return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        return (_ascii_json(record) + "\n").encode()
 
 
 class SessionHandle:
@@ -925,28 +936,25 @@ class SessionHandle:
                                    f"open a session of your own in this process")
             if self._torn:
                 line = b"\n" + line
-            size = os.fstat(self._fd).st_size
             view = memoryview(line)
             written = 0
             try:
                 while written < len(line):
                     written += os.write(self._fd, view[written:])
             except BaseException:
-                self._cut_back(size, written)
+                self._cut_back(written)
                 raise
             self._torn = False
 
-    def _cut_back(self, size, written):
-        """Remove the ``written`` bytes of a failed append, unless another writer came after."""
+    def _cut_back(self, written):
+        """Remove the ``written`` bytes of a failed append: appended last, they end the file
+        (unless another writer came after them, and then they stay as a torn line)."""
         if not written:
             return
         try:
-            if os.fstat(self._fd).st_size == size + written:
-                os.ftruncate(self._fd, size)
-                return
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
         except OSError:
-            pass
-        self._torn = True
+            self._torn = True
 
 
 def _clean_label(label) -> str:
@@ -1141,28 +1149,30 @@ def run_agent(prompt, *, chat, max_turns, tools=None, history=None, session=None
 
 def _clean_message(message) -> Optional[dict]:
     """``message`` if it has a shape a provider accepts (a None content becomes ""), else None."""
-    if not isinstance(message, dict):
+    # ``type(x) is`` rather than isinstance: this runs per record of files of 100 MB, where it
+    # is measurably faster (bench/RESULTS.md, session read); JSON gives only exact types.
+    if type(message) is not dict:
         return None
     role = message.get("role")
     if role not in _MESSAGE_ROLES:
         return None
     content = message.get("content")
-    if not isinstance(content, str):
+    if type(content) is not str:
         if content is not None:
             return None
         message = {**message, "content": ""}
     if role == "tool":
-        return message if isinstance(message.get("tool_call_id"), str) else None
+        return message if type(message.get("tool_call_id")) is str else None
     if role == "assistant":
         calls = message.get("tool_calls")
-        if calls is not None and not (isinstance(calls, list) and all(map(_is_tool_call, calls))):
+        if calls is not None and not (type(calls) is list and all(map(_is_tool_call, calls))):
             return None
     return message
 
 
 def _is_tool_call(call) -> bool:
-    return (isinstance(call, dict) and isinstance(call.get("id"), str)
-            and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), str))
+    return (type(call) is dict and type(call.get("id")) is str
+            and type(call.get("name")) is str and type(call.get("arguments")) is str)
 
 
 def _interrupted_tool_message(call: dict) -> dict:
@@ -1233,7 +1243,7 @@ def _recorded_messages(lines):
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(record, dict) and record.get("kind") == "message":
+        if type(record) is dict and record.get("kind") == "message":
             message = _clean_message(record.get("message"))
             if message is not None:
                 yield message
@@ -1321,15 +1331,15 @@ _STOP_REASONS = {
 _OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded",
                              "request_too_large", "string_above_max_length",
                              "too_many_prompt_tokens", "exceed_context_size_error"})
-_OVERFLOW_TEXT = re.compile(
+_OVERFLOW_TEXT = (
     r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
     r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
     r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
     r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)")
-_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] [^'\")]+")
-_HTTP_URL = re.compile(r"(?i)https?://[^/?#\s]")
-_HEADER_TOKEN = re.compile(r"[!-~]+\Z")  # printable ASCII without spaces: what an API key can be
-_SPEC = re.compile(r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z")
+_ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
+_HTTP_URL = r"(?i)https?://[^/?#\s]"
+_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
+_SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
 
 def _snippet(body):
@@ -1444,7 +1454,7 @@ def _classify_http_error(status, body, headers):
         kind = "overloaded"
     elif 400 <= status < 500:
         overflow = status == 413 or not _OVERFLOW_CODES.isdisjoint(codes) \
-            or _OVERFLOW_TEXT.search(text) is not None
+            or re.search(_OVERFLOW_TEXT, text) is not None
         kind = "overflow" if overflow else "bad_request"
     elif status >= 500:
         kind = "server"
@@ -1699,11 +1709,17 @@ def _watched_adapter_class():
     return WatchedAdapter
 
 
-def _new_http_session():
-    session = _requests().Session()
+def _new_http_session(url):
+    """A requests session for ``url`` whose proxies and CA bundle are read from the
+    environment now, not on every request (which costs requests ~0.25 ms a call)."""
+    requests = _requests()
+    session = requests.Session()
     adapter = _watched_adapter_class()()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
+    session.proxies = requests.utils.get_environ_proxies(url)
+    session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
+    session.trust_env = False
     return session
 
 
@@ -1728,7 +1744,7 @@ class _HTTPChat:
                  extra_body):
         self.model = model
         self.base_url = (base_url or os.environ.get(self.url_env) or self.public_url).rstrip("/")
-        if not _HTTP_URL.match(self.base_url):
+        if not re.match(_HTTP_URL, self.base_url):
             raise ValueError(f"base_url must be an http:// or https:// URL, not "
                              f"{_redact_url(self.base_url)!r}")
         self.timeout = timeout
@@ -1751,7 +1767,7 @@ class _HTTPChat:
         self._api_key = key.strip() or None
         if self._api_key:
             _add_secret(self._api_key)
-        self._key_unsendable = self._api_key is not None and not _HEADER_TOKEN.match(self._api_key)
+        self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN, self._api_key)
         self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
         self._url = self.base_url + self._path
         self._shown_url = _redact_url(self._url)
@@ -1810,7 +1826,7 @@ class _HTTPChat:
             return self._session
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = _new_http_session()
+            session = self._local.session = _new_http_session(self._url)
         return session
 
     def _send(self, body, exchange):
@@ -2030,7 +2046,7 @@ class _HTTPChat:
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
         text = _redact_url(_redact_secrets(str(e)))
-        found = _ERRNO_TEXT.search(text)
+        found = re.search(_ERRNO_TEXT, text)
         reason = found.group(0) if found else _snippet(text)
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
@@ -2324,6 +2340,9 @@ def _anthropic_usage(usage, into):
                          ("cache_creation_input_tokens", "cache_write_tokens")):
         if usage.get(theirs) is not None:
             into[ours] = _count(usage[theirs])
+    details = usage.get("output_tokens_details")
+    if isinstance(details, dict) and details.get("thinking_tokens") is not None:
+        into["reasoning_tokens"] = _count(details["thinking_tokens"])
 
 
 class _AnthropicStream:
@@ -2453,23 +2472,21 @@ class AnthropicChat(_HTTPChat):
                     system.append(blocks)
             elif blocks:  # Anthropic refuses empty messages
                 if turns and turns[-1][0] == role:
-                    turns[-1][1].append(entry[3])  # the API wants roles to alternate
+                    turns[-1][1].append(entry)  # the API wants roles to alternate
                 else:
-                    turns.append([role, [entry[3]]])
-        wire = []
-        for i, (role, parts) in enumerate(turns):
-            newest = self.cache and i == len(turns) - 1
-            if len(parts) == 1 and parts[0][2] is not None and not newest:
-                content = parts[0][2]
-            else:
-                blocks = [b for part in parts for b in part[1]]
-                if role == "user":  # tool results must lead a user turn
-                    blocks.sort(key=lambda b: b[0]["type"] != "tool_result")
-                encoded_blocks = [b[1] for b in blocks]
-                if newest:
-                    encoded_blocks[-1] = _wire_json({**blocks[-1][0], "cache_control": _CACHE_CONTROL})
-                content = b"[" + b",".join(encoded_blocks) + b"]"
-            wire.append(b'{"role":' + _wire_json(role) + b',"content":' + content + b"}")
+                    turns.append([role, [entry]])
+        known = getattr(self._local, "turns", {})
+        kept, wire = {}, []
+        for i, (role, entries) in enumerate(turns):
+            newest = self.cache and i == len(turns) - 1  # it carries the cache breakpoint
+            key = tuple(map(id, entries))
+            hit = None if newest else known.get(key)
+            if hit is None or not all(map(operator.is_, hit[0], entries)):
+                hit = (entries, self._turn(role, [entry[3] for entry in entries], newest))
+            if not newest:
+                kept[key] = hit
+            wire.append(hit[1])
+        self._local.turns = kept
         fields = {}
         if system:
             text = "\n\n".join(system)
@@ -2477,6 +2494,21 @@ class AnthropicChat(_HTTPChat):
                                 if self.cache else text)
         fields["messages"] = b"[" + b",".join(wire) + b"]"
         return fields
+
+    @staticmethod
+    def _turn(role, parts, newest):
+        """The JSON of one turn: the messages of one role, one after another."""
+        if len(parts) == 1 and parts[0][2] is not None and not newest:
+            content = parts[0][2]
+        else:
+            blocks = [b for part in parts for b in part[1]]
+            if role == "user":  # tool results must lead a user turn
+                blocks.sort(key=lambda b: b[0]["type"] != "tool_result")
+            encoded_blocks = [b[1] for b in blocks]
+            if newest:
+                encoded_blocks[-1] = _wire_json({**blocks[-1][0], "cache_control": _CACHE_CONTROL})
+            content = b"[" + b",".join(encoded_blocks) + b"]"
+        return b'{"role":' + _wire_json(role) + b',"content":' + content + b"}"
 
     def _tools_to_wire(self, tools):
         wire = [{"name": t["name"], "description": t.get("description") or "",
@@ -2532,6 +2564,8 @@ _PROVIDER_KEY_ENVS = frozenset(cls.key_env for cls in _PROVIDERS.values())
 
 def _backoff_delay(attempt, base_delay, max_delay):
     """Exponential backoff for retry ``attempt`` (0-based) with jitter, within [cap/2, cap]."""
+    import random
+
     cap = min(max_delay, base_delay * (2 ** attempt))
     return cap * (0.5 + random.random() / 2)
 
@@ -2772,7 +2806,7 @@ def chat_from_spec(spec, **options):
         raise ValueError(f"invalid model spec {spec!r}: expected 'provider:model[@base_url]'")
     chats = []
     for part in parts:
-        found = _SPEC.match(part)
+        found = re.match(_SPEC, part)
         if not found or not found.group(2).strip():
             raise ValueError(f"invalid model spec {part!r}: expected 'provider:model[@base_url]'")
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
@@ -2797,12 +2831,12 @@ def chat_from_spec(spec, **options):
 # ============================================================================
 
 DEFAULT_MAX_OUTPUT_CHARS = 50_000
-_TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+_TOOL_NAME_RE = r"[A-Za-z0-9_-]{1,64}\Z"
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:", "params:", "keyword args:",
                  "keyword arguments:")
 _DOC_SECTIONS = _ARGS_HEADERS + ("returns:", "return:", "yields:", "raises:", "example:",
                                  "examples:", "note:", "notes:", "see also:")
-_ARG_DOC_RE = re.compile(r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z")
+_ARG_DOC_RE = r"\*{0,2}([A-Za-z_]\w*)\s*(?:\([^)]*\))?\s*:\s*(.*)\Z"
 
 
 class _ToolFailure(Exception):
@@ -2921,7 +2955,7 @@ def _parse_docstring(doc):
                 break  # the next section
             if entry_indent is None:
                 entry_indent = indent
-            match = _ARG_DOC_RE.match(stripped) if indent <= entry_indent else None
+            match = re.match(_ARG_DOC_RE, stripped) if indent <= entry_indent else None
             if match:
                 current = described[match.group(1)] = [match.group(2)] if match.group(2) else []
             elif current is not None:
@@ -2960,7 +2994,7 @@ def _function_tool(fn, name, description):
         raise TypeError(f"a tool must be callable, not {fn!r}")
     if name is None:
         name = getattr(fn, "__name__", None)
-    if not isinstance(name, str) or not _TOOL_NAME_RE.match(name):
+    if not isinstance(name, str) or not re.match(_TOOL_NAME_RE, name):
         raise ValueError(f"invalid tool name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
     try:
         signature = inspect.signature(fn)
@@ -3245,8 +3279,9 @@ def _fd_path(fd) -> Optional[str]:
 
 
 def _walk_tree(top_fd, visit, *, limit=None):
-    """Walk the folder open as ``top_fd``; ``visit(rel, entry, is_dir)`` is called per entry
-    (``rel`` the path from the top, "/"-separated) and returns whether to enter a folder.
+    """Walk the folder open as ``top_fd``; ``visit(rel, entry, is_dir, folder_fd)`` is called per
+    entry (``rel`` the path from the top, "/"-separated; ``folder_fd`` the descriptor of the
+    entry's folder) and returns whether to enter a folder.
 
     No link is followed: each folder is opened relative to its parent's descriptor with
     O_NOFOLLOW, so the walk cannot leave the top's tree however it changes meanwhile.
@@ -3272,7 +3307,7 @@ def _walk_tree(top_fd, visit, *, limit=None):
                         is_dir = entry.is_dir(follow_symlinks=False)
                     except OSError:
                         continue
-                    if visit(rel + entry.name, entry, is_dir) and is_dir:
+                    if visit(rel + entry.name, entry, is_dir, fd) and is_dir:
                         subfolders.append(entry.name)
         except OSError as e:
             skipped.append((rel.rstrip("/") or ".", e.strerror or str(e)))
@@ -3400,7 +3435,7 @@ class _Root:
         prefix = "" if base == "." else base + "/"
         found = []
 
-        def visit(rel, entry, is_dir):
+        def visit(rel, entry, is_dir, folder_fd):
             if is_dir:
                 return entry.name not in _SKIP_DIRS
             try:
@@ -3438,7 +3473,7 @@ class _Root:
             if old is not None and not stat.S_ISREG(old.st_mode):
                 kind = "a directory" if stat.S_ISDIR(old.st_mode) else "not a regular file"
                 raise _ToolFailure(f"path is {kind}: {shown}")
-            temp = f".{name[:200]}.lich-{os.getpid()}-{random.getrandbits(32):08x}.tmp"
+            temp = f".{name[:200]}.lich-{os.getpid()}-{os.urandom(4).hex()}.tmp"
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                          0o666, dir_fd=dir_fd)
             with os.fdopen(fd, "wb") as f:
@@ -3715,17 +3750,16 @@ def _search_text(regex, text, number, found):
 def _search_file(regex, f, found, check):
     """``found(line number, line)`` per matching line of the binary file ``f``, read in blocks
     of whole lines; ``check()`` between blocks. A file with a NUL byte near its start is skipped."""
-    head = f.read(_BINARY_SNIFF_BYTES)
-    if b"\0" in head:
-        return
-    number, carry = 1, head
+    number, carry, first = 1, b"", True
     while True:
         block = f.read(_SEARCH_BLOCK_BYTES)
-        check()
-        data = carry + block
-        if not data:
-            return
-        cut = data.rfind(b"\n") + 1 if block else len(data)
+        if first:
+            if b"\0" in block[:_BINARY_SNIFF_BYTES]:
+                return
+            first = False
+        last = len(block) < _SEARCH_BLOCK_BYTES  # a short read of a regular file: its end
+        data = carry + block if carry else block
+        cut = len(data) if last else data.rfind(b"\n") + 1
         if cut == 0:  # no line end yet
             if len(data) < _SEARCH_LINE_MAX_BYTES:
                 carry = data
@@ -3736,9 +3770,10 @@ def _search_file(regex, f, found, check):
         if "\r" in text:
             text = text.replace("\r\n", "\n")
         _search_text(regex, text, number, found)
-        number += text.count("\n")
-        if not block:
+        if last:
             return
+        number += text.count("\n")
+        check()
 
 
 def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check):
@@ -3749,38 +3784,28 @@ def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check):
         with os.fdopen(fd, "rb") as f:
             _search_file(regex, f, lambda n, line: emit("m", prefix, n, line), check)
         return
-    files = []
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
 
-    def visit(rel, entry, is_dir):
+    def visit(rel, entry, is_dir, folder_fd):
         path = prefix + rel
         if rules and _ignored(rules, path, entry.name, is_dir):
             return False
         if is_dir:
             return entry.name not in _SKIP_DIRS
         if entry.is_file(follow_symlinks=False) and wanted(rel, entry.name):
-            files.append(rel)
+            check()
+            try:
+                with os.fdopen(os.open(entry.name, flags, dir_fd=folder_fd), "rb") as f:
+                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        _search_file(regex, f, lambda n, line: emit("m", path, n, line), check)
+            except OSError:
+                pass  # vanished or unreadable meanwhile
         return False
 
-    folder_fd = os.dup(fd)
-    try:
-        _, skipped = _walk_tree(fd, visit)
-        for path, reason in skipped:
-            emit("x", prefix + path, reason)
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
-            | getattr(os, "O_CLOEXEC", 0)
-        for rel in sorted(files):
-            check()
-            path = prefix + rel
-            try:
-                file_fd = _open_beneath(folder_fd, rel, flags)
-                with os.fdopen(file_fd, "rb") as f:
-                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                        _search_file(regex, f, lambda n, line, p=path: emit("m", p, n, line),
-                                     check)
-            except OSError:
-                continue  # vanished or unreadable meanwhile
-    finally:
-        os.close(folder_fd)
+    _, skipped = _walk_tree(fd, visit)
+    for path, reason in skipped:
+        emit("x", prefix + path, reason)
 
 
 def _open_beneath(folder_fd, rel, flags):
@@ -4137,6 +4162,8 @@ class _Workspace:
     def _search_with_rg(self, pattern, fd, folder, prefix, glob, wanted, gitignore, matches,
                         signal):
         """The search done by ripgrep, when it is on PATH and takes the pattern; else None."""
+        import shutil
+
         rg = shutil.which("rg")
         if rg is None:
             return None
@@ -4244,8 +4271,10 @@ class _Workspace:
             data = content.encode("utf-8")
         except UnicodeEncodeError as e:
             raise _ToolFailure(f"content cannot be written as UTF-8: {e}") from None
-        self._approve(call)
-        self.root.write(self.root.resolve(path), path, data)  # resolved again: it may have changed
+        if self.approve is not None:
+            self._approve(call)
+            real = self.root.resolve(path)  # again: it may have changed while the user read
+        self.root.write(real, path, data)
         return f"wrote {len(content)} characters to {path}"
 
     def edit_file(self, path: str, old_text: str, new_text: str, call: ToolCall) -> str:
@@ -4259,10 +4288,12 @@ class _Workspace:
         """
         if not old_text:
             raise _ToolFailure("old_text is empty; copy the exact text to replace from the file")
-        self._edited(self.root.resolve(path), path, old_text, new_text)
-        self._approve(call)
         real = self.root.resolve(path)
-        data = self._edited(real, path, old_text, new_text)  # the file may have changed meanwhile
+        data = self._edited(real, path, old_text, new_text)
+        if self.approve is not None:
+            self._approve(call)
+            real = self.root.resolve(path)  # the file may have changed while the user read
+            data = self._edited(real, path, old_text, new_text)
         self.root.write(real, path, data)
         return f"replaced 1 occurrence of old_text in {path}"
 
@@ -4716,7 +4747,7 @@ class _HTTPServer:
     def _http(self):
         session = getattr(self._local, "session", None)
         if session is None:
-            session = self._local.session = _new_http_session()
+            session = self._local.session = _new_http_session(self.url)
         return session
 
     def _headers(self):
@@ -4939,7 +4970,7 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
         if holder:
             holder[0]._list_changed()
 
-    if isinstance(server, str) and _HTTP_URL.match(server):
+    if isinstance(server, str) and re.match(_HTTP_URL, server):
         transport = _HTTPServer(server, headers, list_changed)
     else:
         import shlex
@@ -4971,7 +5002,7 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
 # Many runs
 # ============================================================================
 
-_TASK_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+_TASK_ID = r"[A-Za-z0-9_.-]{1,64}\Z"
 _TASK_KEYS = frozenset({"id", "prompt", "history", "system_prompt", "root"})
 
 
@@ -5000,7 +5031,7 @@ def _batch_tasks(tasks) -> list:
         if unknown:
             raise ValueError(f"task {position} has unknown keys: {', '.join(unknown)}")
         task_id = task.get("id", str(position))
-        if not isinstance(task_id, str) or not _TASK_ID.match(task_id):
+        if not isinstance(task_id, str) or not re.match(_TASK_ID, task_id):
             raise ValueError(f"task {position}: the id {task_id!r} must be 1 to 64 letters, "
                              f"digits, '_', '.' or '-'")
         if task_id in ids:
@@ -5499,6 +5530,8 @@ def _default_model(environ) -> str:
 
 def _read_piped() -> str:
     """Piped stdin as text; bytes that are not UTF-8 are replaced, as in the shell tool's output."""
+    if sys.stdin is None:  # closed: nothing was piped
+        return None
     raw = getattr(sys.stdin, "buffer", None)
     return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
 
@@ -5579,13 +5612,13 @@ def _otel_provider(term):
 
 # --- the terminal ---
 
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL = "[\x00-\x08\x0b-\x1f\x7f-\x9f]"
 
 
 def _visible(text) -> str:
     """``text`` with every control character but newline and tab spelled out (``\\x1b``,
     ``\\r``): what the model wrote can neither move the cursor nor recolour the terminal."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    return re.sub(_CONTROL, lambda m: repr(m.group())[1:-1], text)
 
 
 def _count_text(n) -> str:
@@ -5764,6 +5797,8 @@ class _Terminal:
         """``text`` cut to the terminal's width, at a word where it can be."""
         if not self.fancy:
             return text
+        import shutil
+
         width = shutil.get_terminal_size((100, 24)).columns
         if len(text) <= width:
             return text
@@ -5881,7 +5916,8 @@ class _Progress:
         self.muted = False  # the run was given up on but its thread goes on
         self.compressing = False  # the chat's streamed words are a summary, not the answer
         self.thread = None  # the thread the run works in
-        self.shown = []  # text streamed during the current chat call
+        self.received = []  # text streamed during the current chat call
+        self.shown = False  # and whether any of it was shown
         self._tool_started = None
 
     def __call__(self, event):
@@ -5899,7 +5935,7 @@ class _Progress:
         if term.json_lines:
             term.json_line({k: _plain(v) for k, v in event.items()})
         elif kind == "llm_start":
-            self.shown = []
+            self.received, self.shown = [], False
             term.start_spinner("thinking")
         elif kind == "llm_end":
             term.stop_spinner()
@@ -5928,8 +5964,9 @@ class _Progress:
             term.stop_spinner()
 
     def delta(self, text):
+        self.received.append(text)
         if self.term.delta(text, final_only=not self.cli.answer_on_stdout):
-            self.shown.append(text)
+            self.shown = True
 
 
 # --- approvals ---
@@ -6211,7 +6248,7 @@ class _Cli:
         self.closers = []
         self.interactive = args.batch is None and _isatty(sys.stdin) and (
             args.prompt is None or args.interactive)
-        self.asks = (_isatty(sys.stdin) and sys.stderr.isatty() and not args.yolo
+        self.asks = (_isatty(sys.stdin) and _isatty(sys.stderr) and not args.yolo
                      and args.batch is None)
         self.schema = _output_schema(args.schema) if args.schema is not None else None
         self.streaming = not (args.no_stream or args.json or self.schema or args.batch)
@@ -6381,9 +6418,9 @@ class _Cli:
         term.end_answer()
         last = progress.history[-1] if progress.history else {}
         if last.get("role") in ("user", "tool"):
-            shown = "".join(progress.shown).strip()
+            said = "".join(progress.received).strip()  # what the model said before the stop
             note = {"role": "assistant",
-                    "content": f"{shown}\n\n{_INTERRUPTED_NOTE}" if shown else _INTERRUPTED_NOTE}
+                    "content": f"{said}\n\n{_INTERRUPTED_NOTE}" if said else _INTERRUPTED_NOTE}
             progress.history.append(note)
             if session is not None:
                 try:

@@ -376,10 +376,11 @@ class ScriptedChat:
         self.script = list(script)
         self.calls = []
 
-    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 response_format=None):
         self.calls.append({"messages": [dict(m) for m in messages], "tools": tools,
                            "temperature": temperature, "max_tokens": max_tokens,
-                           "signal": signal})
+                           "signal": signal, "response_format": response_format})
         if not self.script:
             raise AssertionError("ScriptedChat ran out of replies")
         step = self.script.pop(0)
@@ -599,6 +600,13 @@ def records(path, *, torn=False):
 
 def meta(**fields):
     return {"kind": "meta", "meta": fields}
+
+
+def run_start(input_chars, history_size, *, cwd=None, model=None):
+    """The run_start record: ``cwd`` is the tools' root, else this process's folder."""
+    return meta(event="run_start", input_chars=input_chars, history_size=history_size,
+                cwd=os.getcwd() if cwd is None else os.path.realpath(cwd), model=model,
+                lich=lich.__version__)
 
 
 def msg(message):
@@ -835,7 +843,8 @@ def test_tool_result_and_loop_outcome_fields():
     assert lich.ToolResult(ok=True) == lich.ToolResult(True, "", None)
     outcome = lich.LoopOutcome([], None, None, 0, "aborted")
     assert [f for f in vars(outcome)] == ["messages", "final", "result", "turns_used",
-                                          "stopped_reason"]
+                                          "stopped_reason", "output"]
+    assert outcome.output is None
 
 
 def test_tool_runner_protocol_is_structural():
@@ -940,28 +949,30 @@ def test_estimate_of_a_history_is_the_sum():
     assert lich.estimate_messages_tokens(history) == 3 + 9
 
 
-def test_working_history_estimate_stays_exact_through_changes():
-    history = lich._History([{"role": "user", "content": "x" * 10}])
-    assert history.estimated_tokens() == 3
-    history.append({"role": "assistant", "content": "", "tool_calls": _CALLS})
-    history.extend([{"role": "tool", "tool_call_id": "c1", "name": "read", "content": "ok",
-                     "is_error": False}])
-    assert lich.estimate_messages_tokens(history) == lich.estimate_messages_tokens(list(history))
-    history[:] = [{"role": "user", "content": "abc"}]
-    assert lich.estimate_messages_tokens(history) == 1
-    del history[0]
-    history.insert(0, {"role": "user", "content": "x" * 40})
-    assert lich.estimate_messages_tokens(history) == 10
+def test_the_loop_compresses_at_the_first_turn_the_whole_history_reaches_the_threshold():
+    """The loop keeps its estimate as the history grows (no re-count per turn): compression
+    starts exactly where estimating the whole history at each turn would start it."""
+    def answer(turn):
+        return assistant("x" * 40, (f"c{turn}", "echo", "{}"))
 
+    def chat(messages, **kwargs):
+        if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
+            return lich.ChatResult(assistant("summary"))
+        return lich.ChatResult(answer(sum(m["role"] == "assistant" for m in messages) + 1))
 
-def test_working_history_call_ids_stay_exact_through_changes():
-    history = lich._History([assistant("", ("a", "echo", "{}"))])
-    assert history.call_ids() == {"a"}
-    history.append(assistant("", ("b", "echo", "{}"), ("c", "echo", "{}")))
-    history.append(tool_msg("b"))
-    assert history.call_ids() == {"a", "b", "c"}
-    history[:] = [assistant("", ("d", "echo", "{}"))]
-    assert history.call_ids() == {"d"}
+    emitter, events = recorder_emitter()
+    lich.run_conversation(chat, EchoTools(), [user("go")], max_turns=12, emitter=emitter,
+                          context_budget_tokens=300, compress_threshold=0.8)
+    history, expected = [user("go")], None
+    for turn in range(1, 13):  # the history at the top of each turn, counted whole
+        if lich.estimate_messages_tokens(history) >= 240:
+            expected = (turn, lich.estimate_messages_tokens(history))
+            break
+        history += [answer(turn), tool_msg(f"c{turn}", "echo:{}")]
+    turn, estimated = expected
+    starts = [i for i, e in enumerate(events) if e["type"] == "turn_start"]
+    assert events[starts[turn - 1] + 1] == {"type": "compress_start", "estimated_tokens": estimated}
+    assert not any(e["type"] == "compress_start" for e in events[:starts[turn - 1]])
 
 
 @pytest.mark.parametrize("budget, threshold, expected", [
@@ -1392,6 +1403,88 @@ def test_event_ordering_holds_for_random_runs():
                     "cancelled"}
 
 
+def test_an_answer_asking_for_too_many_calls_runs_only_the_first_128():
+    calls = [(f"c{i}", "echo", "{}") for i in range(130)]
+    tools = EchoTools()
+    outcome, events, _ = run_loop(assistant("", *calls), assistant("done"), tools=tools)
+    ran = [m for m in outcome.messages if m["role"] == "tool"]
+    assert len(tools.calls) == 128 and len(ran) == 130
+    skipped = lich.format_tool_result_content(lich.ToolResult(ok=False, error=(
+        "not run: the answer asked for 130 tool calls and at most 128 run per answer; ask for fewer "
+        "at a time")))
+    assert [m["content"] for m in ran[128:]] == [skipped, skipped]
+    assert [m["is_error"] for m in ran[126:]] == [False, False, True, True]
+    assert [e["cancelled"] for e in events if e["type"] == "tool_call_end"][126:] == [False, False, True, True]
+    assert sum(e["type"] == "tool_call_start" for e in events) == 128
+
+
+def test_a_tool_result_holding_a_key_in_use_is_redacted_before_anything_sees_it(server):
+    lich.OpenAIChat("m", api_key=KEY, base_url=server.url + "/v1")  # the key is now in use
+    leaky = lich.Tools()
+
+    @leaky.tool
+    def environ() -> str:
+        """Print the environment."""
+        return f"PATH=/bin\nOPENAI_API_KEY={KEY}\nescaped={KEY[:-6]}\n"
+
+    outcome, events, _ = run_loop(assistant("", ("c1", "environ", "{}")), assistant("done"), tools=leaky)
+    shown = json.dumps([outcome.messages, [e.get("result") and repr(e["result"]) for e in events]])
+    assert not any(KEY[i:i + 8] in shown for i in range(len(KEY) - 7))
+    assert outcome.messages[2]["content"] == "PATH=/bin\nOPENAI_API_KEY=[redacted]\nescaped=[redacted]\n"
+
+
+def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
+    emitter, events = recorder_emitter()
+    with pytest.raises(TypeError, match="^the chat returned dict, not a ChatResult holding a message dict$"):
+        lich.run_conversation(lambda messages, **kw: {"role": "assistant"}, None, [user("x")],
+                              max_turns=1, emitter=emitter)
+    assert types(events) == ["turn_start", "llm_start", "error"]
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "number"}},
+          "required": ["city", "temp"], "additionalProperties": False}
+
+
+def test_structured_output_is_parsed_validated_and_asked_for():
+    chat = ScriptedChat(assistant('```json\n{"city": "Lima", "temp": 19}\n```'))
+    outcome = lich.run_conversation(chat, None, [user("weather?")], max_turns=2, output_schema=SCHEMA)
+    assert (outcome.stopped_reason, outcome.output) == ("final", {"city": "Lima", "temp": 19.0})
+    assert chat.calls[0]["response_format"] == {"name": "output", "schema": SCHEMA}
+
+
+def test_a_structured_answer_that_does_not_fit_is_corrected_within_the_budget():
+    chat = ScriptedChat(assistant("It is warm in Lima."), assistant('{"city": "Lima", "temp": "warm"}'),
+                        assistant('{"city": "Lima", "temp": 19.5}'))
+    emitter, events = recorder_emitter()
+    outcome = lich.run_conversation(chat, None, [user("weather?")], max_turns=3, output_schema=SCHEMA,
+                                    emitter=emitter)
+    assert (outcome.stopped_reason, outcome.turns_used, outcome.output) == (
+        "final", 3, {"city": "Lima", "temp": 19.5})
+    corrections = [e["message"]["content"] for e in events if e["type"] == "output_invalid"]
+    assert corrections == [
+        ("Your answer cannot be used: it is not valid JSON (Expecting value: line 1 column 1 (char 0)). "
+         "Answer again with only a JSON value that matches the required schema."),
+        ("Your answer cannot be used: it does not match the schema: answer[\"temp\"] must be a number, "
+         "not a string. Answer again with only a JSON value that matches the required schema.")]
+    assert [m["content"] for m in outcome.messages if m["role"] == "user"][1:] == corrections
+    assert types(events) == ["turn_start", "llm_start", "llm_end", "output_invalid"] * 2 + [
+        "turn_start", "llm_start", "llm_end", "final", "turn_end"]
+
+
+def test_a_structured_answer_that_never_fits_ends_on_the_budget():
+    chat = ScriptedChat(assistant("no"), assistant("still no"))
+    outcome = lich.run_conversation(chat, None, [user("x")], max_turns=2, output_schema=SCHEMA)
+    assert (outcome.stopped_reason, outcome.final, outcome.output, outcome.messages[-1]) == (
+        "budget", None, None, assistant("still no"))
+
+
+def test_no_response_format_reaches_a_chat_when_no_schema_is_asked_for():
+    def strict_chat(messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
+        return lich.ChatResult(assistant("ok"))  # an older ChatFn: no response_format keyword
+
+    assert lich.run_conversation(strict_chat, None, [user("x")], max_turns=1).stopped_reason == "final"
+
+
 # ============================================================================
 # Sessions
 # ============================================================================
@@ -1512,7 +1605,7 @@ def test_run_agent_records_a_whole_run(tmp_path):
     run = lich.run_agent("hi", chat=ScriptedChat(*script), tools=EchoTools(), max_turns=5,
                          system_prompt="sys", session_dir=tmp_path, label="t")
     assert records(run.session_path) == [
-        meta(event="run_start", input_chars=2, history_size=0),
+        run_start(2, 0),
         msg({"role": "system", "content": "sys"}), msg(user("hi")),
         msg(script[0]), msg(tool_msg("c1", "echo:{}")), msg(script[1]),
         meta(event="run_end", stopped_reason="final", usage={"input_tokens": 20, "output_tokens": 4})]
@@ -1531,7 +1624,7 @@ def test_run_agent_records_history_and_the_budget_path(tmp_path):
     cancelled = tool_msg("c1", '{"ok": false, "output": "", "error": "turn_budget_exhausted"}',
                          is_error=True)
     assert records(run.session_path) == [
-        meta(event="run_start", input_chars=2, history_size=2),
+        run_start(2, 2),
         msg(user("earlier")), msg(assistant("answer")), msg(user("go")),
         msg(assistant("", ("c1", "echo", "{}"))), msg(cancelled),
         meta(event="budget_exhausted", turns_used=1),
@@ -1555,7 +1648,7 @@ def test_run_agent_records_run_error_and_reraises(tmp_path):
         lich.run_agent("hi", chat=ScriptedChat(failure), max_turns=2, session_dir=tmp_path)
     assert info.value is failure
     [path] = tmp_path.iterdir()
-    assert records(path) == [meta(event="run_start", input_chars=2, history_size=0), msg(user("hi")),
+    assert records(path) == [run_start(2, 0), msg(user("hi")),
                              meta(event="run_error", error="ProviderError: quota exceeded")]
 
 
@@ -1579,11 +1672,11 @@ def test_a_reused_handle_records_only_what_seeding_added(tmp_path):
     handle.close()
     end = meta(event="run_end", stopped_reason="final", usage=USAGE)
     assert records(handle.path) == [
-        meta(event="run_start", input_chars=3, history_size=0),
+        run_start(3, 0),
         msg({"role": "system", "content": "sys"}), msg(user("one")), msg(assistant("1")), end,
-        meta(event="run_start", input_chars=3, history_size=3),
+        run_start(3, 3),
         msg(user("two")), msg(assistant("2")), end,
-        meta(event="run_start", input_chars=5, history_size=5),
+        run_start(5, 5),
         msg({"role": "system", "content": "new sys"}), msg(user("three")), msg(assistant("3")), end]
     assert first.session_path == second.session_path == third.session_path == handle.path
     assert lich.read_session_messages(handle.path)[-2:] == [user("three"), assistant("3")]
@@ -1594,7 +1687,7 @@ def test_a_handle_new_to_run_agent_gets_the_whole_history(tmp_path):
     handle.append_meta({"event": "mine"})
     lich.run_agent("q", chat=ScriptedChat(assistant("a")), max_turns=1, session=handle,
                    history=[user("old"), assistant("older")])
-    assert records(handle.path)[:5] == [meta(event="mine"), meta(event="run_start", input_chars=1, history_size=2),
+    assert records(handle.path)[:5] == [meta(event="mine"), run_start(1, 2),
                                         msg(user("old")), msg(assistant("older")), msg(user("q"))]
     handle.append_meta({"event": "still open"})
     handle.close()
@@ -1690,7 +1783,7 @@ def test_a_10_mb_prompt_through_run_agent(tmp_path):
     run = lich.run_agent(prompt, chat=chat, tools=EchoTools(), max_turns=3, session_dir=tmp_path,
                          context_budget_tokens=1000)
     assert (run.stopped_reason, run.messages[0], len(chat.calls)) == ("final", user(prompt), 2)
-    assert records(run.session_path)[0] == meta(event="run_start", input_chars=10_000_000, history_size=0)
+    assert records(run.session_path)[0] == run_start(10_000_000, 0)
     assert lich.read_session_messages(run.session_path) == run.messages
 
 
@@ -1735,7 +1828,7 @@ def test_50_threads_run_agent_into_their_own_sessions(tmp_path):
         expected = tagged_messages(f"t{n}", f"task {n}")
         assert run.messages == expected
         assert records(run.session_path) == [
-            meta(event="run_start", input_chars=len(f"task {n}"), history_size=0), *map(msg, expected),
+            run_start(len(f"task {n}"), 0), *map(msg, expected),
             meta(event="run_end", stopped_reason="final", usage={"input_tokens": 20, "output_tokens": 4})]
         assert lich.read_session_messages(run.session_path) == expected
 
@@ -1897,7 +1990,7 @@ def fork(work, *args, kill_after=None):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    _, status = os.waitpid(pid, 0)
+    os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         return signal.Signals(os.WTERMSIG(status)).name
     return os.WEXITSTATUS(status)
@@ -1985,6 +2078,102 @@ def test_sigkill_at_random_points_loses_no_record_and_every_session_resumes(serv
     assert killed_at == {"turn_start", "compress_start", "compress_end", "llm_start", "llm_end",
                             "tool_call_start", "tool_call_end", "final", "turn_end"}
     assert meta(event="compress", summary_chars=len("Built notes.")) in reference
+
+
+class MemorySession:
+    """A session that is not a file: what §10.1 says any such object may be."""
+
+    def __init__(self, fail_after=None):
+        self.path, self.id = "memory://1", "memory-1"
+        self.records = []
+        self.fail_after = fail_after
+        self.closed = False
+
+    def append_message(self, message):
+        self._add(("message", message))
+
+    def append_meta(self, meta):
+        self._add(("meta", meta))
+
+    def _add(self, record):
+        if self.fail_after is not None and len(self.records) >= self.fail_after:
+            raise ConnectionError("the database went away")
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+def test_any_session_object_records_a_run_and_is_only_appended_to(tmp_path):
+    session = MemorySession()
+    script = [assistant("", ("c1", "echo", "{}")), assistant("done")]
+    run = lich.run_agent("hi", chat=ScriptedChat(*script), tools=EchoTools(), max_turns=3,
+                         session=session)
+    assert session.records == [
+        ("meta", run_start(2, 0)["meta"]), ("message", user("hi")), ("message", script[0]),
+        ("message", tool_msg("c1", "echo:{}")), ("message", script[1]),
+        ("meta", {"event": "run_end", "stopped_reason": "final",
+                  "usage": {"input_tokens": 20, "output_tokens": 4}})]
+    assert (run.session_path, session.closed) == ("memory://1", False)
+    lich.run_agent("again", chat=ScriptedChat(assistant("ok")), max_turns=1, session=session,
+                   history=run.messages)
+    assert [r[1].get("content") for r in session.records[6:] if r[0] == "message"] == ["again", "ok"]
+
+
+def test_a_failing_session_object_warns_once_per_run_and_the_run_goes_on(caplog):
+    session = MemorySession(fail_after=2)
+    run = lich.run_agent("hi", chat=ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("ok")),
+                         tools=EchoTools(), max_turns=3, session=session)
+    assert run.stopped_reason == "final" and len(session.records) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["session recording stopped: memory-1: ConnectionError: the database went away"]
+
+
+def test_run_start_names_the_tools_root_and_the_model(tmp_path, server):
+    root = tmp_path / "proj"
+    root.mkdir()
+    server.reply(200, openai_reply("ok"))
+    run = lich.run_agent("hi", chat=openai_at(server), tools=lich.coding_tools(root), max_turns=1,
+                         session_dir=tmp_path / "s")
+    assert records(run.session_path)[0] == run_start(2, 0, cwd=root, model="gpt-test")
+
+
+def test_a_session_handle_does_not_pickle(tmp_path):
+    import pickle
+
+    with lich.open_session(tmp_path) as handle, pytest.raises(TypeError, match="cannot pickle a SessionHandle"):
+        pickle.dumps(handle)
+
+
+def test_a_session_handle_refuses_a_forked_child_and_leaves_the_parents_records_whole(tmp_path):
+    handle = lich.open_session(tmp_path)
+    handle.append_meta({"event": "before"})
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its appends are refused, never written
+        try:
+            handle.append_meta({"event": "child"})
+            outcome = b"written"
+        except RuntimeError as e:
+            outcome = str(e).encode()
+        os.write(write, outcome)
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    said = os.read(read, 1000).decode()
+    os.close(read)
+    handle.append_meta({"event": "after"})
+    handle.close()
+    assert said == f"session {handle.id} was opened by process {os.getpid()}; open a session of your own in this process"
+    assert records(handle.path) == [meta(event="before"), meta(event="after")]
+
+
+def test_list_sessions_breaks_a_tie_of_times_by_the_counter(tmp_path):
+    names = ["20261130T120000Z-9.jsonl", "20261130T120000Z-10.jsonl"]
+    for name in names:
+        (tmp_path / name).write_text("")
+        os.utime(tmp_path / name, (1_700_000_000, 1_700_000_000))
+    assert [os.path.basename(p) for p in lich.list_sessions(tmp_path)] == names[::-1]
 
 
 # --- reading ---
@@ -2188,10 +2377,17 @@ def pieces(text, size):
     return [data[i:i + size] for i in range(0, len(data), size)]
 
 
+def usage(input_tokens, output_tokens, **more):
+    """A usage dict: the two counts, then the cache and reasoning counts given."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, **more}
+
+
 def result(content="", *calls, usage=(0, 0), model=None, stop=None):
-    return lich.ChatResult(message=assistant(content, *calls),
-                           usage={"input_tokens": usage[0], "output_tokens": usage[1]},
-                           model=model, stop_reason=stop)
+    """A ChatResult; ``usage`` is an (input, output) pair or a whole usage dict."""
+    counts = usage if isinstance(usage, dict) else {"input_tokens": usage[0],
+                                                     "output_tokens": usage[1]}
+    return lich.ChatResult(message=assistant(content, *calls), usage=counts, model=model,
+                           stop_reason=stop)
 
 
 def echo_tools():
@@ -2412,7 +2608,6 @@ def test_invalid_response_message_quotes_the_body(server):
     pytest.param("openai", openai_sse(delta_chunk(tool_calls=[call_delta(0, "{}", id="c")])),
                  id="openai-call-without-name"),
     pytest.param("openai", openai_sse({"choices": [{"delta": "text"}]}), id="openai-delta-str"),
-    pytest.param("openai", openai_sse(delta_chunk(content=["x"])), id="openai-content-list"),
     pytest.param("openai", "<html>busy</html>", id="openai-html-stream"),
     pytest.param("openai", "", id="openai-empty-stream"),
     pytest.param("anthropic", anthropic_sse(message_start(), block_start(0, text_block(""))),
@@ -2484,6 +2679,72 @@ def test_provider_errors_and_reprs_never_carry_the_key(server):
                 texts += [str(exc), repr(exc), "".join(shown)]
     assert len(texts) == 5 + 3 * len(chats) * len(faults)
     assert [t for t in texts if SECRET in t] == []
+
+
+@pytest.mark.parametrize("body", [
+    {"error": {"message": "The total length of all messages is too long.",
+               "type": "too_many_prompt_tokens", "code": 400}},
+    {"error": {"message": "User input tokens exceeds 4096 tokens", "type": "too_many_prompt_tokens"}},
+    {"error": {"message": "The total length of all messages is too long."}},
+    {"error": {"message": "request (13392 tokens) exceeds the available context size (8192 "
+                          "tokens), try increasing it", "type": "exceed_context_size_error"}},
+], ids=["perplexity-type", "input-tokens-exceeds", "total-length-wording", "llama-cpp"])
+def test_more_context_overflow_wordings_are_overflow(server, body):
+    server.reply(400, body)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("overflow", False)
+
+
+@pytest.mark.parametrize("base", ["http://user:{key}@{host}/v1", "http://{host}/v1?key={key}&x=1"],
+                         ids=["user-info", "query"])
+def test_a_key_in_a_base_url_is_shown_nowhere(server, base, caplog):
+    secret = "sk-url-key-0123456789abcdef"
+    host = server.url.split("://", 1)[1]
+    chat = lich.OpenAIChat("m", base_url=base.format(key=secret, host=host), timeout=5)
+    server.reply(500, "down")
+    with caplog.at_level("DEBUG", logger="lich"), pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    shown = "\n".join([repr(chat), str(info.value), caplog.text])
+    assert secret not in shown and "[redacted]" in repr(chat)
+    refused = lich.OpenAIChat("m", base_url=base.format(key=secret, host="127.0.0.1:1"), timeout=2)
+    with pytest.raises(lich.ProviderError) as info:
+        refused(USER)
+    assert info.value.kind == "network" and secret not in str(info.value)
+
+
+def test_a_key_echoed_json_escaped_and_cut_leaves_no_eight_characters_of_it(server):
+    escaped = "".join(f"\\u{ord(c):04x}" for c in KEY[:3]) + KEY[3:]  # \u0073\u006b... as some echo it
+    server.reply(401, '{"error": {"message": "' + "x" * 1990 + 'bad key ' + escaped + '"}}',
+                 content_type="text/plain")  # not parsed as JSON: the escapes stay in the text
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, api_key=KEY)(USER)
+    text = str(info.value)
+    assert info.value.kind == "auth"
+    assert not any(KEY[i:i + 8] in text for i in range(len(KEY) - 7)), text[-80:]
+
+
+def test_a_redirect_to_another_origin_is_not_followed_and_carries_no_key(server):
+    other = LoopbackServer()
+    try:
+        server.reply(307, "", headers={"Location": f"{other.url}/v1/chat/completions?x=1"})
+        with pytest.raises(lich.ProviderError) as info:
+            anthropic_at(server, api_key=KEY)(USER)
+        assert (info.value.kind, info.value.status, str(info.value)) == (
+            "not_found", 307, (f"anthropic: HTTP 307: redirected to another origin, {other.url}, "
+                               f"which lich does not follow; set the base URL to where the API is"))
+        assert other.requests == [] and len(server.requests) == 1
+    finally:
+        other.close()
+
+
+def test_a_redirect_within_the_origin_is_followed_with_the_same_request(server):
+    server.reply(308, "", headers={"Location": "/v2/chat/completions"})
+    server.reply(200, openai_reply("moved"))
+    assert openai_at(server)(USER).message["content"] == "moved"
+    assert [(r["path"], r["json"]) for r in server.requests] == [
+        ("/v1/chat/completions", {"model": "gpt-test", "messages": USER}),
+        ("/v2/chat/completions", {"model": "gpt-test", "messages": USER})]
 
 
 # --- wire ---
@@ -2609,10 +2870,27 @@ def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply):
     assert (info.value.kind, info.value.retryable) == ("timeout", True)
 
 
-def test_a_slow_but_steady_stream_is_not_a_timeout(server):
+def test_a_slow_but_steady_stream_within_the_timeout_is_not_a_timeout(server):
     body = openai_sse(*[delta_chunk(content=c) for c in "abcde"], delta_chunk(finish="stop"))
     server.reply(200, chunks=pieces(body, len(body) // 5 + 1), delay=0.1)
-    assert openai_at(server, stream=True, timeout=0.3)(USER).message["content"] == "abcde"
+    assert openai_at(server, stream=True, timeout=3)(USER).message["content"] == "abcde"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-body"])
+def test_the_timeout_bounds_the_whole_exchange_however_steadily_bytes_trickle(server, stream):
+    # a byte every 0.1 s never lets the read timeout fire: the clock of the whole exchange does
+    if stream:
+        body = openai_sse(*[delta_chunk(content="x")] * 100, delta_chunk(finish="stop"))
+    else:
+        body = json.dumps(openai_reply("x" * 100))
+    server.reply(200, chunks=pieces(body, 8), delay=0.1,
+                 content_type="text/event-stream" if stream else "application/json")
+    started = time.monotonic()
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=stream, timeout=1)(USER)
+    assert time.monotonic() - started < 2.5
+    assert (info.value.kind, info.value.retryable, str(info.value)) == (
+        "timeout", True, f"openai: timed out: no whole answer within 1s from {server.url}/v1/chat/completions")
 
 
 def test_a_body_cut_off_mid_way_is_a_network_error(server):
@@ -2753,6 +3031,112 @@ def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server,
     assert lich.read_session_messages(run.session_path) == run.messages
     sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
     assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
+
+def test_an_endless_stream_is_cut_at_64_mib(server):
+    mib = b": " + b"k" * ((1 << 20) - 3) + b"\n"  # comment lines: no event ever ends the stream
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="hi"), done=False), *[mib] * 70])
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True, timeout=30)(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "invalid_response", "openai: invalid response: the stream exceeds 67108864 bytes")
+
+
+@pytest.mark.parametrize("phase", ["headers", "whole-body", "json-to-a-stream"])
+def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(server, phase):
+    release = threading.Event()
+    if phase == "headers":
+        server.reply(200, openai_reply("late"), hold=release)
+    else:
+        body = json.dumps(openai_reply("late"))
+        server.reply(200, chunks=[body[:10], body[10:]], hold=release, content_type="application/json")
+    signal = threading.Event()
+    threading.Timer(0.5, signal.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            openai_at(server, stream=phase == "json-to-a-stream", timeout=60)(USER, signal=signal)
+        assert time.monotonic() - started < 1.5
+    finally:
+        release.set()
+
+
+def test_a_stream_ending_after_its_finish_reason_without_done_is_complete(server):
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hi"),
+                                         {"choices": [{"index": 0, "delta": {}, "finish_reason": "eos"}],
+                                          "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+                                         done=False)])
+    assert openai_at(server, stream=True)(USER) == result("Hi", usage=(3, 1), model="gpt-test-1",
+                                                          stop="stop")
+
+
+def test_a_stream_ending_with_neither_done_nor_a_finish_reason_broke_off(server):
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="Hi"), done=False)])
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True)(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "invalid_response", "openai: invalid response: stream ended before [DONE]")
+
+
+def test_streamed_content_as_typed_parts_joins_the_text_and_leaves_the_thinking_out(server):
+    deltas = []
+    server.reply(200, chunks=[openai_sse(
+        delta_chunk(content=[{"type": "thinking", "thinking": "hmm"}, {"type": "text", "text": "Hel"}]),
+        delta_chunk(content=[{"type": "text", "text": "lo"}]), delta_chunk(finish="STOP"))])
+    chat = openai_at(server, stream=True, on_delta=deltas.append)
+    assert chat(USER) == result("Hello", model="gpt-test-1", stop="stop")
+    assert deltas == ["Hel", "lo"]
+
+
+@pytest.mark.parametrize("reason, normal", [
+    ("stop", "stop"), ("STOP", "stop"), ("eos", "stop"), ("end_turn", "stop"),
+    ("tool_use", "tool_calls"), ("MAX_TOKENS", "length"), ("content_filter", "content_filter"),
+])
+def test_stop_reasons_of_compatible_servers_are_normalised(server, reason, normal):
+    server.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                                    "finish_reason": reason}]})
+    assert openai_at(server)(USER).stop_reason == normal
+
+
+def test_usage_from_groqs_x_groq_and_from_the_last_chunk_only(server):
+    server.reply(200, chunks=[openai_sse(
+        delta_chunk(content="a"), delta_chunk(finish="stop"),
+        {"choices": [], "x_groq": {"usage": {"prompt_tokens": 9, "completion_tokens": 4,
+                                             "prompt_time": 0.01}}})])
+    assert openai_at(server, stream=True)(USER).usage == {"input_tokens": 9, "output_tokens": 4}
+
+
+def test_each_message_is_encoded_once_and_changes_are_re_encoded(server):
+    """The body is assembled from messages encoded once per thread; a message replaced or
+    changed (content or calls reassigned), the history cut by compression or reordered by
+    the caller, are encoded again: the wire JSON is always the history's own."""
+    chat = openai_at(server)
+    history = [{"role": "system", "content": "s"}, user("one"),
+               assistant("", ("c1", "echo", '{"x": 1}')), tool_msg("c1", "r1")]
+    variants = [
+        list(history),
+        history + [assistant("two")],  # grown
+        [history[0], user("[context summary]"), *history[2:]],  # compressed
+        [history[0], history[3], history[2], history[1]],  # reordered (by a caller)
+    ]
+    changed = dict(history[1])
+    variants.append([history[0], changed, *history[2:]])
+    changed["content"] = "one, changed in place"  # the same dict, its content reassigned
+    variants.append([history[0], changed, *history[2:]])
+    calls = history[2]
+    calls["tool_calls"] = [{"id": "c1", "name": "echo", "arguments": '{"x": 2}'}]
+    variants.append(list(history))
+    expected = []
+    for messages in variants:
+        server.reply(200, openai_reply("ok"))
+        chat(messages)
+        expected.append(json.loads(json.dumps(messages)))
+    sent = [[{k: v for k, v in m.items()} for m in r["json"]["messages"]] for r in server.requests]
+    for wire, messages in zip(sent, expected):
+        assert [m.get("content") or "" for m in wire] == [m["content"] for m in messages]
+        assert [m.get("tool_calls") for m in wire] == [
+            [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+             for c in m["tool_calls"]] if m.get("tool_calls") else None for m in messages]
 
 
 # --- OpenAI ---
@@ -2956,7 +3340,7 @@ def test_misbehaving_tool_calls_through_openai_are_answered_and_recorded(server,
     assert (run.stopped_reason, told, run.messages[-1]) == ("final", answers, assistant("done"))
     assert [c["id"] for c in asked["tool_calls"]] == [i for i, _ in answers]
     assert records(run.session_path) == [
-        meta(event="run_start", input_chars=2, history_size=0), *[msg(m) for m in run.messages],
+        run_start(2, 0, model="gpt-test"), *[msg(m) for m in run.messages],
         meta(event="run_end", stopped_reason="final", usage={"input_tokens": 14, "output_tokens": 6})]
     assert lich.read_session_messages(run.session_path) == run.messages
     assert_history_is_paired(run.messages)
@@ -3002,11 +3386,71 @@ def test_an_answer_of_the_wrong_shape_ends_the_run_recorded(server, tmp_path, bo
                                f"{json.dumps(body)!r}")
     [path] = tmp_path.iterdir()
     assert records(path) == [
-        meta(event="run_start", input_chars=2, history_size=0), msg(user("go")),
+        run_start(2, 0, model="gpt-test"), msg(user("go")),
         msg(assistant("", ("a", "echo", '{"text": "x"}'))), msg(tool_msg("a", "echo:x")),
         meta(event="run_error", error=f"ProviderError: {info.value}")]
     assert lich.read_session_messages(path) == [user("go"), assistant("", ("a", "echo", '{"text": "x"}')),
                                                 tool_msg("a", "echo:x")]
+
+
+def test_openai_usage_carries_cached_and_reasoning_tokens_when_reported(server):
+    server.reply(200, {**openai_reply("ok"), "usage": {
+        "prompt_tokens": 1200, "completion_tokens": 300,
+        "prompt_tokens_details": {"cached_tokens": 1024}, "completion_tokens_details": {"reasoning_tokens": 128}}})
+    server.reply(200, {**openai_reply("ok"), "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+    chat = openai_at(server)
+    assert chat(USER).usage == usage(1200, 300, cache_read_tokens=1024, reasoning_tokens=128)
+    assert chat(USER).usage == usage(5, 1)  # absent when the answer does not say
+
+
+def test_openai_response_format_and_extra_body_go_on_the_wire(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    server.reply(200, openai_reply('{"n": 1}'))
+    openai_at(server, extra_body={"seed": 7, "temperature": 0.5})(
+        USER, temperature=0.1, response_format={"name": "output", "schema": schema})
+    assert server.requests[0]["json"] == {
+        "model": "gpt-test", "messages": USER, "temperature": 0.5, "seed": 7,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+
+
+def test_openai_sends_no_response_format_unless_asked(server):
+    server.reply(200, openai_reply("ok"))
+    openai_at(server)(USER)
+    assert server.requests[0]["json"] == {"model": "gpt-test", "messages": USER}
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: lich.OpenAIChat("m", base_url=s.url + "/v1", stream=True, extra_body={"seed": 1}),
+    lambda s: lich.AnthropicChat("c", base_url=s.url, max_tokens=99, cache=False),
+], ids=["openai", "anthropic"])
+def test_chats_pickle_without_a_key_from_the_environment(server, monkeypatch, make):
+    import pickle
+
+    monkeypatch.setenv("OPENAI_API_KEY", "env-key-openai-0123456789")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "env-key-anthropic-0123456789")
+    chat = make(server)
+    data = pickle.dumps(chat)
+    assert b"env-key" not in data
+    monkeypatch.setenv("OPENAI_API_KEY", "other-key-openai-0123456789")  # the other side's own
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "other-key-anthropic-0123456789")
+    copy = pickle.loads(data)
+    assert (type(copy), repr(copy), copy.timeout, copy.extra_body, copy.stream) == (
+        type(chat), repr(chat), chat.timeout, chat.extra_body, chat.stream)
+    server.reply(200, openai_reply("ok") if isinstance(chat, lich.OpenAIChat)
+                 else anthropic_reply(text_block("ok")))
+    copy.stream = False
+    assert copy(USER).message["content"] == "ok"
+    headers = server.requests[0]["headers"]
+    assert "other-key" in headers.get("authorization", headers.get("x-api-key", ""))
+
+
+def test_a_key_given_to_the_constructor_travels_in_the_pickle(server):
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(openai_at(server, api_key=KEY)))
+    server.reply(200, openai_reply("ok"))
+    copy(USER)
+    assert server.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
 
 
 # --- Anthropic ---
@@ -3014,8 +3458,8 @@ def test_an_answer_of_the_wrong_shape_ends_the_run_recorded(server, tmp_path, bo
 
 def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
     server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, api_key=KEY)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC],
-                                      temperature=0.2)
+    anthropic_at(server, api_key=KEY, cache=False)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC],
+                                                   temperature=0.2)
     request = server.requests[0]
     assert (request["method"], request["path"]) == ("POST", "/v1/messages")
     headers = request["headers"]
@@ -3056,7 +3500,7 @@ def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
 
 def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
     server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, max_tokens=300)([
+    anthropic_at(server, max_tokens=300, cache=False)([
         {"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
         {"role": "user", "content": "b"}, {"role": "system", "content": ""},
         {"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"},
@@ -3075,7 +3519,7 @@ def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
 
 def test_anthropic_default_output_cap_comes_from_the_constructor(server):
     server.reply(200, anthropic_reply(text_block("ok")))
-    anthropic_at(server, max_tokens=300)(USER)
+    anthropic_at(server, max_tokens=300, cache=False)(USER)
     assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 300,
                                           "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -3129,7 +3573,8 @@ def test_anthropic_key_comes_from_the_environment(server, monkeypatch):
     pytest.param({"content": [], "usage": {"input_tokens": 5, "cache_creation_input_tokens": 100,
                                            "cache_read_input_tokens": 1000, "output_tokens": 2},
                   "stop_reason": "stop_sequence"},
-                 result("", usage=(1105, 2), model="claude-test", stop="stop"),
+                 result("", usage=usage(1105, 2, cache_read_tokens=1000, cache_write_tokens=100),
+                        model="claude-test", stop="stop"),
                  id="cached-input-counts"),
 ])
 def test_anthropic_answer_becomes_a_chat_result(server, body, expected):
@@ -3158,7 +3603,7 @@ def test_anthropic_stream_text_tool_use_pings_and_usage(server):
         message_delta("tool_use", 40), MESSAGE_STOP)
     server.reply(200, chunks=pieces(body, 33))
     deltas = []
-    chat = anthropic_at(server, stream=True, on_delta=deltas.append)
+    chat = anthropic_at(server, stream=True, on_delta=deltas.append, cache=False)
     assert chat(USER) == result("Checking both.", ("toolu_a", "weather", '{"city": "Paris"}'),
                                 ("toolu_b", "clock", "{}"), usage=(25, 40),
                                 model="claude-test-1", stop="tool_calls")
@@ -3210,6 +3655,76 @@ def test_deeply_nested_tool_arguments_go_back_to_anthropic(server):
     assert (run.stopped_reason, run.final) == ("final", assistant("ok"))
     assert server.requests[0]["json"]["messages"][1]["content"] == [
         {"type": "tool_use", "id": "t1", "name": "echo", "input": {"_raw_arguments": DEEP}}]
+
+
+def test_anthropic_caches_the_tools_the_system_prompt_and_the_newest_message(server):
+    cached = {"type": "ephemeral"}
+    chat = anthropic_at(server)
+    history = [{"role": "system", "content": "Be brief."}, user("hi"),
+               assistant("", ("c1", "clock", "{}")), tool_msg("c1", "12:00", name="clock")]
+    server.reply(200, anthropic_reply(text_block("It is noon.")))
+    chat(history, tools=[WEATHER_SPEC, CLOCK_SPEC])
+    first = server.requests[0]["json"]
+    assert first["system"] == [{"type": "text", "text": "Be brief.", "cache_control": cached}]
+    assert first["tools"] == [
+        {"name": "weather", "description": "Current weather in a city.", "input_schema": WEATHER_SPEC["parameters"]},
+        {"name": "clock", "description": "The time.", "input_schema": CLOCK_SPEC["parameters"],
+         "cache_control": cached}]
+    assert first["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "clock", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "12:00",
+                                      "is_error": False, "cache_control": cached}]}]
+    # the next turn moves the breakpoint to the newest message; the earlier one is plain again
+    history += [assistant("It is noon."), user("thanks")]
+    server.reply(200, anthropic_reply(text_block("ok")))
+    chat(history, tools=[WEATHER_SPEC, CLOCK_SPEC])
+    second = server.requests[1]["json"]
+    assert second["messages"][2] == {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "c1", "content": "12:00", "is_error": False}]}
+    assert second["messages"][3:] == [
+        {"role": "assistant", "content": "It is noon."},
+        {"role": "user", "content": [{"type": "text", "text": "thanks", "cache_control": cached}]}]
+    # after compression: the summary leads, the breakpoint stays on the newest message
+    compressed = [history[0], user("[context summary of earlier turns]\nsum\n[end summary]"), *history[-2:]]
+    server.reply(200, anthropic_reply(text_block("ok")))
+    chat(compressed, tools=[WEATHER_SPEC, CLOCK_SPEC])
+    third = server.requests[2]["json"]
+    assert third["messages"] == [
+        {"role": "user", "content": "[context summary of earlier turns]\nsum\n[end summary]"},
+        {"role": "assistant", "content": "It is noon."},
+        {"role": "user", "content": [{"type": "text", "text": "thanks", "cache_control": cached}]}]
+    breakpoints = json.dumps(third).count('"cache_control"')
+    assert breakpoints == 3  # at most 4 are allowed
+
+
+def test_anthropic_asks_for_structured_output_with_objects_closed(server):
+    schema = {"type": "object", "properties": {"city": {"type": "object", "properties": {
+        "name": {"type": "string"}}}, "tags": {"type": "array", "items": {"type": "object"}}},
+              "required": ["city"]}
+    server.reply(200, anthropic_reply(text_block('{"city": {"name": "Lima"}, "tags": []}')))
+    anthropic_at(server, cache=False, extra_body={"top_k": 5})(
+        USER, response_format={"name": "output", "schema": schema})
+    assert server.requests[0]["json"] == {
+        "model": "claude-test", "max_tokens": 4096, "messages": [{"role": "user", "content": "Hi"}],
+        "top_k": 5,
+        "output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "required": ["city"], "additionalProperties": False, "properties": {
+                "city": {"type": "object", "additionalProperties": False,
+                         "properties": {"name": {"type": "string"}}},
+                "tags": {"type": "array", "items": {"type": "object", "additionalProperties": False}}}}}}}
+    assert schema["properties"]["city"] == {"type": "object", "properties": {"name": {"type": "string"}}}
+
+
+def test_anthropic_streamed_usage_counts_cache_reads_and_writes(server):
+    start = {"type": "message_start", "message": {"model": "claude-test-1", "usage": {
+        "input_tokens": 5, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200,
+        "output_tokens": 1}}}
+    server.reply(200, chunks=[anthropic_sse(start, block_start(0, text_block("")),
+                                            block_delta(0, type="text_delta", text="ok"),
+                                            message_delta("end_turn", 9), MESSAGE_STOP)])
+    assert anthropic_at(server, stream=True)(USER).usage == usage(
+        1205, 9, cache_read_tokens=1000, cache_write_tokens=200)
 
 
 # --- retries and Router ---
@@ -3372,7 +3887,8 @@ def test_router_passes_the_call_through():
     signal = threading.Event()
     lich.Router([chat])(USER, tools=[WEATHER_SPEC], temperature=0.5, max_tokens=9, signal=signal)
     assert chat.calls == [{"messages": USER, "tools": [WEATHER_SPEC], "temperature": 0.5,
-                           "max_tokens": 9, "signal": signal}]
+                           "max_tokens": 9, "signal": signal,
+                           "response_format": None}]
 
 
 def test_router_moves_on_instead_of_waiting_out_a_long_retry_after():
@@ -3492,7 +4008,7 @@ def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_k
         first = openai_calls_reply(wire_call("a"))
     queue(server, first, *faults)
     retrying = lich.Router([chat], retries=1, base_delay=0.01, max_delay=0.05)
-    start = meta(event="run_start", input_chars=2, history_size=0)
+    start = run_start(2, 0, model=chat.model)
     if ending == "recovered":
         run = lich.run_agent("go", chat=retrying, tools=echo_tools(), max_turns=3, session_dir=tmp_path)
         assert (run.stopped_reason, run.final) == ("final", assistant("recovered"))
@@ -3505,6 +4021,124 @@ def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_k
     [path] = tmp_path.iterdir()
     assert records(path) == [start, *FIRST_TURN, meta(event="run_error", error=f"ProviderError: {ending[1]}")]
     assert lich.read_session_messages(path) == [m["message"] for m in FIRST_TURN]
+
+
+def test_on_retry_and_on_failover_are_called_as_they_happen():
+    seen = []
+    slow = lich.ProviderError("busy", "rate_limit", retry_after=0.01)
+    first = ScriptedChat(slow, lich.ProviderError("down", "server"), lich.ProviderError("down", "server"))
+    second = ScriptedChat(answer("ok"))
+    router = lich.Router([first, second], retries=2, base_delay=0.001, max_delay=1,
+                         on_retry=lambda e, attempt, delay: seen.append(("retry", e.kind, attempt, delay >= 0.01)),
+                         on_failover=lambda e, index: seen.append(("failover", e.kind, index)))
+    assert router(USER).message == answer("ok")
+    assert seen == [("retry", "rate_limit", 1, True), ("retry", "server", 2, False),
+                    ("failover", "server", 1)]
+
+
+def test_run_with_retries_tells_on_retry_before_each_wait():
+    seen = []
+    fn = failing(lich.ProviderError("x", "server"), lich.ProviderError("y", "timeout"))
+    signal = RecordingSignal()
+    assert lich.run_with_retries(fn, retries=3, base_delay=1, max_delay=2, signal=signal,
+                                 on_retry=lambda e, attempt, delay: seen.append((e.kind, attempt, delay))) == "ok"
+    assert [(kind, attempt) for kind, attempt, _ in seen] == [("server", 1), ("timeout", 2)]
+    assert [delay for _, _, delay in seen] == signal.waits
+
+
+def test_chat_from_spec_takes_extra_body_callbacks_and_a_limiter(server):
+    limiter = lich.Limiter(max_concurrent=1)
+    retries = []
+    router = lich.chat_from_spec(f"openai:m@{server.url}/v1", extra_body={"seed": 3}, limiter=limiter,
+                                 base_delay=0.001, on_retry=lambda *a: retries.append(a[1]))
+    server.reply(503, "busy")
+    server.reply(200, openai_reply("ok"))
+    assert router(USER).message["content"] == "ok"
+    assert retries == [1] and server.requests[1]["json"]["seed"] == 3
+    assert repr(router.chats[0]).startswith("Limiter(max_concurrent=1")
+
+
+def test_router_and_limiter_pickle():
+    import pickle
+
+    limiter = lich.Limiter(max_concurrent=2, requests_per_minute=60, tokens_per_minute=1000)
+    router = lich.Router([limiter.wrap(lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1"))],
+                         retries=5, base_delay=0.5)
+    copy = pickle.loads(pickle.dumps(router))
+    assert (copy.retries, copy.base_delay, copy.model, repr(copy.chats[0].limiter)) == (
+        5, 0.5, "m", "Limiter(max_concurrent=2, requests_per_minute=60, tokens_per_minute=1000)")
+
+
+def _limited_calls(limiter, n, work=0.05, signal=None):
+    """``n`` threads calling one limited chat at once; (in flight at most, start times)."""
+    state = {"now": 0, "most": 0}
+    starts = []
+    lock = threading.Lock()
+
+    def chat(messages, **kwargs):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            starts.append(time.monotonic())
+        time.sleep(work)
+        with lock:
+            state["now"] -= 1
+        return lich.ChatResult(answer("ok"))
+
+    limited = limiter.wrap(chat)
+    errors = []
+
+    def call():
+        try:
+            limited(USER, signal=signal)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return state["most"], sorted(starts), errors
+
+
+def test_limiter_caps_calls_in_flight_across_threads():
+    most, starts, errors = _limited_calls(lich.Limiter(max_concurrent=3), 12)
+    assert (most, len(starts), errors) == (3, 12, [])
+
+
+def test_limiter_holds_requests_per_minute_by_waiting_and_the_signal_ends_the_wait():
+    signal = threading.Event()
+    threading.Timer(0.5, signal.set).start()
+    started = time.monotonic()
+    _, starts, errors = _limited_calls(lich.Limiter(requests_per_minute=4), 6, work=0, signal=signal)
+    assert len(starts) == 4 and time.monotonic() - started < 1.5
+    assert [type(e) for e in errors] == [lich.AbortError, lich.AbortError]
+
+
+def test_limiter_holds_estimated_tokens_per_minute():
+    limiter = lich.Limiter(tokens_per_minute=lich.estimate_messages_tokens(USER) * 2)
+    signal = threading.Event()
+    threading.Timer(0.4, signal.set).start()
+    _, starts, errors = _limited_calls(limiter, 3, work=0, signal=signal)
+    assert (len(starts), [type(e) for e in errors]) == (2, [lich.AbortError])
+
+
+def test_a_rate_limit_with_retry_after_pauses_every_caller_of_the_limiter():
+    limiter = lich.Limiter()
+    calls = []
+
+    def chat(messages, **kwargs):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise lich.ProviderError("slow down", "rate_limit", retry_after=0.4)
+        return lich.ChatResult(answer("ok"))
+
+    limited = limiter.wrap(chat)
+    with pytest.raises(lich.ProviderError):
+        limited(USER)
+    limited(USER)  # another caller: it waits out the cool-down
+    assert calls[1] - calls[0] >= 0.38
 
 
 # --- chat_from_spec ---
@@ -3521,7 +4155,9 @@ def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_k
                  "https://api.anthropic.com", id="at-sign-in-model-name"),
 ])
 def test_chat_from_spec_forms(spec, cls, model, base_url):
-    chat = lich.chat_from_spec(spec)
+    router = lich.chat_from_spec(spec)  # one spec is a Router too: the common path retries
+    [chat] = router.chats
+    assert (type(router), router.retries, router.model) == (lich.Router, 2, model)
     assert (type(chat), chat.model, chat.base_url) == (cls, model, base_url)
 
 
@@ -3579,24 +4215,24 @@ def _fixture_text(name):
     return data["choices"][0]["message"]["content"]
 
 
-# fixture -> (content, tool calls as (id, name, arguments), (input, output) usage, model, stop)
+# fixture -> (content, tool calls as (id, name, arguments), usage, model, stop)
 RECORDED = {
     "openai/text_basic.json": (
-        "This is a test.", [], (12, 5), "gpt-4o-mini-2024-07-18", "stop"),
+        "This is a test.", [], usage(12, 5, cache_read_tokens=0, reasoning_tokens=0), "gpt-4o-mini-2024-07-18", "stop"),
     "openai/text_cached_tokens.json": (
-        "Ah, breakfast!", [], (3702, 257), "gpt-4o-2024-08-06", "stop"),
+        "Ah, breakfast!", [], usage(3702, 257, cache_read_tokens=3584, reasoning_tokens=0), "gpt-4o-2024-08-06", "stop"),
     "openai/text_n2_choices.json": (
-        "This is a test. How can I assist you further?", [], (12, 24),
+        "This is a test. How can I assist you further?", [], usage(12, 24, cache_read_tokens=0, reasoning_tokens=0),
         "gpt-4o-mini-2024-07-18", "stop"),
     "openai/tool_call_single.json": (
         "", [("call_TTY8UFNo7rNCaOBUNtlRSvMG", "lookup_population", '{"country":"Crumpet"}')],
-        (92, 17), "gpt-4o-mini-2024-07-18", "tool_calls"),
+        usage(92, 17, cache_read_tokens=0, reasoning_tokens=0), "gpt-4o-mini-2024-07-18", "tool_calls"),
     "openai/tool_calls_parallel_2.json": (
         "", [("call_eqbDFUdPqay2WjsSzZEiAn0U", "get_current_weather",
               '{"location": "Seattle, WA"}'),
              ("call_tn3sgasg6GaftTdancBYJNJN", "get_current_weather",
               '{"location": "San Francisco, CA"}')],
-        (75, 51), "gpt-4o-mini-2024-07-18", "tool_calls"),
+        usage(75, 51, cache_read_tokens=0, reasoning_tokens=0), "gpt-4o-mini-2024-07-18", "tool_calls"),
     "openai/tool_calls_parallel_3_reasoning.json": (
         "", [("call_Putc2jV5GhiIZMwx8mDcI61Q", "parallel_local_search_one",
               '{"query": "latest OpenAI model release notes"}'),
@@ -3604,84 +4240,84 @@ RECORDED = {
               '{"query": "latest Anthropic model release notes"}'),
              ("call_G728RseEU7SbGk5YTiyyp9IH", "parallel_local_search_three",
               '{"query": "latest Gemini model release notes"}')],
-        (378, 1497), "gpt-5-nano-2025-08-07", "tool_calls"),
+        usage(378, 1497, cache_read_tokens=0, reasoning_tokens=1408), "gpt-5-nano-2025-08-07", "tool_calls"),
     "openai/refusal_content_null.json": (
-        "I'm very sorry, but I can't assist with that request.", [], (64, 13),
+        "I'm very sorry, but I can't assist with that request.", [], usage(64, 13, cache_read_tokens=0, reasoning_tokens=0),
         "gpt-4o-2024-08-06", "stop"),
     "openai/length_empty_content_reasoning.json": (
-        "", [], (13, 50), "gpt-5-mini-2025-08-07", "length"),
+        "", [], usage(13, 50, cache_read_tokens=0, reasoning_tokens=50), "gpt-5-mini-2025-08-07", "length"),
     "openai/stream_text_with_usage.sse": (
-        '"This is a test."', [], (12, 5), "gpt-4-0613", "stop"),
+        '"This is a test."', [], usage(12, 5, cache_read_tokens=0, reasoning_tokens=0), "gpt-4-0613", "stop"),
     "openai/stream_text_no_usage.sse": (
-        "Four plus five is nine.", [], (0, 0), "gpt-4.1-2025-04-14", "stop"),
+        "Four plus five is nine.", [], usage(0, 0), "gpt-4.1-2025-04-14", "stop"),
     "openai/stream_tool_call_single_with_usage.sse": (
         "", [("call_1EYWDzueHEp8OsB8jJSEp7WB", "multiply", '{"a":1231,"b":2331}')],
-        (54, 20), "gpt-4o-mini-2024-07-18", "tool_calls"),
+        usage(54, 20, cache_read_tokens=0, reasoning_tokens=0), "gpt-4o-mini-2024-07-18", "tool_calls"),
     "openai/stream_tool_calls_parallel_with_usage.sse": (
         "", [("call_j7L00WV19wwQCvKOIVZewXZm", "get_current_weather",
               '{"location": "Seattle, WA"}'),
              ("call_sAIOI3dvcd1YMsEqD8DI3l8B", "get_current_weather",
               '{"location": "San Francisco, CA"}')],
-        (75, 51), "gpt-4o-mini-2024-07-18", "tool_calls"),
+        usage(75, 51, cache_read_tokens=0, reasoning_tokens=0), "gpt-4o-mini-2024-07-18", "tool_calls"),
     "openai/stream_tool_calls_parallel_no_usage.sse": (
         "", [("call_cCPjAyfwTzboEKjVlqFrArNF", "get_current_weather",
               '{"location": "San Francisco"}'),
              ("call_Zi4He1Ns0mozwT6f85nW1BOW", "get_current_weather",
               '{"location": "Boston"}')],
-        (0, 0), "gpt-3.5-turbo-0125", "tool_calls"),
+        usage(0, 0), "gpt-3.5-turbo-0125", "tool_calls"),
     "anthropic/text_basic.json": (
-        "4200 + 42 = 4242", [], (17, 15), "claude-sonnet-4-20250514", "stop"),
+        "4200 + 42 = 4242", [], usage(17, 15, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-20250514", "stop"),
     "anthropic/tool_use_single.json": (
         "I'll help you calculate 15 * 8 using the calculator tool.",
         [("toolu_012QnA8xTpf27BLo6rkdvpoe", "calculator", '{"expression": "15 * 8"}')],
-        (430, 73), "claude-3-5-haiku-20241022", "tool_calls"),
+        usage(430, 73, cache_read_tokens=0, cache_write_tokens=0), "claude-3-5-haiku-20241022", "tool_calls"),
     "anthropic/tool_use_parallel_2.json": (
         "I'll retrieve the secrets for both passwords you provided.",
         [("toolu_01BUvqBj8Yb34pNAbCJJY1oc", "secret_retrieval_tool", '{"password": "mellon"}'),
          ("toolu_01VPuQJ1LonDBYXrr8pqPkqQ", "secret_retrieval_tool",
           '{"password": "radiance"}')],
-        (416, 109), "claude-sonnet-4-20250514", "tool_calls"),
+        usage(416, 109, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-20250514", "tool_calls"),
     "anthropic/thinking_text.json": (
-        "2 + 2 = 4", [], (43, 36), "claude-sonnet-4-5-20250929", "stop"),
+        "2 + 2 = 4", [], usage(43, 36, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-5-20250929", "stop"),
     "anthropic/max_tokens.json": (
-        "# The Last Song of Vaelthys", [], (16, 10), "claude-sonnet-4-20250514", "length"),
+        "# The Last Song of Vaelthys", [], usage(16, 10, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-20250514", "length"),
     "anthropic/stream_text.sse": (
-        "Hello", [], (10, 4), "claude-haiku-4-5-20251001", "stop"),
+        "Hello", [], usage(10, 4, cache_read_tokens=0, cache_write_tokens=0), "claude-haiku-4-5-20251001", "stop"),
     "anthropic/stream_text_and_tool_use_x2.sse": (
         "I'll retrieve the secrets for both passwords you provided.",
         [("toolu_015cUijgET79LXjgeYQerN2h", "secret_retrieval_tool", '{"password": "mellon"}'),
          ("toolu_01XZTimPexA7h3EVKesnKt5T", "secret_retrieval_tool",
           '{"password": "radiance"}')],
-        (416, 109), "claude-sonnet-4-20250514", "tool_calls"),
+        usage(416, 109, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-20250514", "tool_calls"),
     "anthropic/stream_thinking_text.sse": (
         ('1. **Pouch** - references their iconic bill pouch\n2. **Pelé** - playful take on '
-         '"pelican"'), [], (46, 133), "claude-haiku-4-5-20251001", "stop"),
+         '"pelican"'), [], usage(46, 133, cache_read_tokens=0, cache_write_tokens=0), "claude-haiku-4-5-20251001", "stop"),
     "anthropic/stream_thinking_tool_use.sse": (
-        "", [("toolu_01825dXWLSoJwCst1qTsiWdb", "fixed_version", "{}")], (598, 92),
+        "", [("toolu_01825dXWLSoJwCst1qTsiWdb", "fixed_version", "{}")], usage(598, 92, cache_read_tokens=0, cache_write_tokens=0, reasoning_tokens=53),
         "claude-haiku-4-5-20251001", "tool_calls"),
     "anthropic/stream_redacted_thinking.sse": (
         ("I notice that you've sent what appears to be some kind of test string or command. "
          "I don't have any special \"magic string\" triggers or backdoor commands that would "
          "expose internal systems or change my behavior.\n\nI'm Claude, an AI assistant "
          "created by Anthropic to be helpful, harmless, and honest. How can I assist you today "
-         "with a legitimate task or question?"), [], (92, 189), "claude-sonnet-4-5-20250929",
+         "with a legitimate task or question?"), [], usage(92, 189, cache_read_tokens=0, cache_write_tokens=0), "claude-sonnet-4-5-20250929",
         "stop"),
     "openai-compatible/ollama_tool_calls_3_reasoning.json": (
         "", [("call_2qwy5kxj", "dice_roll", "{}"), ("call_bpkrefyu", "dice_roll", "{}"),
-             ("call_7t3hvz5k", "dice_roll", "{}")], (152, 134), "qwen3", "tool_calls"),
+             ("call_7t3hvz5k", "dice_roll", "{}")], usage(152, 134), "qwen3", "tool_calls"),
     "openai-compatible/vllm_text.json": (
         ('Why did the OpenTelemetry metric go to therapy?\n\nBecause it was feeling a little '
          '"trapped" in its logging function, and wanted to "release" its stress.'), [],
-        (43, 36), "meta-llama/Llama-3.2-1B-Instruct", "stop"),
+        usage(43, 36), "meta-llama/Llama-3.2-1B-Instruct", "stop"),
     "openai-compatible/openrouter_text_leading_whitespace.json": (
-        "Hello!", [], (12, 2), "openai/gpt-4o", "stop"),
+        "Hello!", [], usage(12, 2, cache_read_tokens=0, reasoning_tokens=0), "openai/gpt-4o", "stop"),
     "openai-compatible/together_tool_call.json": (
         "", [("call_3xdm9hr8hghhxh9xjmclmt8s", "get_current_weather", '{"city":"Paris"}')],
-        (198, 24), "meta-llama/Llama-3.3-70B-Instruct-Turbo", "tool_calls"),
+        usage(198, 24), "meta-llama/Llama-3.3-70B-Instruct-Turbo", "tool_calls"),
     "openai-compatible/deepseek_stream_reasoning_content.sse": (
-        "The product of 17 and 23 is 391.", [], (17, 47), "deepseek-v4-pro", "stop"),
+        "The product of 17 and 23 is 391.", [], usage(17, 47, cache_read_tokens=0, reasoning_tokens=34), "deepseek-v4-pro", "stop"),
     "openai-compatible/mistral_stream_tool_call_no_index.sse": (
-        "", [("EscTeQY62", "get_weather", '{"city": "San Francisco"}')], (96, 23),
+        "", [("EscTeQY62", "get_weather", '{"city": "San Francisco"}')], usage(96, 23),
         "mistral-small-latest", "tool_calls"),
 }
 
@@ -5640,7 +6276,7 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
     assert err == (f"lich: warning: session recording stopped: {session_id}: OSError: [Errno 27] "
                    f"File too large\n")
     recorded = records(path)  # every line whole
-    expected = [meta(event="run_start", input_chars=7, history_size=0), msg({"role": "system", "content": "sys"}),
+    expected = [run_start(7, 0, cwd=workspace, model="gpt-test"), msg({"role": "system", "content": "sys"}),
                 msg(user("read it"))]
     for call in calls:
         expected += [msg(assistant("x" * 300, call)), msg(tool_msg(call[0], "     1\thello", name="read_file"))]
@@ -5674,33 +6310,47 @@ def test_import_does_not_import_requests():
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
-def test_ctrl_c_exits_130_and_leaves_a_resumable_session(server, lich_model, cli, tmp_path, stream):
+def test_ctrl_c_exits_130_and_keeps_the_request_for_continue(server, lich_model, cli, tmp_path, stream):
     import signal as signals
 
     first = [openai_sse(delta_chunk(content="partial "), done=False)] if stream else []
     keepalive = ": keepalive\n\n" if stream else ""  # a stream notices the abort at its next line
     server.replies.append(Reply(200, chunks=[*first, *[keepalive] * 60, openai_sse(delta_chunk(finish="stop"))],
                                 delay=0.1, content_type="text/event-stream" if stream else "application/json"))
-    child = Process(LICH_PY, *([] if stream else ["--no-stream"]), "slow question")
-    wait_for_request(server)
-    # streaming, Ctrl-C comes once the first words are out (one small write: one read)
-    shown = os.read(child.popen.stdout.fileno(), 100).decode() if stream else ""
+    if stream:  # on a terminal the words show as they come: Ctrl-C once they are out
+        child = Pty("slow question")
+        child.expect("partial ")
+        proc = child.proc
+    else:
+        child = Process(LICH_PY, "--no-stream", "slow question")
+        wait_for_request(server)
+        proc = child.popen
     started = time.monotonic()
-    child.popen.send_signal(signals.SIGINT)
-    code, out, err = child.wait(timeout=10)
+    proc.send_signal(signals.SIGINT)
+    if stream:
+        code = child.close()
+        err = child.rest
+    else:
+        code, out, err = child.wait(timeout=10)
+        assert out == ""
     assert code == 130, err
     assert time.monotonic() - started < 5
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "lich: stopped: interrupted" in err
     [path] = sessions_in(tmp_path)
     recs = records(path)
-    assert recs[:2] == [meta(event="run_start", input_chars=13, history_size=0), recs[1]]
-    assert recs[2] == msg(user("slow question"))
-    if stream:
-        assert shown + out == "partial \n"
-        assert recs[-1] == meta(event="run_error", error="AbortError: chat stream aborted")
-    assert lich.read_session_messages(path) == [recs[1]["message"]]
+    assert recs[:3] == [run_start(13, 0, model="gpt-test"), recs[1], msg(user("slow question"))]
+    note = assistant("partial\n\n[interrupted by the user]" if stream else "[interrupted by the user]")
+    assert recs[3:] == [meta(event="run_error", error="AbortError: chat aborted"), msg(note)]
+    # the request is kept, answered by the note: `lich -c "go on"` sends it with what follows
+    assert lich.read_session_messages(path) == [recs[1]["message"], user("slow question"), note]
     queue(server, openai_reply("resumed"))
-    assert cli("--no-stream", "-c", "go on") == (0, "resumed\n", "")
+    code, out, err = cli("--no-stream", "-c", "go on")
+    assert (code, out) == (0, "resumed\n")
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == [
+        "slow question", note["content"], "go on"]
+    assert err == (f"resumed {path.stem}: 3 messages\nyou: slow question\nlich: {note['content'].splitlines()[0]}\n"
+                   + ("      \n      [interrupted by the user]\n" if stream else "")
+                   + "tokens: 7 in, 3 out\n")
 
 
 def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspace):
