@@ -149,10 +149,11 @@ _secrets_lock = threading.Lock()
 
 
 def _add_secret(key: str) -> None:
-    """Remember ``key`` as in use: tool results and error texts never show a piece of it."""
-    if key in _secrets:
+    """Remember ``key`` as in use: tool results and what providers say never show a piece of
+    it. (A key shorter than that is no secret worth the damage hiding it would do.)"""
+    if key in _secrets or len(key) < _SECRET_WINDOW:
         return
-    width = min(_SECRET_WINDOW, len(key))
+    width = _SECRET_WINDOW
     windows = sorted({key[i:i + width] for i in range(len(key) - width + 1)}, key=len)
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
@@ -2026,8 +2027,8 @@ class _HTTPChat:
     # -- errors --
 
     def _error(self, message, kind, **fields):
-        return ProviderError(_redact_secrets(f"{self.provider}: {message}"), kind,
-                             provider=self.provider, **fields)
+        # what came from outside (bodies, exception texts) is redacted where it enters
+        return ProviderError(f"{self.provider}: {message}", kind, provider=self.provider, **fields)
 
     def _invalid(self, reason, body):
         return self._error(f"invalid response: {reason}: {_snippet(body)!r}", "invalid_response")
@@ -2055,8 +2056,7 @@ class _HTTPChat:
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream."""
         text, codes = _error_fields(payload)
-        if not text:
-            text = _snippet(json.dumps(payload, ensure_ascii=False))
+        text = _redact_secrets(text) if text else _snippet(json.dumps(payload, ensure_ascii=False))
         kind = "overloaded" if "overloaded_error" in codes else "invalid_response"
         label = f" ({codes[0]})" if codes else ""
         return self._error(f"error {where}{label}: {text}", kind)
@@ -5339,12 +5339,12 @@ _DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
 _DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
 _LIST_SESSIONS_LIMIT = 20
 _PROMPT_SHOWN_CHARS = 200       # of a session's first prompt, in --list-sessions --json
-_ABORT_GRACE_SECONDS = 3.0      # after Ctrl-C, how long a run may take to stop before lich leaves
 _QUIT_WINDOW_SECONDS = 2.0      # a second Ctrl-C this soon quits, whatever lich is doing
 _TOOL_SUMMARY_CHARS = 60
 _PREVIEW_LINES = 3              # lines of a tool's output shown under its line
 _DIFF_SHOWN_LINES = 40          # an approval's diff longer than this is cut in the middle
 _RECAP_LINES = 4                # lines of each message of the last exchange shown on resume
+_RECAP_LINE_CHARS = 120         # and the most characters of each of those lines
 _TOOL_ELAPSED_SECONDS = 1.0     # a tool running longer shows its elapsed time
 _INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into the system prompt
 _HISTORY_LINES = 1000           # chat input lines kept between chats
@@ -5853,6 +5853,10 @@ def _lines(text) -> list:
     return text.splitlines() if text else []
 
 
+_SKIPPED = {"turn_budget_exhausted": "not run: the turn budget ran out",
+            "aborted": "not run: interrupted"}
+
+
 def _how_many(n, one, many) -> str:
     return f"{'no' if n == 0 else n} {one if n == 1 else many}"
 
@@ -5863,6 +5867,7 @@ def _tool_outcome(call, result, elapsed):
     output = result.output or ""
     if not result.ok:
         reason = (result.error or "failed").splitlines()[0] if result.error else "failed"
+        reason = _SKIPPED.get(reason, reason)
         words, preview = reason, _lines(output)
     elif name == "read_file":
         count = sum(1 for line in _lines(output) if line[:6].strip().isdigit())
@@ -5877,7 +5882,7 @@ def _tool_outcome(call, result, elapsed):
         old, new = args.get("old_text") or "", args.get("new_text") or ""
         words, preview = f"+{len(_lines(new))} -{len(_lines(old))}", []
     elif name == "write_file":
-        words, preview = f"+{len(_lines(args.get('content') or ''))} lines", []
+        words, preview = f"+{_how_many(len(_lines(args.get('content') or '')), 'line', 'lines')}", []
     else:
         words, preview = "", _lines(output)
     if name == "bash" and preview and re.fullmatch(r"\[exit code -?\d+\]", preview[-1]):
@@ -5913,7 +5918,6 @@ class _Progress:
         self.term = cli.term
         self.history = list(seeded)  # what the session holds of this run
         self.usage = {"input_tokens": 0, "output_tokens": 0}
-        self.muted = False  # the run was given up on but its thread goes on
         self.compressing = False  # the chat's streamed words are a summary, not the answer
         self.thread = None  # the thread the run works in
         self.received = []  # text streamed during the current chat call
@@ -5921,8 +5925,6 @@ class _Progress:
         self._tool_started = None
 
     def __call__(self, event):
-        if self.muted:
-            return
         term, kind = self.term, event["type"]
         if kind == "llm_end":
             for key, value in event["result"].usage.items():
@@ -6071,15 +6073,18 @@ class _LazySession:
         self.label = label
         self.term = term
         self.handle = None
-        self.waiting = []
-        self.id = None
+        self.waiting = []  # records to write once the file exists; None: recording is off
 
     @property
     def path(self):
         return self.handle.path if self.handle is not None else None
 
+    @property
+    def id(self):
+        return self.handle.id if self.handle is not None else "(a session not yet written)"
+
     def append_message(self, message):
-        if self.handle is None and message.get("role") == "assistant":
+        if self.handle is None and self.waiting is not None and message.get("role") == "assistant":
             self._open()
         self._append("append_message", message)
 
@@ -6087,14 +6092,19 @@ class _LazySession:
         self._append("append_meta", meta)
 
     def _append(self, method, record):
-        if self.handle is None:
-            self.waiting.append((method, record))
-        else:
+        if self.handle is not None:
             getattr(self.handle, method)(record)
+        elif self.waiting is not None:
+            self.waiting.append((method, record))
 
     def _open(self):
-        self.handle = open_session(self.session_dir, self.label)
-        self.id = self.handle.id
+        try:
+            self.handle = open_session(self.session_dir, self.label)
+        except OSError as e:
+            self.term.error(f"warning: session recording is off: cannot create a session file: "
+                            f"{e.strerror or e}")
+            self.waiting = None
+            return
         for method, record in self.waiting:
             getattr(self.handle, method)(record)
         self.waiting = []
@@ -6136,9 +6146,13 @@ def _session_summary(path) -> dict:
             count += 1
             if not prompt and message.get("role") == "user" and isinstance(message.get("content"), str):
                 prompt = _first_prompt(message["content"])
-    return {"id": os.path.splitext(os.path.basename(path))[0], "path": path,
-            "when": (last or {}).get("ts"), "folder": start.get("cwd"), "model": start.get("model"),
-            "messages": count, "prompt": prompt[:_PROMPT_SHOWN_CHARS]}
+    when = (last or {}).get("ts")
+    if not isinstance(when, str):  # no record says: the file's time
+        mtime = os.path.getmtime(path)
+        when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(mtime)) + f".{int(mtime % 1 * 1000):03d}Z"
+    return {"id": os.path.splitext(os.path.basename(path))[0], "path": path, "when": when,
+            "folder": start.get("cwd"), "model": start.get("model"), "messages": count,
+            "prompt": prompt[:_PROMPT_SHOWN_CHARS]}
 
 
 def _session_folder(path):
@@ -6169,7 +6183,8 @@ def _recap(history) -> list:
         message = next((m for m in reversed(history) if m.get("role") == role
                         and (m.get("content") or "").strip()), None)
         if message is not None:
-            text = _lines(message["content"].strip())
+            text = [line if len(line) <= _RECAP_LINE_CHARS else line[:_RECAP_LINE_CHARS - 1] + "…"
+                    for line in _lines(message["content"].strip())]
             cut = text[:_RECAP_LINES] + ([f"… {_how_many(len(text) - _RECAP_LINES, 'more line', 'more lines')}"]
                                          if len(text) > _RECAP_LINES else [])
             lines += [f"{shown}: {cut[0]}"] + [" " * (len(shown) + 2) + line for line in cut[1:]]
@@ -6193,13 +6208,10 @@ class _Interrupts:
         self.last = now
 
 
-class _GivenUp(Exception):
-    """A run that did not stop in time after Ctrl-C: its thread is left to finish alone."""
-
-
 def _run_interruptibly(work, signal, cli):
-    """``work()`` in a worker thread; Ctrl-C sets ``signal``. Returns work's result or raises
-    its exception; _GivenUp when it does not stop within the grace period."""
+    """``work()`` in a worker thread; Ctrl-C sets ``signal`` (the run stops at its next
+    boundary, an HTTP exchange at once), a second Ctrl-C soon after quits. Returns work's
+    result or raises its exception."""
     outcome = {}
     done = threading.Event()  # not Thread.join: a join cut by Ctrl-C can misreport is_alive
 
@@ -6212,7 +6224,6 @@ def _run_interruptibly(work, signal, cli):
             done.set()
 
     threading.Thread(target=target, name="lich-run", daemon=True).start()
-    give_up = None
     while not done.is_set():
         try:
             done.wait(_POLL_SECONDS)
@@ -6222,9 +6233,6 @@ def _run_interruptibly(work, signal, cli):
                 signal.set()
                 cli.term.stop_spinner()
                 cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
-                give_up = time.monotonic() + _ABORT_GRACE_SECONDS
-        if give_up is not None and time.monotonic() > give_up and not done.is_set():
-            raise _GivenUp
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -6321,7 +6329,8 @@ class _Cli:
 
     def _on_retry(self, error, attempt, delay):
         if self._current(threading.current_thread()):
-            self.term.note(f"retrying in {delay:.0f} s: {error.kind} (attempt {attempt}/"
+            shown = f"{delay:.1f}" if delay < 10 else f"{delay:.0f}"
+            self.term.note(f"retrying in {shown} s: {error.kind} (attempt {attempt}/"
                            f"{self.chat.retries})")
 
     def _on_failover(self, error, index):
@@ -6331,13 +6340,13 @@ class _Cli:
 
     def _current(self, thread):
         progress = self.progress
-        return progress is not None and not progress.muted and progress.thread in (thread, None)
+        return progress is not None and progress.thread in (thread, None)
 
     def _delta(self, text):
         """Streamed text, shown when it is the answer of the current run."""
         progress = self.progress
         if (progress is not None and progress.thread is threading.current_thread()
-                and not progress.compressing and not progress.muted):
+                and not progress.compressing):
             progress.delta(text)
 
     def read_answer(self):
@@ -6386,10 +6395,6 @@ class _Cli:
 
         try:
             run = _run_interruptibly(work, signal, self)
-        except _GivenUp:  # its thread may still write: the session is left to it
-            progress.muted = True
-            self._interrupted(progress, None)
-            return _EXIT_INTERRUPTED, progress.history
         except AbortError:
             self._interrupted(progress, session)
             return _EXIT_INTERRUPTED, progress.history
@@ -6456,7 +6461,8 @@ class _Cli:
         if run.stopped_reason == "budget":
             term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before a "
                       f"final answer; raise --max-turns or continue with -c")
-        term.note(_usage_line(run.usage_total))
+        if run.usage_total.get("input_tokens") or run.usage_total.get("output_tokens"):
+            term.note(_usage_line(run.usage_total))  # none when the provider said nothing
 
     # -- modes
 
@@ -6471,7 +6477,7 @@ class _Cli:
 
     def repl(self, history, first=None) -> int:
         """The interactive chat: one session file shared by its turns (a new one after
-        /clear, /resume, or a turn given up on while its thread still runs)."""
+        /clear or /resume)."""
         term = self.term
         history_file = self._load_input_history()
         tools = ", ".join(spec["name"] for spec in self.tools.specs())
@@ -6496,9 +6502,7 @@ class _Cli:
                     continue
                 if session is None:
                     session = self.open_session()
-                code, history = self.run(line, history, session)
-                if self.progress.muted and session is not None:
-                    session = None  # a given-up run may still write to its file
+                _, history = self.run(line, history, session)
         finally:
             if session is not None:
                 session.close()
@@ -6683,11 +6687,7 @@ class _Cli:
                 system_prompt=self.system_prompt, temperature=args.temperature,
                 context_budget_tokens=args.context_budget or None, output_schema=self.schema)
 
-        try:
-            results = _run_interruptibly(work, signal, self)
-        except _GivenUp:
-            term.end_status()
-            return _EXIT_INTERRUPTED
+        results = _run_interruptibly(work, signal, self)
         term.end_status()
         if signal.is_set():
             return _EXIT_INTERRUPTED
@@ -6728,9 +6728,9 @@ def _print_sessions(session_dir, term, *, as_json) -> int:
         if as_json:
             term.json_line(summary)
             continue
-        when = (summary["when"] or "")[:16].replace("T", " ")
-        term.answer(f"{summary['id']}  {when}  {summary['folder'] or '?'}  "
-                    f"{summary['model'] or '?'}  {summary['messages']:>4} messages  "
+        when = summary["when"][:16].replace("T", " ")  # UTC, as the ids
+        term.answer(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "
+                    f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
                     f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}")
     if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
@@ -6859,7 +6859,8 @@ def _run_cli(cli) -> int:
         return cli.batch()
     history = []
     if args.resume is not None or args.continue_:
-        history = cli.load_session(args.resume or "latest", folder=args.resume is None)
+        history = cli.load_session("latest" if args.resume is None else args.resume,
+                                   folder=args.resume is None)
     if cli.interactive:
         return cli.repl(history, first=args.prompt)
     piped = None if _isatty(sys.stdin) else _read_piped()
