@@ -809,11 +809,12 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         if signal is not None and signal.is_set():
             _emit(emitter, {"type": "error", "error": AbortError(_ABORT_MESSAGE)})
             return LoopOutcome(history, None, None, turn - 1, "aborted")
-        if context_budget_tokens is not None and estimated >= context_budget_tokens * compress_threshold:
-            if compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
-                                  compress_threshold=compress_threshold, signal=signal,
-                                  emitter=emitter):
-                estimated = estimate_messages_tokens(history)
+        if (context_budget_tokens is not None
+                and estimated >= context_budget_tokens * compress_threshold
+                and compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
+                                       compress_threshold=compress_threshold, signal=signal,
+                                       emitter=emitter)):
+            estimated = estimate_messages_tokens(history)
         result = _call_chat(chat, history, used_ids, id_counters, turn=turn, tools=specs,
                             temperature=temperature, max_tokens=max_tokens, signal=signal,
                             emitter=emitter, response_format=response_format)
@@ -1673,7 +1674,7 @@ _watchdog = _Watchdog()
 _exchange_slot = threading.local()  # .exchange: the exchange this thread is sending
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _watched_adapter_class():
     """A requests adapter whose connections hand their socket to the thread's exchange.
 
@@ -1953,8 +1954,8 @@ class _HTTPChat:
                 drained += len(chunk)
                 if drained > _BODY_READ_BYTES or exchange.due():
                     break
-        except Exception:  # cut, reset: the connection is not reused, the answer stands
-            pass
+        except Exception as e:  # cut, reset: the connection is not reused, the answer stands
+            _log.debug("the end of a stream was not read: %s", e)
 
     def _read_stream(self, events, on_delta):
         """Assemble a ChatResult from SSE events with the dialect's ``_Stream``."""
@@ -4184,7 +4185,7 @@ class _Workspace:
                 return
             if folder:
                 rel = os.fsdecode(name)
-                rel = rel[2:] if rel.startswith("./") else rel
+                rel = rel.removeprefix("./")
                 keep = checked.get(rel)
                 if keep is None:
                     keep = checked[rel] = wanted(rel, rel.rpartition("/")[2]) and not (
@@ -4715,6 +4716,7 @@ class _StdioServer:
         except OSError:
             pass
         import signal as signals
+        import subprocess
         for stop in (None, signals.SIGTERM, signals.SIGKILL):
             if stop is not None:
                 try:
@@ -4724,7 +4726,7 @@ class _StdioServer:
             try:
                 self.proc.wait(_MCP_CLOSE_SECONDS)
                 break
-            except Exception:  # subprocess.TimeoutExpired
+            except subprocess.TimeoutExpired:
                 continue
         _kill_group(self.proc.pid)  # what it started, if it left them behind
 
@@ -5026,7 +5028,7 @@ def _batch_tasks(tasks) -> list:
     for position, task in enumerate(tasks):
         task = {"prompt": task} if isinstance(task, str) else task
         if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
-            raise ValueError(f"task {position} must be a prompt or a dict with a 'prompt' string")
+            raise TypeError(f"task {position} must be a prompt or a dict with a 'prompt' string")
         unknown = sorted(set(task) - _TASK_KEYS)
         if unknown:
             raise ValueError(f"task {position} has unknown keys: {', '.join(unknown)}")
@@ -5130,7 +5132,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     ``on_result(result)`` is called in the caller's thread as each task finishes;
     ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
     """
-    import concurrent.futures as futures
+    from concurrent import futures
 
     _check_max_turns(loop_params.get("max_turns"))
     tasks = _batch_tasks(tasks)
@@ -5587,7 +5589,10 @@ def _otel_provider(term):
 
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            ConsoleSpanExporter,
+        )
     except ImportError:
         raise _UsageError("--otel needs the OpenTelemetry SDK: pip install opentelemetry-api "
                           "opentelemetry-sdk (and an exporter, e.g. "
@@ -6002,8 +6007,8 @@ class _Approvals:
             else "call"
         body = self._body(name, args, call)
         self.cli.term.ask("\n".join([f"→ {_tool_summary(call)}", *("  " + line for line in body),
-                                     f"  allow? [y]es / [N]o / [a]lways this {what} / "
-                                     f"[t] always {name}: "]))
+                                     (f"  allow? [y]es / [N]o / [a]lways this {what} / "
+                                      f"[t] always {name}: ")]))
         answer = self.cli.read_answer()
         if answer is None:
             raise AbortError("interrupted before the user answered")
