@@ -3299,7 +3299,8 @@ def _walk_tree(top_fd, visit, *, limit=None):
         nonlocal seen
         subfolders = []
         try:
-            with os.scandir(fd) as entries:
+            with os.scandir(fd) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
                 for entry in entries:
                     seen += 1
                     if limit is not None and seen > limit:
@@ -3833,13 +3834,14 @@ def _search_worker():
     import signal as signals
 
     out = sys.stdout
+    out.reconfigure(line_buffering=True)  # what was found is lich's even if the job is stopped
 
     def emit(*record):
         out.write(json.dumps(record) + "\n")
 
     for line in sys.stdin:
         job = json.loads(line)
-        signals.alarm(job["seconds"] + 1)
+        signals.alarm(math.ceil(job["seconds"]) + 1)
         try:
             regex = re.compile(job["pattern"], re.MULTILINE)
             wanted = _Glob(job["glob"]) if job["glob"] else _match_all
@@ -4038,10 +4040,11 @@ def _split_lines(pending, on_line):
 class _Workspace:
     """The coding tools over one root folder; every path is confined to it."""
 
-    def __init__(self, root, approve, shell_timeout):
+    def __init__(self, root, approve, shell_timeout, search_timeout):
         self.root = _Root(root)
         self.approve = approve
         self.shell_timeout = shell_timeout
+        self.search_timeout = search_timeout
         self._workers = _SearchWorkers()
 
     def read_file(self, path: str, offset: int = 1, limit: int = _READ_DEFAULT_LIMIT) -> str:
@@ -4147,7 +4150,7 @@ class _Workspace:
         if note:
             lines.append(note)
         if ended == "timeout":
-            lines.append(f"[... the search stopped at its time limit of {_SEARCH_SECONDS} s; "
+            lines.append(f"[... the search stopped at its time limit of {self.search_timeout:g} s; "
                          f"{'these are the matches found so far; ' if matches.total else ''}"
                          f"narrow the path, glob or pattern]")
         return "\n".join(lines) if lines else "no matches"
@@ -4169,7 +4172,7 @@ class _Workspace:
         if rg is None:
             return None
         argv = [rg, "--no-config", "--line-number", "--with-filename", "--no-heading", "--null",
-                "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages"]
+                "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
         if glob and "/" not in glob:
@@ -4201,7 +4204,7 @@ class _Workspace:
         if folder and cwd is None:
             cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
         ended, code, errors = _run_reader(argv, on_line, signal, cwd=cwd,
-                                          stdin=None if folder else fd)
+                                          stdin=None if folder else fd, seconds=self.search_timeout)
         if ended == "done" and code == 2 and not matches.total and "regex" in errors:
             return None  # a Python pattern ripgrep does not take: the worker searches
         return ended
@@ -4211,7 +4214,7 @@ class _Workspace:
         """The search done by a worker process of lich's own; None where none can start."""
         job = {"pattern": pattern, "glob": glob, "gitignore": gitignore, "folder": folder,
                "root": self.root.path, "rel": self.root.relative(real), "prefix": prefix,
-               "seconds": _SEARCH_SECONDS}
+               "seconds": self.search_timeout}
 
         def on_record(record):
             if record[0] == "m":
@@ -4229,7 +4232,7 @@ class _Workspace:
     def _search_here(self, regex, fd, folder, prefix, wanted, gitignore, matches, signal):
         """The search done in this process: the signal is seen between blocks, but a regex
         that backtracks without end is not stopped (used only where no process can start)."""
-        deadline = time.monotonic() + _SEARCH_SECONDS
+        deadline = time.monotonic() + self.search_timeout
 
         def check():
             if signal.is_set():
@@ -4498,7 +4501,7 @@ def _run_shell(command, cwd, timeout, signal):
 
 
 def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None,
-                 shell_timeout=120) -> Tools:
+                 shell_timeout=120, search_timeout=_SEARCH_SECONDS) -> Tools:
     """The built-in tools of the command line, confined to the folder ``root``.
 
     ``read_file``, ``list_files`` and ``search`` always; ``write_file`` and ``edit_file`` with
@@ -4507,15 +4510,17 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     before each write or shell call whose arguments are valid; ``False`` declines it.
     ``bash`` runs ``/bin/sh -c`` in ``root`` in a process group of its own, which is killed
     after ``shell_timeout`` seconds, when the signal is set, when the shell exits and when
-    lich exits. The returned Tools has ``root``, the real path of the folder.
+    lich exits. A ``search`` ends after ``search_timeout`` seconds, saying so, whatever its
+    pattern. The returned Tools has ``root``, the real path of the folder.
     """
     if approve is not None and not callable(approve):
         raise TypeError(f"approve must be callable or None, not {approve!r}")
-    if isinstance(shell_timeout, bool) or not isinstance(shell_timeout, (int, float)):
-        raise TypeError(f"shell_timeout must be a number, not {shell_timeout!r}")
-    if not shell_timeout > 0:
-        raise ValueError(f"shell_timeout must be above 0, not {shell_timeout}")
-    workspace = _Workspace(root, approve, shell_timeout)
+    for name, value in (("shell_timeout", shell_timeout), ("search_timeout", search_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, not {value!r}")
+        if not value > 0:
+            raise ValueError(f"{name} must be above 0, not {value}")
+    workspace = _Workspace(root, approve, shell_timeout, search_timeout)
     tools = Tools()
     tools.root = workspace.root.path
     tools.register(workspace.read_file)

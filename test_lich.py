@@ -5163,6 +5163,64 @@ def test_tool_faults_become_results_and_the_run_goes_on(tmp_path, ws):
     assert records(run.session_path)[1:-1] == [msg(m) for m in run.messages]
 
 
+def test_a_parameter_annotated_toolcall_receives_the_call_and_is_not_offered():
+    tools = lich.Tools()
+
+    @tools.tool
+    def whoami(x: int, call: lich.ToolCall) -> str:
+        """Say which call this is."""
+        return f"{call['id']} {x} {call['name']}"
+
+    assert tools.specs()[0]["parameters"] == obj_schema({"x": {"type": "integer"}}, ["x"])
+    assert tools.run(tool_call("whoami", {"x": 2}, call_id="c9")) == lich.ToolResult(ok=True, output="c9 2 whoami")
+
+
+def _module_tool(mode: Literal["r", "w"], tags: Dict[str, List[float]], level: Optional[int] = None) -> str:  # noqa: UP006, FA100
+    """A tool at module level: it pickles."""
+    return json.dumps([mode, tags, level])
+
+
+def test_tools_pickle_with_every_supported_hint():
+    import pickle
+
+    tools = lich.Tools(max_output_chars=99)
+    tools.register(_module_tool)
+    copy = pickle.loads(pickle.dumps(tools))
+    assert copy.specs() == tools.specs() and copy.max_output_chars == 99
+    call = tool_call("_module_tool", {"mode": "r", "tags": {"a": [1, 2.5]}})
+    assert copy.run(call) == tools.run(call) == lich.ToolResult(ok=True, output='["r", {"a": [1.0, 2.5]}, null]')
+
+
+def test_coding_tools_pickle_and_work_on_the_other_side(ws):
+    import pickle
+
+    (ws / "a.txt").write_text("hello\n")
+    tools = lich.coding_tools(ws, allow_write=True, allow_shell=True, shell_timeout=9)
+    run_tool(tools, "search", pattern="hello")  # a search worker is running now: it stays here
+    copy = pickle.loads(pickle.dumps(tools))
+    assert copy.root == str(ws) and copy.specs() == tools.specs()
+    assert run_tool(copy, "search", pattern="hel+o") == lich.ToolResult(ok=True, output="a.txt:1: hello")
+    assert run_tool(copy, "bash", command="cat a.txt").output == "hello\n[exit code 0]"
+
+
+def test_combine_tools_routes_by_name_and_refuses_a_name_twice():
+    first, second = lich.Tools(), lich.Tools()
+    first.register(_module_tool)
+
+    @second.tool
+    def ping() -> str:
+        """Answer pong."""
+        return "pong"
+
+    both = lich.combine_tools(first, second)
+    assert [s["name"] for s in both.specs()] == ["_module_tool", "ping"]
+    assert both.run(tool_call("ping")) == lich.ToolResult(ok=True, output="pong")
+    assert both.run(tool_call("nope")) == lich.ToolResult(
+        ok=False, error='unknown tool "nope"; the available tools are: _module_tool, ping')
+    with pytest.raises(ValueError, match="^the tool name 'ping' is offered twice$"):
+        lich.combine_tools(second, second)
+
+
 # --- workspace paths ---
 
 
@@ -5302,6 +5360,21 @@ def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_pa
 # --- file tools and search ---
 
 
+@pytest.fixture(params=["rg", "worker"])
+def engine(request, monkeypatch):
+    """Who searches: ripgrep (on PATH) or lich's own worker process (no rg on PATH)."""
+    import shutil
+
+    if request.param == "rg":
+        if shutil.which("rg") is None:
+            pytest.skip("ripgrep is not on PATH (pip install -e '.[test]' brings it)")
+    else:
+        path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
+                if d and not os.path.exists(os.path.join(d, "rg"))]
+        monkeypatch.setenv("PATH", os.pathsep.join(path))
+    return request.param
+
+
 def test_read_file_numbers_lines(ws):
     (ws / "f.txt").write_bytes(b"one\r\ntwo\nthree\n")
     tools = lich.coding_tools(ws)
@@ -5395,14 +5468,14 @@ def test_list_files_caps_its_answer(ws):
      "src/deep/d.py:2:     return 'src/deep/d.py'"),
     ({"pattern": "nothing like this"}, "no matches"),
 ], ids=["regex", "glob", "one file", "folder and glob", "no match"])
-def test_search(ws, arguments, output):
+def test_search(ws, engine, arguments, output):
     _make_tree(ws)
     (ws / "data.bin").write_bytes(b"\x00def binary():\n")
     assert run_tool(lich.coding_tools(ws), "search", **arguments) == lich.ToolResult(
         ok=True, output=output)
 
 
-def test_search_caps_matches_and_cuts_lines(ws):
+def test_search_caps_matches_and_cuts_lines(ws, engine):
     (ws / "many.txt").write_text("hit\n" * 205)
     (ws / "wide.txt").write_text("hit " + "w" * 3000 + "\n")
     tools = lich.coding_tools(ws)
@@ -5412,7 +5485,7 @@ def test_search_caps_matches_and_cuts_lines(ws):
         ok=True, output="wide.txt:1: hit " + "w" * 496)
 
 
-def test_search_refusals(ws, tmp_path):
+def test_search_refusals(ws, tmp_path, engine):
     _make_links(ws, tmp_path)
     os.mkfifo(ws / "pipe")
     tools = lich.coding_tools(ws)
@@ -5427,7 +5500,7 @@ def test_search_refusals(ws, tmp_path):
         ok=False, error="path is not a regular file or a directory: pipe")
 
 
-def test_search_aborts_between_files(ws):
+def test_search_aborts_between_files(ws, engine):
     (ws / "a.txt").write_text("x\n")
     event = threading.Event()
     event.set()
@@ -5499,6 +5572,212 @@ def test_edit_file_refusals(ws, tmp_path):
     assert len(declined.asked) == 1
     assert (ws / "inside.txt").read_text() == "inside\n"
     assert (tmp_path / "outside" / "secret.txt").read_text() == "top secret\n"
+
+
+CATASTROPHIC = "(a+)+$"  # exponential backtracking in Python's re on "aaa...ab"
+
+
+def test_a_catastrophic_regex_stops_at_the_signal_within_a_second(ws, engine):
+    (ws / "slow.txt").write_text("a" * 40 + "b\n")
+    signal = threading.Event()
+    threading.Timer(0.3, signal.set).start()
+    started = time.monotonic()
+    result = lich.coding_tools(ws).run(tool_call("search", {"pattern": CATASTROPHIC}), signal)
+    assert time.monotonic() - started < 1.5
+    # ripgrep's regexes never backtrack: it is done before the signal comes
+    expected = lich.ToolResult(ok=True, output="no matches") if engine == "rg" else \
+        lich.ToolResult(ok=False, error="the search was aborted")
+    assert result == expected
+
+
+def test_a_search_ends_at_its_time_limit_saying_so_with_what_it_found(ws, monkeypatch):
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))  # ripgrep would not backtrack at all
+    (ws / "a.txt").write_text("aaaa\n")
+    (ws / "z.txt").write_text("a" * 40 + "b\n")
+    started = time.monotonic()
+    result = run_tool(lich.coding_tools(ws, search_timeout=1), "search", pattern=CATASTROPHIC)
+    assert time.monotonic() - started < 2.5
+    assert result == lich.ToolResult(ok=True, output=(
+        "a.txt:1: aaaa\n[... the search stopped at its time limit of 1 s; these are the matches "
+        "found so far; narrow the path, glob or pattern]"))
+
+
+def test_the_signal_stops_a_search_inside_one_huge_file(ws, engine):
+    with open(ws / "huge.txt", "wb") as f:
+        line = b"x" * 1000 + b"\n"
+        f.write(line * 300_000)  # 300 MB, one file
+    signal = threading.Event()
+    threading.Timer(0.2, signal.set).start()
+    started = time.monotonic()
+    result = lich.coding_tools(ws).run(tool_call("search", {"pattern": r"(x+x+)+y", "path": "huge.txt"}), signal)
+    assert time.monotonic() - started < 1.5
+    assert result in (lich.ToolResult(ok=False, error="the search was aborted"),
+                      lich.ToolResult(ok=True, output="no matches"))  # ripgrep may be that fast
+
+
+def test_a_match_past_column_two_thousand_is_found_and_shown_cut(ws, engine):
+    (ws / "wide.txt").write_text("x" * 3000 + " needle " + "y" * 10 + "\n")
+    result = run_tool(lich.coding_tools(ws), "search", pattern="needle")
+    assert result == lich.ToolResult(ok=True, output="wide.txt:1: " + "x" * 500)
+
+
+def test_search_honours_the_roots_gitignore(ws, engine):
+    (ws / ".gitignore").write_text("build/\n*.log\n!keep.log\n/top.txt\n")
+    for rel in ["build/a.txt", "src/build/b.txt", "x.log", "src/y.log", "keep.log", "top.txt",
+                "src/top.txt", "ok.txt"]:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="keep.log:1: hit\nok.txt:1: hit\nsrc/top.txt:1: hit")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit", path="src") == lich.ToolResult(
+        ok=True, output="src/top.txt:1: hit")
+
+
+def test_both_search_engines_give_the_same_answers(ws, monkeypatch):
+    import shutil
+
+    if shutil.which("rg") is None:
+        pytest.skip("ripgrep is not on PATH (pip install -e '.[test]' brings it)")
+    _make_tree(ws)
+    (ws / "crlf.txt").write_bytes(b"def crlf():\r\n    return 1\r\n")
+    (ws / "unicode.txt").write_text("déf café():\n")
+    cases = [{"pattern": r"def \w+"}, {"pattern": "return", "glob": "*.py"}, {"pattern": r"^\s+return"},
+             {"pattern": "crlf\\(\\):$"}, {"pattern": "caf."}, {"pattern": "x", "path": "src/c.py"}]
+    with_rg = [run_tool(lich.coding_tools(ws), "search", **case) for case in cases]
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    assert [run_tool(lich.coding_tools(ws), "search", **case) for case in cases] == with_rg
+    assert with_rg[3] == lich.ToolResult(ok=True, output="crlf.txt:1: def crlf():")
+
+
+def test_a_python_only_pattern_still_searches_where_ripgrep_refuses_it(ws, engine):
+    (ws / "a.txt").write_text("foo bar\nfoo baz\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern=r"foo (?=baz)") == lich.ToolResult(
+        ok=True, output="a.txt:2: foo baz")
+
+
+def test_a_tree_deeper_than_the_walk_goes_says_what_was_not_looked_at(ws, engine):
+    folder = ws
+    for _ in range(130):
+        folder = folder / "d"
+        folder.mkdir()
+    (folder / "deep.txt").write_text("hit\n")
+    (ws / "top.txt").write_text("hit\n")
+    deep = "/".join(["d"] * 129)
+    assert run_tool(lich.coding_tools(ws), "list_files") == lich.ToolResult(
+        ok=True, output=f"top.txt\n[... not listed: {deep} (deeper than 128 levels)]")
+    if engine == "worker":  # ripgrep walks it all
+        assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+            ok=True, output=f"top.txt:1: hit\n[... not searched: {deep} (deeper than 128 levels)]")
+
+
+def test_a_pathological_glob_is_matched_in_linear_time(ws):
+    (ws / ("a" * 200)).write_text("")
+    started = time.monotonic()
+    result = run_tool(lich.coding_tools(ws), "list_files", pattern="*a*a*a*a*a*a*a*a*a*a*a*a*b")
+    assert time.monotonic() - started < 1
+    assert result == lich.ToolResult(ok=True, output="no files match *a*a*a*a*a*a*a*a*a*a*a*a*b under .")
+    assert run_tool(lich.coding_tools(ws), "list_files", pattern="{" * 10 + "a,b" + "}" * 10 + "*").ok
+
+
+def test_edit_file_matches_across_crlf_and_keeps_the_files_line_ends(ws):
+    (ws / "w.txt").write_bytes(b"one\r\ntwo\r\nthree\r\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    shown = run_tool(tools, "read_file", path="w.txt").output
+    assert shown == "     1\tone\n     2\ttwo\n     3\tthree"  # what the model copies from
+    assert run_tool(tools, "edit_file", path="w.txt", old_text="one\ntwo", new_text="1\n2\n2.5").ok
+    assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\n2.5\r\nthree\r\n"
+    assert run_tool(tools, "edit_file", path="w.txt", old_text="three", new_text="3\n4").ok
+    assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\n2.5\r\n3\r\n4\r\n"
+
+
+def test_writes_keep_the_files_mode_and_leave_no_temporary_file(ws):
+    target = ws / "run.sh"
+    target.write_text("echo one\n")
+    target.chmod(0o751)
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="run.sh", old_text="one", new_text="two").ok
+    assert run_tool(tools, "write_file", path="run.sh", content="echo three\n").ok
+    assert (target.read_text(), oct(target.stat().st_mode & 0o777)) == ("echo three\n", "0o751")
+    assert sorted(p.name for p in ws.iterdir()) == ["run.sh"]
+
+
+WRITE_IN_A_CHILD = """
+import json, lich, resource, sys
+root, limit, content = sys.argv[1], int(sys.argv[2]), sys.argv[3] * int(sys.argv[4])
+if limit:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+tools = lich.coding_tools(root, allow_write=True)
+print(tools.run({"id": "w", "name": "write_file", "arguments": json.dumps({"path": "f.txt", "content": content * 1000})}))
+"""
+
+
+def test_a_write_that_fails_part_way_leaves_the_original_whole(ws):
+    (ws / "f.txt").write_text("original\n")
+    code, out, err = Process("-c", WRITE_IN_A_CHILD, ws, 4096, "x", 100, cwd=HERE).wait()
+    assert code == 0 and "ok=False" in out and "File too large" in out, (out, err)
+    assert (ws / "f.txt").read_text() == "original\n"
+    assert sorted(p.name for p in ws.iterdir()) == ["f.txt"]  # the temporary file is gone
+
+
+def test_a_write_killed_part_way_leaves_the_original_whole(ws):
+    import signal as signals
+
+    (ws / "f.txt").write_text("original\n")
+    child = Process("-c", WRITE_IN_A_CHILD, ws, 0, "y", 500_000, cwd=HERE)  # 500 MB
+    deadline = time.monotonic() + 20
+    while not any(p.name.endswith(".tmp") and p.stat().st_size > 1 << 20 for p in ws.iterdir()):
+        assert time.monotonic() < deadline, "the write never started"
+        time.sleep(0.01)
+    child.popen.send_signal(signals.SIGKILL)
+    child.wait()
+    assert (ws / "f.txt").read_text() == "original\n"
+
+
+@pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+def test_a_folder_swapped_for_a_link_during_the_approval_cannot_lead_out(ws, tmp_path, tool):
+    (ws / "sub").mkdir()
+    (ws / "sub" / "x.txt").write_text("inside\n")
+    (tmp_path / "outside" / "x.txt").write_text("outside\n")
+
+    def swap(call):  # what another process could do while the user reads the question
+        os.rename(ws / "sub", ws / "sub-old")
+        os.symlink(tmp_path / "outside", ws / "sub")
+        return True
+
+    tools = lich.coding_tools(ws, allow_write=True, approve=swap)
+    arguments = ({"path": "sub/x.txt", "content": "written\n"} if tool == "write_file" else
+                 {"path": "sub/x.txt", "old_text": "inside", "new_text": "edited"})
+    assert run_tool(tools, tool, **arguments) == lich.ToolResult(
+        ok=False, error="path is outside the workspace: sub/x.txt")
+    assert (tmp_path / "outside" / "x.txt").read_text() == "outside\n"
+
+
+def test_reads_never_see_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
+    (ws / "sub").mkdir()
+    (ws / "sub" / "x.txt").write_text("inside\n")
+    (tmp_path / "outside" / "x.txt").write_text("outside\n")
+    stop = threading.Event()
+
+    def flip():
+        while not stop.is_set():
+            os.rename(ws / "sub", ws / "real")
+            os.symlink(tmp_path / "outside", ws / "sub")
+            os.unlink(ws / "sub")
+            os.rename(ws / "real", ws / "sub")
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    tools = lich.coding_tools(ws)
+    seen = set()
+    try:
+        for _ in range(400):
+            seen.add(run_tool(tools, "read_file", path="sub/x.txt").output)
+    finally:
+        stop.set()
+        flipper.join()
+    assert "     1\toutside" not in seen and "     1\tinside" in seen
 
 
 # --- shell ---
