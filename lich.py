@@ -6407,7 +6407,7 @@ class _Cli:
             run = _run_interruptibly(work, signal, self)
         except AbortError:
             self._interrupted(progress, session)
-            return _EXIT_INTERRUPTED, progress.history
+            return self.interrupts.exit_code, progress.history
         except Exception as exc:
             _cli_log().debug("the run failed", exc_info=True)
             self._end_json("error", progress.usage, session)
@@ -6420,7 +6420,7 @@ class _Cli:
         self._add_usage(run.usage_total)
         if run.stopped_reason == "aborted":
             self._interrupted(progress, session)
-            return _EXIT_INTERRUPTED, progress.history
+            return self.interrupts.exit_code, progress.history
         self._show(run, session)
         if run.stopped_reason == "budget":
             return _EXIT_BUDGET, run.messages
@@ -6700,7 +6700,7 @@ class _Cli:
         results = _run_interruptibly(work, signal, self)
         term.end_status()
         if signal.is_set():
-            return _EXIT_INTERRUPTED
+            return self.interrupts.exit_code
         if any(not r.ok and r.stopped_reason != "budget" for r in results):
             return _EXIT_ERROR
         return _EXIT_BUDGET if any(r.stopped_reason == "budget" for r in results) else _EXIT_OK

@@ -5945,6 +5945,70 @@ def test_50_mb_of_shell_output_keeps_the_agent_process_small(tmp_path, ws):
         "final", "a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000 + "\n[exit code 0]")
 
 
+ASK_BASH = "bash"
+
+
+def _bash_then(server, command, then="Done."):
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": command}))), openai_reply(then))
+
+
+def test_a_key_read_from_lichs_own_environ_is_redacted_everywhere(server, tmp_path, workspace):
+    key = "sk-proc-Zq8Wm3Kp7Xv2Ln5Rt9"
+    _bash_then(server, "tr '\\0' '\\n' < /proc/$PPID/environ | grep OPENAI_API_KEY; env | grep -c OPENAI_API_KEY || true")
+    code, out, err = Process(LICH_PY, "--yolo", "--json", "--root", workspace, "look",
+                             env={"LICH_MODEL": f"openai:gpt-test@{server.url}/v1", "OPENAI_API_KEY": key}).wait()
+    assert code == 0, err
+    tool_result = server.requests[1]["json"]["messages"][-1]["content"]
+    shown = out + err + tool_result + "".join(p.read_text() for p in sessions_in(tmp_path))
+    assert not any(key[i:i + 8] in shown for i in range(len(key) - 7))
+    # the shell's own environment has no provider key; what it read of lich's is redacted
+    # root reads it (and sees it redacted); another user is refused: lich is not dumpable
+    assert tool_result == "OPENAI_API_KEY=[redacted]\n0\n[exit code 0]" if os.geteuid() == 0 else (
+        "Permission denied" in tool_result and tool_result.endswith("\n0\n[exit code 0]"))
+
+
+def test_lich_with_tools_is_not_dumpable_so_its_environ_cannot_be_read(server, request):
+    import shutil
+
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("setpriv is needed to run lich as an ordinary user here")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    else:
+        prefix = []
+    import tempfile
+
+    ws = Path(tempfile.mkdtemp(prefix="lich-test-"))  # a folder the ordinary user can reach
+    ws.chmod(0o777)
+    request.addfinalizer(lambda: shutil.rmtree(ws, ignore_errors=True))
+    _bash_then(server, "cat /proc/$PPID/environ > /dev/null && echo READABLE || echo REFUSED")
+    env = {**os.environ, "LICH_MODEL": f"openai:gpt-test@{server.url}/v1", "OPENAI_API_KEY": "sk-x-1234567890ab"}
+    proc = subprocess.run([*prefix, sys.executable, str(LICH_PY), "--yolo", "--no-session", "--no-stream",
+                           "--root", str(ws), "look"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=str(ws), check=False)
+    assert proc.returncode == 0, proc.stderr
+    content = server.requests[1]["json"]["messages"][-1]["content"]
+    assert "Permission denied" in content and "REFUSED" in content and "READABLE" not in content
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGHUP"])
+def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_model, workspace, how):
+    import signal as signals
+
+    _bash_then(server, "echo $$ > shell.pid; sleep 300 & echo $! > child.pid; wait")
+    child = Process(LICH_PY, "--yolo", "--no-stream", "--no-session", "--root", workspace, "run it")
+    deadline = time.monotonic() + 20
+    while not ((workspace / "child.pid").exists() and (workspace / "child.pid").read_text().strip()):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.02)
+    pids = [int((workspace / name).read_text()) for name in ("shell.pid", "child.pid")]
+    child.popen.send_signal(getattr(signals, how))
+    code, _, err = child.wait(timeout=20)
+    assert code == {"SIGKILL": -9, "SIGTERM": 143, "SIGHUP": 129}[how], err
+    for pid in pids:
+        assert process_gone(pid, wait=5), f"process {pid} outlived lich"
+
+
 # ============================================================================
 # Command line
 # ============================================================================
