@@ -6009,6 +6009,308 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
         assert process_gone(pid, wait=5), f"process {pid} outlived lich"
 
 
+# --- MCP ---
+
+
+FAKE_MCP = r"""
+import json, os, sys, time
+log = open(os.environ["FAKE_LOG"], "a")
+changed = False
+def send(message):
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+def read():
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)
+    message = json.loads(line)
+    log.write(json.dumps(message) + "\n")
+    log.flush()
+    return message
+names = os.environ.get("FAKE_TOOLS", "first,second").split(",")
+while True:
+    message = read()
+    method, ident = message.get("method"), message.get("id")
+    if method == "initialize":
+        send({"jsonrpc": "2.0", "id": ident, "result": {"protocolVersion": os.environ.get(
+            "FAKE_PROTOCOL", message["params"]["protocolVersion"]), "capabilities": {"tools": {"listChanged": True}},
+            "serverInfo": {"name": "fake", "version": "1"}}})
+    elif method == "tools/list":
+        cursor = (message.get("params") or {}).get("cursor")
+        tool = {"name": names[1] if cursor else names[0], "description": "page " + str(cursor),
+                "inputSchema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+        if changed and cursor:
+            tool["name"] = "renamed"
+        result = {"tools": [tool]}
+        if not cursor:
+            result["nextCursor"] = "p2"
+        send({"jsonrpc": "2.0", "id": ident, "result": result})
+    elif method == "tools/call":
+        name = message["params"]["name"]
+        if name == names[0]:
+            send({"jsonrpc": "2.0", "id": "srv-ping", "method": "ping"})
+            answer = read()
+            text = "pinged back: " + json.dumps(answer)
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": text}]}})
+        elif name == "change":
+            changed = True
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "changed"}]}})
+        elif name == "crash":
+            os._exit(3)
+        elif name == "sleep":
+            pass  # never answered
+        else:
+            send({"jsonrpc": "2.0", "id": ident, "error": {"code": -32602, "message": "Unknown tool: " + name}})
+"""
+
+
+@pytest.fixture
+def fake_mcp(tmp_path, monkeypatch):
+    """(command, log path) of a scripted stdio MCP server that logs what it receives."""
+    script = tmp_path / "fake_mcp.py"
+    script.write_text(FAKE_MCP)
+    log = tmp_path / "mcp.log"
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    return [sys.executable, str(script)], log
+
+
+def received(log):
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def children_of_this_process(pattern):
+    """Pids of live processes whose command line holds ``pattern`` and whose parent is us."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if pattern in cmdline and fields[0] != "Z" and int(fields[1]) == os.getpid():
+            found.append(int(entry))
+    return found
+
+
+def test_mcp_handshake_pages_pings_and_list_changes(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command, prefix="f_") as tools:
+        assert tools.specs() == [
+            {"name": "f_first", "description": "page None",
+             "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+            {"name": "f_second", "description": "page p2",
+             "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}]
+        assert tools.run(tool_call("f_first", {"x": 1})) == lich.ToolResult(
+            ok=True, output='pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}')
+        assert tools.run(tool_call("f_change")) == lich.ToolResult(ok=True, output="changed")
+        deadline = time.monotonic() + 5
+        while [s["name"] for s in tools.specs()] != ["f_first", "f_renamed"]:
+            assert time.monotonic() < deadline, "the changed list was never read again"
+            time.sleep(0.02)
+        assert tools.run(tool_call("f_nope")) == lich.ToolResult(
+            ok=False, error="Unknown tool: nope (MCP error -32602)")
+    messages = received(log)
+    assert messages[0] == {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "lich", "version": lich.__version__}}}
+    assert messages[1] == {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    assert [m.get("params", {}).get("cursor") for m in messages if m.get("method") == "tools/list"][:2] == [None, "p2"]
+    assert {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+            "params": {"name": "first", "arguments": {"x": 1}}} in messages
+
+
+def test_mcp_accepts_an_older_protocol_and_refuses_an_unknown_one(fake_mcp, monkeypatch):
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_PROTOCOL", "2025-06-18")
+    with lich.mcp_tools(command) as tools:
+        assert tools.protocol == "2025-06-18"
+    monkeypatch.setenv("FAKE_PROTOCOL", "1999-01-01")
+    with pytest.raises(lich.MCPError, match="speaks protocol '1999-01-01', which lich does not"):
+        lich.mcp_tools(command)
+
+
+def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command, timeout=1) as tools:
+        signal = threading.Event()
+        threading.Timer(0.2, signal.set).start()
+        started = time.monotonic()
+        assert tools.run(tool_call("sleep"), signal) == lich.ToolResult(ok=False, error="aborted")
+        assert time.monotonic() - started < 1
+        assert tools.run(tool_call("sleep")) == lich.ToolResult(ok=False, error="timed out after 1 s")
+    cancels = [m["params"] for m in received(log) if m.get("method") == "notifications/cancelled"]
+    assert cancels == [{"requestId": 2, "reason": "the client aborted"},
+                       {"requestId": 3, "reason": "the client timeout"}]
+
+
+def test_an_mcp_server_that_dies_mid_call_is_a_failed_result_not_a_hang(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        result = finishes(lambda: tools.run(tool_call("crash")))
+        name = os.path.basename(sys.executable)
+        assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 3)")
+        assert finishes(lambda: tools.run(tool_call("first"))) == result  # and stays failed, quickly
+
+
+@pytest.mark.parametrize("command, error", [
+    (["/nonexistent/mcp-server"], "cannot start the MCP server '/nonexistent/mcp-server': No such file or directory"),
+    ([sys.executable, "-c", "import sys; sys.stderr.write('no config here'); sys.exit(3)"],
+     "exited (code 3): no config here"),
+    ([sys.executable, "-c", "import time; time.sleep(30)"], "did not answer within 1 s"),
+], ids=["missing", "exits", "silent"])
+def test_an_mcp_server_that_does_not_start_is_an_mcp_error_in_its_own_words(command, error):
+    started = time.monotonic()
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(command, timeout=1)
+    assert error in str(info.value) and time.monotonic() - started < 5
+
+
+def test_combining_mcp_tools_with_a_clash_names_it(fake_mcp, monkeypatch, ws):
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_TOOLS", "read_file,other")
+    with lich.mcp_tools(command) as tools, pytest.raises(ValueError, match="'read_file' is offered twice"):
+        lich.combine_tools(lich.coding_tools(ws), tools)
+
+
+@pytest.fixture
+def time_server():
+    import shutil
+
+    command = shutil.which("mcp-server-time")
+    if command is None:
+        pytest.skip("mcp-server-time is not installed (pip install -e '.[test]' brings it)")
+    return [command, "--local-timezone", "Europe/Warsaw"]
+
+
+def test_the_real_time_server_lists_calls_refuses_and_closes_clean(time_server):
+    tools = lich.mcp_tools(time_server, prefix="time_")
+    assert [s["name"] for s in tools.specs()] == ["time_get_current_time", "time_convert_time"]
+    assert tools.specs()[0]["parameters"]["required"] == ["timezone"]
+    result = tools.run(tool_call("time_get_current_time", {"timezone": "Europe/Warsaw"}))
+    assert result.ok and json.loads(result.output)["timezone"] == "Europe/Warsaw"
+    converted = tools.run(tool_call("time_convert_time", {"source_timezone": "UTC", "time": "12:00",
+                                                           "target_timezone": "Asia/Kolkata"}))
+    assert json.loads(converted.output)["time_difference"] == "+5.5h"
+    bad = tools.run(tool_call("time_get_current_time", {"timezone": "Mars/Base"}))
+    assert (bad.ok, bad.error) == (False, ("Error executing tool get_current_time: Invalid timezone: "
+                                           "'No time zone found with key Mars/Base'"))
+    assert tools.run(tool_call("time_nope")) == lich.ToolResult(ok=False, error="Unknown tool: nope (MCP error -32602)")
+    assert children_of_this_process("mcp-server-time")
+    tools.close()
+    assert children_of_this_process("mcp-server-time") == []
+
+
+@pytest.fixture
+def everything():
+    """The path of @modelcontextprotocol/server-everything's dist/index.js, installed by .ci/run."""
+    import shutil
+
+    script = os.environ.get("LICH_TEST_MCP_EVERYTHING")
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed")
+    if not script or not os.path.isfile(script):
+        pytest.skip("@modelcontextprotocol/server-everything is not installed: .ci/run installs it "
+                    "and sets LICH_TEST_MCP_EVERYTHING")
+    return script
+
+
+def test_the_real_everything_server_over_stdio(everything):
+    with lich.mcp_tools(["node", everything, "stdio"], timeout=10) as tools:
+        names = [s["name"] for s in tools.specs()]
+        assert {"echo", "get-sum", "get-tiny-image", "trigger-long-running-operation"} <= set(names)
+        assert tools.run(tool_call("echo", {"message": "hi"})) == lich.ToolResult(ok=True, output="Echo: hi")
+        assert tools.run(tool_call("get-sum", {"a": 2, "b": 3.5})).output == "The sum of 2 and 3.5 is 5.5."
+        image = tools.run(tool_call("get-tiny-image")).output.splitlines()
+        assert re.fullmatch(r"\[image: image/png, \d+ bytes\]", image[1]), image
+        links = tools.run(tool_call("get-resource-links", {"count": 2})).output.splitlines()
+        assert links[1:] == ["[resource: demo://resource/dynamic/blob/1]", "[resource: demo://resource/dynamic/text/2]"]
+        bad = tools.run(tool_call("echo", {"message": 5}))
+        assert not bad.ok and "Input validation error" in bad.error
+        signal = threading.Event()
+        threading.Timer(0.3, signal.set).start()
+        started = time.monotonic()
+        assert tools.run(tool_call("trigger-long-running-operation", {"duration": 10, "steps": 5}), signal) == \
+            lich.ToolResult(ok=False, error="aborted")
+        assert time.monotonic() - started < 1.5
+        results = [None] * 16
+
+        def call(i):
+            results[i] = tools.run(tool_call("echo", {"message": str(i)}))
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert results == [lich.ToolResult(ok=True, output=f"Echo: {i}") for i in range(16)]
+    assert children_of_this_process(everything) == []
+
+
+def test_the_real_everything_server_killed_mid_call(everything):
+    import signal as signals
+
+    tools = lich.mcp_tools(["node", everything, "stdio"], timeout=30)
+    try:
+        tools.specs()
+        [pid] = children_of_this_process(everything)
+        threading.Timer(0.3, os.kill, (pid, signals.SIGKILL)).start()
+        result = finishes(lambda: tools.run(tool_call("trigger-long-running-operation", {"duration": 10, "steps": 2})))
+        assert not result.ok and result.error.startswith("the MCP server node exited (code -9)")
+    finally:
+        tools.close()
+
+
+FORCE_LOOPBACK = """
+const net = require("node:net");
+const listen = net.Server.prototype.listen;
+net.Server.prototype.listen = function (...args) {
+  if (typeof args[0] === "number" || (typeof args[0] === "string" && /^\\d+$/.test(args[0]))) {
+    if (typeof args[1] !== "string") args.splice(1, 0, "127.0.0.1");
+  }
+  this.once("listening", () => process.stderr.write(`LISTENING ${this.address().port}\\n`));
+  return listen.apply(this, args);
+};
+"""
+
+
+def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
+    preload = tmp_path / "loopback.cjs"
+    preload.write_text(FORCE_LOOPBACK)
+    server = subprocess.Popen(["node", everything, "streamableHttp"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env={**os.environ, "PORT": "0", "NODE_OPTIONS": f"--require {preload}"})
+    try:
+        port = None
+        while port is None:
+            line = server.stderr.readline()
+            assert line, "the server never listened"
+            if line.startswith("LISTENING "):
+                port = int(line.split()[1])
+        url = f"http://127.0.0.1:{port}/mcp"
+        tools = lich.mcp_tools(url, timeout=10)
+        assert "echo" in [s["name"] for s in tools.specs()]
+        assert tools.run(tool_call("echo", {"message": "over http"})) == lich.ToolResult(
+            ok=True, output="Echo: over http")
+        assert not tools.run(tool_call("get-sum", {"a": 1})).ok
+        signal = threading.Event()
+        threading.Timer(0.3, signal.set).start()
+        started = time.monotonic()
+        assert tools.run(tool_call("trigger-long-running-operation", {"duration": 10, "steps": 5}), signal) == \
+            lich.ToolResult(ok=False, error="aborted")
+        assert time.monotonic() - started < 1.5
+        tools.close()  # DELETE ends the session: the server no longer knows it
+        after = tools.run(tool_call("echo", {"message": "gone"}))
+        assert not after.ok and "HTTP 400" in after.error
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
 # ============================================================================
 # Command line
 # ============================================================================
