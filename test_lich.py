@@ -1,5 +1,6 @@
 """Tests for lich.py; the sections follow lich.py's banners, fixtures and helpers first."""
 
+import dataclasses
 import io
 import json
 import os
@@ -6309,6 +6310,325 @@ def test_the_real_everything_server_over_streamable_http_on_loopback(everything,
     finally:
         os.killpg(server.pid, 9)
         server.wait()
+
+
+# ============================================================================
+# Many runs
+# ============================================================================
+
+
+def batch_model(request):
+    """A model for batches: two read_file rounds, then "answer to <prompt>"; "fail ..." refused."""
+    messages = request["json"]["messages"]
+    prompt = [m["content"] for m in messages if m["role"] == "user"][-1]
+    if prompt.startswith("fail"):
+        return Reply(400, openai_error("refused on purpose"))
+    done = sum(m["role"] == "tool" for m in messages)
+    if done < 2:
+        return Reply(200, openai_reply("", (f"c{done}", "read_file", '{"path": "a.txt"}'), finish="tool_calls"))
+    return Reply(200, openai_reply(f"answer to {prompt}: {messages[-1]['content'].split(chr(9))[-1]}"))
+
+
+@pytest.fixture
+def batch_server(server):
+    server.responder = batch_model
+    return server
+
+
+def answered(task_id, prompt, text="hello", session_path=None):
+    return lich.BatchResult(task_id, True, "final", f"answer to {prompt}: {text}", usage=usage(21, 9),
+                            session_path=session_path)
+
+
+def test_run_batch_gives_results_in_task_order_and_writes_each_as_it_finishes(batch_server, workspace, tmp_path):
+    tasks = [f"task {i}" for i in range(12)] + [{"id": "named", "prompt": "named task"}]
+    out = tmp_path / "out.jsonl"
+    threads = set()
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=4,
+                             out=out, session_dir=tmp_path / "s", on_result=lambda r: threads.add(threading.get_ident()),
+                             max_turns=5)
+    ids = [str(i) for i in range(12)] + ["named"]
+    assert [(r.id, r.ok, r.final) for r in results] == [
+        (task_id, True, f"answer to {t if isinstance(t, str) else t['prompt']}: hello")
+        for task_id, t in zip(ids, tasks)]
+    assert all(r.usage == usage(21, 9) and r.session_path.endswith(f"-{r.id}.jsonl") for r in results)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(lines, key=lambda line: ids.index(line["id"])) == [dataclasses.asdict(r) for r in results]
+    assert threads == {threading.get_ident()}  # on_result runs in the caller's thread
+    assert len(batch_server.requests) == 13 * 3
+
+
+def test_run_batch_resumes_from_its_out_file_and_redo_runs_all_again(batch_server, workspace, tmp_path):
+    out = tmp_path / "out.jsonl"
+    tasks = ["one", "two", "fail three"]
+    first = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                           max_turns=5)
+    assert [(r.ok, r.stopped_reason) for r in first] == [(True, "final"), (True, "final"), (False, None)]
+    assert first[2].error == "bad_request: openai: HTTP 400 (invalid_request_error): refused on purpose"
+    requests = len(batch_server.requests)
+    again = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                           max_turns=5)
+    assert again[:2] == first[:2] and again[2] == first[2]
+    assert len(batch_server.requests) == requests + 1  # only the failed task ran again
+    lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                   max_turns=5, redo=True)
+    assert len(batch_server.requests) == requests + 1 + 7
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()].count("0") == 1  # redo starts it afresh
+
+
+def test_a_batch_killed_mid_write_resumes_after_its_torn_line(batch_server, workspace, tmp_path):
+    out = tmp_path / "out.jsonl"
+    done = dataclasses.asdict(answered("0", "one"))
+    out.write_text(json.dumps(done) + "\n" + json.dumps(done)[:40])  # the last write was cut by a kill
+    results = lich.run_batch(["one", "two"], chat=openai_at(batch_server), tools=lich.coding_tools(workspace),
+                             out=out, max_turns=5)
+    assert [r.final for r in results] == ["answer to one: hello", "answer to two: hello"]
+    lines = out.read_text().split("\n")
+    assert json.loads(lines[0])["id"] == "0" and json.loads(lines[2])["id"] == "1" and lines[3] == ""
+
+
+def test_after_max_errors_no_task_starts(batch_server, workspace):
+    tasks = ["fail a", "fail b", "ok c", "ok d"]
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
+                             max_errors=2, max_turns=5)
+    assert [(r.ok, r.error) for r in results[2:]] == [
+        (False, "not started: 2 tasks failed (max_errors=2)")] * 2
+    assert len(batch_server.requests) == 2
+
+
+def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
+    signal = threading.Event()
+    results = lich.run_batch([f"t{i}" for i in range(6)], chat=openai_at(batch_server),
+                             tools=lich.coding_tools(workspace), workers=1, signal=signal, max_turns=5,
+                             on_result=lambda r: signal.set())
+    assert [r.ok for r in results] == [True] + [False] * 5
+    assert {r.error for r in results[1:]} == {"not started: the signal was set"}
+
+
+def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_path):
+    for name in ("p", "q"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_text(f"in {name}\n")
+    results = lich.run_batch([{"id": "p", "prompt": "x", "root": str(tmp_path / "p")},
+                              {"id": "q", "prompt": "x", "root": str(tmp_path / "q"), "system_prompt": "be q"}],
+                             chat=f"openai:gpt-test@{batch_server.url}/v1", max_turns=5)
+    assert [r.final for r in results] == ["answer to x: in p", "answer to x: in q"]
+    assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
+
+
+@pytest.mark.parametrize("tasks, error", [
+    (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
+    ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ([{"prompt": "x", "colour": "red"}], "task 0 has unknown keys: colour"),
+], ids=["duplicate", "bad-id", "unknown-key"])
+def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
+    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+        lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
+    assert server.requests == []
+
+
+def test_run_batch_on_a_process_pool_gives_what_threads_give(batch_server, workspace, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    tasks = [f"task {i}" for i in range(6)]
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        processes = lich.run_batch(tasks, chat=chat, tools=tools, executor=pool, max_turns=5,
+                                   limiter=lich.Limiter(max_concurrent=2))
+    assert processes == threads
+
+
+def test_run_agent_travels_to_a_spawned_process_whole(batch_server, workspace, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        run = pool.submit(lich.run_agent, "far away", chat=chat, tools=tools, max_turns=5,
+                          session_dir=str(tmp_path / "s")).result(timeout=60)
+    assert (run.stopped_reason, run.final, run.usage_total) == (
+        "final", assistant("answer to far away: hello"), usage(21, 9))
+    assert lich.read_session_messages(run.session_path)[-1] == run.final
+
+
+def test_run_batch_on_a_dask_cluster_on_loopback(batch_server, workspace):
+    distributed = pytest.importorskip("dask.distributed", reason="dask is not installed (pip install -e '.[test]')")
+    import logging
+
+    tasks = [f"task {i}" for i in range(8)]
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=4, host="127.0.0.1", processes=True,
+                                  dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL) as cluster, \
+            distributed.Client(cluster) as client:
+        assert all(address.startswith("tcp://127.0.0.1:") for address in client.scheduler_info()["workers"])
+        on_cluster = lich.run_batch(tasks, chat=chat, tools=tools, executor=client.get_executor(), max_turns=5)
+    assert on_cluster == threads
+
+
+# ============================================================================
+# Tracing
+# ============================================================================
+
+
+@pytest.fixture
+def spans():
+    """(tracer, finished) over an in-memory exporter: ``finished()`` gives the spans as
+    (name, kind, parent name, attributes, status, error description) tuples, in end order."""
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def finished():
+        done = exporter.get_finished_spans()
+        names = {s.context.span_id: s.name for s in done}
+        return [(s.name, s.kind.name, names.get(s.parent.span_id) if s.parent else None, dict(s.attributes),
+                 s.status.status_code.name, s.status.description) for s in done]
+
+    return provider.get_tracer("test"), finished
+
+
+def traced_run(tracer, *script, tools=None, capture=False, **params):
+    emitter = lich.AgentEmitter()
+    unsubscribe = lich.trace_otel(emitter, tracer=tracer, model="m-1", provider="openai", capture_content=capture)
+    params.setdefault("max_turns", 5)
+    try:
+        return lich.run_conversation(ScriptedChat(*script), tools if tools is not None else EchoTools(), [user("go")],
+                                     emitter=emitter, **params)
+    finally:
+        unsubscribe()
+
+
+CHAT_ATTRIBUTES = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", "gen_ai.request.model": "m-1",
+                   "gen_ai.response.model": "scripted", "gen_ai.usage.input_tokens": 10,
+                   "gen_ai.usage.output_tokens": 2}
+
+
+def test_a_two_tool_round_run_as_spans(spans):
+    tracer, finished = spans
+    traced_run(tracer, assistant("", ("c1", "echo", '{"a": 1}')), assistant("", ("c2", "fail", "{}")),
+               assistant("done"))
+    tool = {"gen_ai.operation.name": "execute_tool"}
+    assert finished() == [
+        ("chat m-1", "CLIENT", "invoke_agent", {**CHAT_ATTRIBUTES, "gen_ai.response.finish_reasons": ("tool_calls",)}, "UNSET", None),
+        ("execute_tool echo", "INTERNAL", "invoke_agent",
+         {**tool, "gen_ai.tool.name": "echo", "gen_ai.tool.call.id": "c1"}, "UNSET", None),
+        ("chat m-1", "CLIENT", "invoke_agent", {**CHAT_ATTRIBUTES, "gen_ai.response.finish_reasons": ("tool_calls",)}, "UNSET", None),
+        ("execute_tool fail", "INTERNAL", "invoke_agent",
+         {**tool, "gen_ai.tool.name": "fail", "gen_ai.tool.call.id": "c2", "error.type": "tool_error"}, "ERROR", "it failed"),
+        ("chat m-1", "CLIENT", "invoke_agent", {**CHAT_ATTRIBUTES, "gen_ai.response.finish_reasons": ("stop",)}, "UNSET", None),
+        ("invoke_agent", "INTERNAL", None, {"gen_ai.operation.name": "invoke_agent", "gen_ai.provider.name": "openai",
+                                            "gen_ai.request.model": "m-1", "gen_ai.usage.input_tokens": 30,
+                                            "gen_ai.usage.output_tokens": 6}, "UNSET", None)]
+
+
+def test_content_is_captured_only_when_asked(spans):
+    tracer, finished = spans
+    traced_run(tracer, assistant("let me see", ("c1", "echo", '{"a": 1}')), assistant("done"), capture=True)
+    chat, tool = finished()[0][3], finished()[1][3]
+    assert json.loads(chat["gen_ai.output.messages"]) == [{"role": "assistant", "parts": [
+        {"type": "text", "content": "let me see"},
+        {"type": "tool_call", "id": "c1", "name": "echo", "arguments": {"a": 1}}], "finish_reason": "tool_calls"}]
+    assert (tool["gen_ai.tool.call.arguments"], tool["gen_ai.tool.call.result"]) == ('{"a": 1}', 'echo:{"a": 1}')
+    before = len(finished())
+    traced_run(tracer, assistant("", ("c1", "echo", "{}")), assistant("done"))
+    assert not any("gen_ai.output.messages" in s[3] or "gen_ai.tool.call.result" in s[3] for s in finished()[before:])
+
+
+def test_a_chat_that_raises_ends_its_span_and_the_run_with_the_error(spans):
+    tracer, finished = spans
+    with pytest.raises(lich.ProviderError):
+        traced_run(tracer, lich.ProviderError("too many", "rate_limit"))
+    assert [(s[0], s[2], s[3].get("error.type"), s[4], s[5]) for s in finished()] == [
+        ("chat m-1", "invoke_agent", "rate_limit", "ERROR", "too many"),
+        ("invoke_agent", None, "rate_limit", "ERROR", "too many")]
+
+
+def test_an_aborted_run_and_a_budget_end_are_traced(spans):
+    tracer, finished = spans
+    signal = threading.Event()
+    signal.set()
+    traced_run(tracer, signal=signal)
+    assert [(s[0], s[3].get("error.type"), s[4]) for s in finished()] == [("invoke_agent", "AbortError", "ERROR")]
+    traced_run(tracer, assistant("", ("c1", "echo", "{}")), assistant("", ("c2", "echo", "{}")), max_turns=2)
+    names = [s[0] for s in finished()[1:]]
+    assert names == ["chat m-1", "execute_tool echo", "chat m-1", "invoke_agent"]  # the cancelled call: no span
+    assert finished()[-1][3]["lich.stopped_reason"] == "budget" and finished()[-1][4] == "UNSET"
+
+
+def test_spans_nest_under_the_callers_span_and_concurrent_runs_apart(spans):
+    tracer, finished = spans
+    with tracer.start_as_current_span("web request"):
+        traced_run(tracer, assistant("done"))
+    assert [(s[0], s[2]) for s in finished()] == [("chat m-1", "invoke_agent"), ("invoke_agent", "web request"),
+                                                  ("web request", None)]
+    done = threading.Barrier(2)
+
+    def run(word):
+        def chat_step(messages):
+            done.wait(5)  # both runs are inside their chat span at once
+            return assistant(word)
+        traced_run(tracer, chat_step)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in ("one", "two")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    agents = [s for s in finished()[3:] if s[0] == "invoke_agent"]
+    assert len(agents) == 2 and all(s[2] is None for s in agents)
+
+
+def test_unsubscribing_stops_the_spans(spans):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()
+    lich.trace_otel(emitter, tracer=tracer)()  # subscribed, then at once unsubscribed
+    lich.run_conversation(ScriptedChat(assistant("x")), None, [user("go")], max_turns=1, emitter=emitter)
+    assert finished() == []
+
+
+BATCH_TRACED = """
+import json, sys, lich
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)  # the global provider: what trace=True uses
+with trace.get_tracer("caller").start_as_current_span("the batch"):
+    lich.run_batch(["a", "b"], chat=lich.OpenAIChat("m", base_url=sys.argv[1]), tools=lich.coding_tools(sys.argv[2]),
+                   max_turns=5, trace=True)
+done = exporter.get_finished_spans()
+names = {s.context.span_id: s.name for s in done}
+print(json.dumps(sorted([s.name, names.get(s.parent.span_id) if s.parent else None] for s in done)))
+"""
+
+
+def test_run_batch_traces_each_task_under_the_callers_span(spans, batch_server, workspace):
+    code, out, err = Process("-c", BATCH_TRACED, f"{batch_server.url}/v1", workspace, cwd=HERE).wait()
+    assert code == 0, err
+    assert json.loads(out) == sorted([["the batch", None]] + [["invoke_agent", "the batch"]] * 2
+                                     + [["chat m", "invoke_agent"]] * 6 + [["execute_tool read_file", "invoke_agent"]] * 4)
+
+
+def test_trace_otel_without_the_package_says_what_to_install():
+    script = ("import sys; sys.modules['opentelemetry'] = None\n"
+              "import lich\ntry:\n    lich.trace_otel(lich.AgentEmitter())\n"
+              "except ImportError as e:\n    print(e)")
+    code, out, err = Process("-c", script, cwd=HERE).wait()
+    assert (code, out) == (0, ("trace_otel needs the OpenTelemetry API: pip install opentelemetry-api "
+                               "(and opentelemetry-sdk to export spans)\n")), err
 
 
 # ============================================================================
