@@ -5006,195 +5006,6 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
 
 
 # ============================================================================
-# Many runs
-# ============================================================================
-
-_TASK_ID = r"[A-Za-z0-9_.-]{1,64}\Z"
-_TASK_KEYS = frozenset({"id", "prompt", "history", "system_prompt", "root"})
-
-
-@dataclass
-class BatchResult:
-    """How one task of ``run_batch`` ended; ``ok`` when it ended with a final answer."""
-
-    id: str
-    ok: bool
-    stopped_reason: Optional[str]
-    final: Optional[str]
-    output: Any = None
-    error: Optional[str] = None
-    usage: dict = field(default_factory=_zero_usage)
-    session_path: Optional[str] = None
-
-
-def _batch_tasks(tasks) -> list:
-    """The tasks as dicts with ids, checked before anything runs."""
-    checked, ids = [], set()
-    for position, task in enumerate(tasks):
-        task = {"prompt": task} if isinstance(task, str) else task
-        if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
-            raise TypeError(f"task {position} must be a prompt or a dict with a 'prompt' string")
-        unknown = sorted(set(task) - _TASK_KEYS)
-        if unknown:
-            raise ValueError(f"task {position} has unknown keys: {', '.join(unknown)}")
-        task_id = task.get("id", str(position))
-        if not isinstance(task_id, str) or not re.match(_TASK_ID, task_id):
-            raise ValueError(f"task {position}: the id {task_id!r} must be 1 to 64 letters, "
-                             f"digits, '_', '.' or '-'")
-        if task_id in ids:
-            raise ValueError(f"task {position}: the id {task_id!r} is used twice")
-        ids.add(task_id)
-        checked.append({**task, "id": task_id})
-    return checked
-
-
-def _error_text(exc) -> str:
-    kind = exc.kind if isinstance(exc, ProviderError) else type(exc).__name__
-    return _redact_secrets(f"{kind}: {exc}")
-
-
-_batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
-
-
-def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
-    """One task of a batch, in whatever thread or process runs it; never raises."""
-    try:
-        if isinstance(chat, str):
-            chats = getattr(_batch_chats, "chats", None)
-            if chats is None:
-                chats = _batch_chats.chats = {}
-            key = (chat, id(limiter))
-            if key not in chats:
-                chats[key] = chat_from_spec(chat, limiter=limiter)
-            chat = chats[key]
-        elif limiter is not None:
-            chat = limiter.wrap(chat)
-        if tools is not None and not hasattr(tools, "specs") and callable(tools):
-            tools = tools(task)
-        elif tools is None and task.get("root") is not None:
-            tools = coding_tools(task["root"])
-        params = dict(loop_params)
-        if "system_prompt" in task:
-            params["system_prompt"] = task["system_prompt"]
-        emitter = AgentEmitter()
-        if trace:
-            trace_otel(emitter, **_chat_identity(chat))
-        run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
-                        session_dir=session_dir, label=task["id"], emitter=emitter, **params)
-    except BaseException as exc:  # failures are data: the batch goes on
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return BatchResult(task["id"], False, None, None, error=_error_text(exc))
-    final = run.final.get("content") if run.final else None
-    return BatchResult(task["id"], run.stopped_reason == "final", run.stopped_reason, final,
-                       output=run.output, usage=run.usage_total, session_path=run.session_path)
-
-
-def _results_file(out, redo):
-    """(descriptor opened for appending, {id: BatchResult of the ok lines already there})."""
-    out = os.fspath(out)
-    done = {}
-    if not redo:
-        try:
-            with open(out, "rb") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                        result = BatchResult(**record)
-                    except (ValueError, TypeError, RecursionError):
-                        continue  # a line cut by a kill, or not ours
-                    if result.ok and isinstance(result.id, str):
-                        done[result.id] = result
-        except FileNotFoundError:
-            pass
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(out, flags | (os.O_TRUNC if redo else 0), 0o644)
-    size = os.fstat(fd).st_size
-    if size:
-        with open(out, "rb") as f:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
-                os.write(fd, b"\n")
-    return fd, done
-
-
-def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=None, out=None,
-              redo=False, limiter=None, max_errors=None, signal=None, on_result=None,
-              trace=False, **loop_params) -> list:
-    """Run many tasks, each one ``run_agent``; returns their BatchResults in task order.
-
-    ``tasks`` are prompts or dicts ``{"id"?, "prompt", "history"?, "system_prompt"?, "root"?}``
-    (ids default to the position; unique, ``[A-Za-z0-9_.-]{1,64}``). ``chat`` is a ChatFn or
-    a spec string (a Router per worker); ``tools`` a ToolRunner, or ``tools(task)`` giving
-    one; a task's ``root`` without ``tools`` means ``coding_tools(root)``. Tasks run on
-    ``workers`` threads, or on ``executor`` (any ``concurrent.futures.Executor``: a process
-    pool, a Dask client's executor), to which each is submitted whole. ``limiter`` limits
-    every call (in each process). ``out`` is a JSONL file: a line per finished task,
-    appended and flushed as it finishes; tasks with an ok line there are not run again (a
-    killed batch resumes) unless ``redo``. A task that raises is an ``ok=False`` result;
-    after ``max_errors`` of them, or once ``signal`` is set, no new task starts (running
-    ones stop at their next boundary; tasks never started have ``error`` "not started").
-    ``on_result(result)`` is called in the caller's thread as each task finishes;
-    ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
-    """
-    from concurrent import futures
-
-    _check_max_turns(loop_params.get("max_turns"))
-    tasks = _batch_tasks(tasks)
-    fd, done = _results_file(out, redo) if out is not None else (None, {})
-    results = {task_id: result for task_id, result in done.items()}
-    pending = [task for task in tasks if task["id"] not in results]
-    own = executor is None
-    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
-        if own else executor
-    if own and signal is not None:
-        loop_params["signal"] = signal  # threads share the caller's signal
-    errors = 0
-    running = {}
-    try:
-        while pending or running:
-            stop = (signal is not None and signal.is_set()) or (
-                max_errors is not None and errors >= max_errors)
-            while pending and not stop and len(running) < max(1, workers):
-                task = pending.pop(0)
-                args = (task, chat, tools, limiter, session_dir, trace, loop_params)
-                if own:  # spans of the tasks nest under the caller's current one
-                    import contextvars
-                    submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
-                else:
-                    submitted = pool.submit(_run_task, *args)
-                running[submitted] = task
-            if not running:
-                break
-            finished, _ = futures.wait(running, timeout=_WATCH_SECONDS,
-                                       return_when=futures.FIRST_COMPLETED)
-            for future in finished:
-                task = running.pop(future)
-                try:
-                    result = future.result()
-                except BaseException as exc:  # the executor's failure: this task is lost
-                    result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
-                results[task["id"]] = result
-                errors += not result.ok and result.stopped_reason is None
-                if fd is not None:
-                    os.write(fd, (json.dumps(asdict(result), ensure_ascii=False) + "\n").encode())
-                if on_result is not None:
-                    on_result(result)
-    finally:
-        for future in running:
-            future.cancel()
-        if own:
-            pool.shutdown(wait=True)
-        if fd is not None:
-            os.close(fd)
-    why = "the signal was set" if signal is not None and signal.is_set() else \
-        f"{errors} tasks failed (max_errors={max_errors})"
-    return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
-                                                   error=f"not started: {why}")
-            for task in tasks]
-
-
-# ============================================================================
 # Tracing
 # ============================================================================
 
@@ -5336,6 +5147,197 @@ def _output_message(result) -> dict:
 
 
 # ============================================================================
+# Many runs
+# ============================================================================
+
+_TASK_ID = r"[A-Za-z0-9_.-]{1,64}\Z"
+_TASK_KEYS = frozenset({"id", "prompt", "history", "system_prompt", "root"})
+
+
+@dataclass
+class BatchResult:
+    """How one task of ``run_batch`` ended; ``ok`` when it ended with a final answer."""
+
+    id: str
+    ok: bool
+    stopped_reason: Optional[str]
+    final: Optional[str]
+    output: Any = None
+    error: Optional[str] = None
+    usage: dict = field(default_factory=_zero_usage)
+    session_path: Optional[str] = None
+
+
+def _batch_tasks(tasks) -> list:
+    """The tasks as dicts with ids, checked before anything runs."""
+    checked, ids = [], set()
+    for position, task in enumerate(tasks):
+        task = {"prompt": task} if isinstance(task, str) else task
+        if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
+            raise TypeError(f"task {position} must be a prompt or a dict with a 'prompt' string")
+        unknown = sorted(set(task) - _TASK_KEYS)
+        if unknown:
+            raise ValueError(f"task {position} has unknown keys: {', '.join(unknown)}")
+        task_id = task.get("id", str(position))
+        if not isinstance(task_id, str) or not re.match(_TASK_ID, task_id):
+            raise ValueError(f"task {position}: the id {task_id!r} must be 1 to 64 letters, "
+                             f"digits, '_', '.' or '-'")
+        if task_id in ids:
+            raise ValueError(f"task {position}: the id {task_id!r} is used twice")
+        ids.add(task_id)
+        checked.append({**task, "id": task_id})
+    return checked
+
+
+def _error_text(exc) -> str:
+    kind = exc.kind if isinstance(exc, ProviderError) else type(exc).__name__
+    return _redact_secrets(f"{kind}: {exc}")
+
+
+_batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
+
+
+def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
+    """One task of a batch, in whatever thread or process runs it; never raises."""
+    try:
+        if isinstance(chat, str):
+            chats = getattr(_batch_chats, "chats", None)
+            if chats is None:
+                chats = _batch_chats.chats = {}
+            key = (chat, id(limiter))
+            if key not in chats:
+                chats[key] = chat_from_spec(chat, limiter=limiter)
+            chat = chats[key]
+        elif limiter is not None:
+            chat = limiter.wrap(chat)
+        if tools is not None and not hasattr(tools, "specs") and callable(tools):
+            tools = tools(task)
+        elif tools is None and task.get("root") is not None:
+            tools = coding_tools(task["root"])
+        params = dict(loop_params)
+        if "system_prompt" in task:
+            params["system_prompt"] = task["system_prompt"]
+        emitter = AgentEmitter()
+        if trace:
+            trace_otel(emitter, **_chat_identity(chat))
+        run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
+                        session_dir=session_dir, label=task["id"], emitter=emitter, **params)
+    except AbortError:  # stopped by the signal inside a chat call: at its boundary
+        return BatchResult(task["id"], False, "aborted", None)
+    except BaseException as exc:  # failures are data: the batch goes on
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return BatchResult(task["id"], False, None, None, error=_error_text(exc))
+    final = run.final.get("content") if run.final else None
+    return BatchResult(task["id"], run.stopped_reason == "final", run.stopped_reason, final,
+                       output=run.output, usage=run.usage_total, session_path=run.session_path)
+
+
+def _results_file(out, redo):
+    """(descriptor opened for appending, {id: BatchResult of the ok lines already there})."""
+    out = os.fspath(out)
+    done = {}
+    if not redo:
+        try:
+            with open(out, "rb") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                        result = BatchResult(**record)
+                    except (ValueError, TypeError, RecursionError):
+                        continue  # a line cut by a kill, or not ours
+                    if result.ok and isinstance(result.id, str):
+                        done[result.id] = result
+        except FileNotFoundError:
+            pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(out, flags | (os.O_TRUNC if redo else 0), 0o644)
+    size = os.fstat(fd).st_size
+    if size:
+        with open(out, "rb") as f:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
+                os.write(fd, b"\n")
+    return fd, done
+
+
+def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=None, out=None,
+              redo=False, limiter=None, max_errors=None, signal=None, on_result=None,
+              trace=False, **loop_params) -> list:
+    """Run many tasks, each one ``run_agent``; returns their BatchResults in task order.
+
+    ``tasks`` are prompts or dicts ``{"id"?, "prompt", "history"?, "system_prompt"?, "root"?}``
+    (ids default to the position; unique, ``[A-Za-z0-9_.-]{1,64}``). ``chat`` is a ChatFn or
+    a spec string (a Router per worker); ``tools`` a ToolRunner, or ``tools(task)`` giving
+    one; a task's ``root`` without ``tools`` means ``coding_tools(root)``. Tasks run on
+    ``workers`` threads, or on ``executor`` (any ``concurrent.futures.Executor``: a process
+    pool, a Dask client's executor), to which each is submitted whole. ``limiter`` limits
+    every call (in each process). ``out`` is a JSONL file: a line per finished task,
+    appended and flushed as it finishes; tasks with an ok line there are not run again (a
+    killed batch resumes) unless ``redo``. A task that raises is an ``ok=False`` result;
+    after ``max_errors`` of them, or once ``signal`` is set, no new task starts (running
+    ones stop at their next boundary; tasks never started have ``error`` "not started").
+    ``on_result(result)`` is called in the caller's thread as each task finishes;
+    ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
+    """
+    from concurrent import futures
+
+    _check_max_turns(loop_params.get("max_turns"))
+    tasks = _batch_tasks(tasks)
+    fd, done = _results_file(out, redo) if out is not None else (None, {})
+    results = {task_id: result for task_id, result in done.items()}
+    pending = [task for task in tasks if task["id"] not in results]
+    own = executor is None
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
+        if own else executor
+    if own and signal is not None:
+        loop_params["signal"] = signal  # threads share the caller's signal
+    errors = 0
+    running = {}
+    try:
+        while pending or running:
+            stop = (signal is not None and signal.is_set()) or (
+                max_errors is not None and errors >= max_errors)
+            while pending and not stop and len(running) < max(1, workers):
+                task = pending.pop(0)
+                args = (task, chat, tools, limiter, session_dir, trace, loop_params)
+                if own:  # spans of the tasks nest under the caller's current one
+                    import contextvars
+                    submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
+                else:
+                    submitted = pool.submit(_run_task, *args)
+                running[submitted] = task
+            if not running:
+                break
+            finished, _ = futures.wait(running, timeout=_WATCH_SECONDS,
+                                       return_when=futures.FIRST_COMPLETED)
+            for future in finished:
+                task = running.pop(future)
+                try:
+                    result = future.result()
+                except BaseException as exc:  # the executor's failure: this task is lost
+                    result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
+                results[task["id"]] = result
+                errors += not result.ok and result.stopped_reason is None
+                if fd is not None:
+                    os.write(fd, (json.dumps(asdict(result), ensure_ascii=False) + "\n").encode())
+                if on_result is not None:
+                    on_result(result)
+    finally:
+        for future in running:
+            future.cancel()
+        if own:
+            pool.shutdown(wait=True)
+        if fd is not None:
+            os.close(fd)
+    why = "the signal was set" if signal is not None and signal.is_set() else \
+        f"{errors} tasks failed (max_errors={max_errors})"
+    return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
+                                                   error=f"not started: {why}")
+            for task in tasks]
+
+
+# ============================================================================
 # Command line
 # ============================================================================
 
@@ -5417,8 +5419,9 @@ class _UsageError(Exception):
     """A command-line mistake: exit 2 with the message."""
 
 
-class _Quit(Exception):
-    """A second Ctrl-C (or SIGTERM, SIGHUP): leave now with ``args[0]`` as the exit code."""
+class _Quit(BaseException):
+    """A second Ctrl-C (or SIGTERM, SIGHUP): leave now with ``args[0]`` as the exit code.
+    A BaseException, as SystemExit is: no ``except Exception`` on the way out keeps it."""
 
 
 # --- options and defaults ---
@@ -6279,25 +6282,30 @@ class _Cli:
             raise _UsageError(f"--root is not a folder: {args.root}")
         self.approvals = _Approvals(self) if self.asks else None
         self.allow = set(args.allow) | ({"write", "shell"} if args.yolo else set())
-        self.mcp = [self._start_mcp(server) for server in args.mcp]
-        self.tools = self._tools(self.root)
-        names = ", ".join(spec["name"] for spec in self.tools.specs())
-        system = (args.system if args.system is not None
-                  else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names))
-        found = None if args.no_project_instructions else _project_instructions(self.root)
-        if found is not None:
-            system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
-            term.note(f"lich: following {found[0]} of {self.root}")
-        self.system_prompt = system
-        self.otel = _otel_provider(term) if args.otel else None
-        if self.otel is not None:
-            self.closers.append(self.otel.shutdown)
-        self.chat = self._chat(self.model)
-        provider, _, model = self.model.split(",")[0].partition(":")
-        self.identity = {"provider": provider.strip().lower(), "model": model.partition("@")[0]}
-        self.usage = {"input_tokens": 0, "output_tokens": 0}  # this chat's, for /cost
-        self.signal = threading.Event()
-        self.progress = None
+        self.mcp = []
+        try:  # what was started is stopped, whatever fails after it
+            self.mcp = [self._start_mcp(server) for server in args.mcp]
+            self.tools = self._tools(self.root)
+            names = ", ".join(spec["name"] for spec in self.tools.specs())
+            system = (args.system if args.system is not None
+                      else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names))
+            found = None if args.no_project_instructions else _project_instructions(self.root)
+            if found is not None:
+                system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
+                term.note(f"lich: following {found[0]} of {self.root}")
+            self.system_prompt = system
+            self.otel = _otel_provider(term) if args.otel else None
+            if self.otel is not None:
+                self.closers.append(self.otel.shutdown)
+            self.chat = self._chat(self.model)
+            provider, _, model = self.model.split(",")[0].partition(":")
+            self.identity = {"provider": provider.strip().lower(), "model": model.partition("@")[0]}
+            self.usage = {"input_tokens": 0, "output_tokens": 0}  # this chat's, for /cost
+            self.signal = threading.Event()
+            self.progress = None
+        except BaseException:
+            self.close()
+            raise
 
     def close(self):
         for close in reversed(self.closers):
@@ -6561,26 +6569,34 @@ class _Cli:
             return ""
 
     def _load_input_history(self):
+        """Give readline the chat input of earlier chats (JSON lines: a paste keeps its newlines)."""
         try:
             import readline
         except ImportError:
             return None
         path = os.path.join(_state_home(self.environ), "history")
         try:
-            readline.read_history_file(path)
+            with open(path, encoding="utf-8") as f:
+                for line in f.read().splitlines()[-_HISTORY_LINES:]:
+                    try:
+                        readline.add_history(json.loads(line))
+                    except (ValueError, TypeError):
+                        continue
         except OSError:
             pass
-        readline.set_history_length(_HISTORY_LINES)
         return path
 
     def _save_input_history(self, path):
         if path is None:
             return
         import readline
+        entries = [readline.get_history_item(i)
+                   for i in range(1, readline.get_current_history_length() + 1)]
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))  # the prompts are private
-            readline.write_history_file(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # prompts are private
+            with open(fd, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(entry) + "\n" for entry in entries[-_HISTORY_LINES:] if entry)
         except OSError as e:
             _cli_log().debug("cannot save the input history: %s", e)
 

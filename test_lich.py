@@ -5767,14 +5767,18 @@ def test_reads_never_see_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
             os.symlink(tmp_path / "outside", ws / "sub")
             os.unlink(ws / "sub")
             os.rename(ws / "real", ws / "sub")
+            time.sleep(0.0002)  # the real folder stays a moment, so that some reads find it
 
     flipper = threading.Thread(target=flip)
     flipper.start()
     tools = lich.coding_tools(ws)
     seen = set()
+    deadline = time.monotonic() + 20
     try:
-        for _ in range(400):
+        reads = 0
+        while reads < 400 or ("     1\tinside" not in seen and time.monotonic() < deadline):
             seen.add(run_tool(tools, "read_file", path="sub/x.txt").output)
+            reads += 1
     finally:
         stop.set()
         flipper.join()
@@ -6313,162 +6317,6 @@ def test_the_real_everything_server_over_streamable_http_on_loopback(everything,
 
 
 # ============================================================================
-# Many runs
-# ============================================================================
-
-
-def batch_model(request):
-    """A model for batches: two read_file rounds, then "answer to <prompt>"; "fail ..." refused."""
-    messages = request["json"]["messages"]
-    prompt = [m["content"] for m in messages if m["role"] == "user"][-1]
-    if prompt.startswith("fail"):
-        return Reply(400, openai_error("refused on purpose"))
-    done = sum(m["role"] == "tool" for m in messages)
-    if done < 2:
-        return Reply(200, openai_reply("", (f"c{done}", "read_file", '{"path": "a.txt"}'), finish="tool_calls"))
-    return Reply(200, openai_reply(f"answer to {prompt}: {messages[-1]['content'].split(chr(9))[-1]}"))
-
-
-@pytest.fixture
-def batch_server(server):
-    server.responder = batch_model
-    return server
-
-
-def answered(task_id, prompt, text="hello", session_path=None):
-    return lich.BatchResult(task_id, True, "final", f"answer to {prompt}: {text}", usage=usage(21, 9),
-                            session_path=session_path)
-
-
-def test_run_batch_gives_results_in_task_order_and_writes_each_as_it_finishes(batch_server, workspace, tmp_path):
-    tasks = [f"task {i}" for i in range(12)] + [{"id": "named", "prompt": "named task"}]
-    out = tmp_path / "out.jsonl"
-    threads = set()
-    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=4,
-                             out=out, session_dir=tmp_path / "s", on_result=lambda r: threads.add(threading.get_ident()),
-                             max_turns=5)
-    ids = [str(i) for i in range(12)] + ["named"]
-    assert [(r.id, r.ok, r.final) for r in results] == [
-        (task_id, True, f"answer to {t if isinstance(t, str) else t['prompt']}: hello")
-        for task_id, t in zip(ids, tasks)]
-    assert all(r.usage == usage(21, 9) and r.session_path.endswith(f"-{r.id}.jsonl") for r in results)
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(lines, key=lambda line: ids.index(line["id"])) == [dataclasses.asdict(r) for r in results]
-    assert threads == {threading.get_ident()}  # on_result runs in the caller's thread
-    assert len(batch_server.requests) == 13 * 3
-
-
-def test_run_batch_resumes_from_its_out_file_and_redo_runs_all_again(batch_server, workspace, tmp_path):
-    out = tmp_path / "out.jsonl"
-    tasks = ["one", "two", "fail three"]
-    first = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
-                           max_turns=5)
-    assert [(r.ok, r.stopped_reason) for r in first] == [(True, "final"), (True, "final"), (False, None)]
-    assert first[2].error == "bad_request: openai: HTTP 400 (invalid_request_error): refused on purpose"
-    requests = len(batch_server.requests)
-    again = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
-                           max_turns=5)
-    assert again[:2] == first[:2] and again[2] == first[2]
-    assert len(batch_server.requests) == requests + 1  # only the failed task ran again
-    lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
-                   max_turns=5, redo=True)
-    assert len(batch_server.requests) == requests + 1 + 7
-    assert [json.loads(line)["id"] for line in out.read_text().splitlines()].count("0") == 1  # redo starts it afresh
-
-
-def test_a_batch_killed_mid_write_resumes_after_its_torn_line(batch_server, workspace, tmp_path):
-    out = tmp_path / "out.jsonl"
-    done = dataclasses.asdict(answered("0", "one"))
-    out.write_text(json.dumps(done) + "\n" + json.dumps(done)[:40])  # the last write was cut by a kill
-    results = lich.run_batch(["one", "two"], chat=openai_at(batch_server), tools=lich.coding_tools(workspace),
-                             out=out, max_turns=5)
-    assert [r.final for r in results] == ["answer to one: hello", "answer to two: hello"]
-    lines = out.read_text().split("\n")
-    assert json.loads(lines[0])["id"] == "0" and json.loads(lines[2])["id"] == "1" and lines[3] == ""
-
-
-def test_after_max_errors_no_task_starts(batch_server, workspace):
-    tasks = ["fail a", "fail b", "ok c", "ok d"]
-    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
-                             max_errors=2, max_turns=5)
-    assert [(r.ok, r.error) for r in results[2:]] == [
-        (False, "not started: 2 tasks failed (max_errors=2)")] * 2
-    assert len(batch_server.requests) == 2
-
-
-def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
-    signal = threading.Event()
-    results = lich.run_batch([f"t{i}" for i in range(6)], chat=openai_at(batch_server),
-                             tools=lich.coding_tools(workspace), workers=1, signal=signal, max_turns=5,
-                             on_result=lambda r: signal.set())
-    assert [r.ok for r in results] == [True] + [False] * 5
-    assert {r.error for r in results[1:]} == {"not started: the signal was set"}
-
-
-def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_path):
-    for name in ("p", "q"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "a.txt").write_text(f"in {name}\n")
-    results = lich.run_batch([{"id": "p", "prompt": "x", "root": str(tmp_path / "p")},
-                              {"id": "q", "prompt": "x", "root": str(tmp_path / "q"), "system_prompt": "be q"}],
-                             chat=f"openai:gpt-test@{batch_server.url}/v1", max_turns=5)
-    assert [r.final for r in results] == ["answer to x: in p", "answer to x: in q"]
-    assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
-
-
-@pytest.mark.parametrize("tasks, error", [
-    (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
-    ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
-    ([{"prompt": "x", "colour": "red"}], "task 0 has unknown keys: colour"),
-], ids=["duplicate", "bad-id", "unknown-key"])
-def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
-    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
-        lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
-    assert server.requests == []
-
-
-def test_run_batch_on_a_process_pool_gives_what_threads_give(batch_server, workspace, tmp_path):
-    import concurrent.futures
-    import multiprocessing
-
-    tasks = [f"task {i}" for i in range(6)]
-    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
-    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
-    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        processes = lich.run_batch(tasks, chat=chat, tools=tools, executor=pool, max_turns=5,
-                                   limiter=lich.Limiter(max_concurrent=2))
-    assert processes == threads
-
-
-def test_run_agent_travels_to_a_spawned_process_whole(batch_server, workspace, tmp_path):
-    import concurrent.futures
-    import multiprocessing
-
-    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        run = pool.submit(lich.run_agent, "far away", chat=chat, tools=tools, max_turns=5,
-                          session_dir=str(tmp_path / "s")).result(timeout=60)
-    assert (run.stopped_reason, run.final, run.usage_total) == (
-        "final", assistant("answer to far away: hello"), usage(21, 9))
-    assert lich.read_session_messages(run.session_path)[-1] == run.final
-
-
-def test_run_batch_on_a_dask_cluster_on_loopback(batch_server, workspace):
-    distributed = pytest.importorskip("dask.distributed", reason="dask is not installed (pip install -e '.[test]')")
-    import logging
-
-    tasks = [f"task {i}" for i in range(8)]
-    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
-    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=4, host="127.0.0.1", processes=True,
-                                  dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL) as cluster, \
-            distributed.Client(cluster) as client:
-        assert all(address.startswith("tcp://127.0.0.1:") for address in client.scheduler_info()["workers"])
-        on_cluster = lich.run_batch(tasks, chat=chat, tools=tools, executor=client.get_executor(), max_turns=5)
-    assert on_cluster == threads
-
-
-# ============================================================================
 # Tracing
 # ============================================================================
 
@@ -6632,6 +6480,162 @@ def test_trace_otel_without_the_package_says_what_to_install():
 
 
 # ============================================================================
+# Many runs
+# ============================================================================
+
+
+def batch_model(request):
+    """A model for batches: two read_file rounds, then "answer to <prompt>"; "fail ..." refused."""
+    messages = request["json"]["messages"]
+    prompt = [m["content"] for m in messages if m["role"] == "user"][-1]
+    if prompt.startswith("fail"):
+        return Reply(400, openai_error("refused on purpose"))
+    done = sum(m["role"] == "tool" for m in messages)
+    if done < 2:
+        return Reply(200, openai_reply("", (f"c{done}", "read_file", '{"path": "a.txt"}'), finish="tool_calls"))
+    return Reply(200, openai_reply(f"answer to {prompt}: {messages[-1]['content'].split(chr(9))[-1]}"))
+
+
+@pytest.fixture
+def batch_server(server):
+    server.responder = batch_model
+    return server
+
+
+def answered(task_id, prompt, text="hello", session_path=None):
+    return lich.BatchResult(task_id, True, "final", f"answer to {prompt}: {text}", usage=usage(21, 9),
+                            session_path=session_path)
+
+
+def test_run_batch_gives_results_in_task_order_and_writes_each_as_it_finishes(batch_server, workspace, tmp_path):
+    tasks = [f"task {i}" for i in range(12)] + [{"id": "named", "prompt": "named task"}]
+    out = tmp_path / "out.jsonl"
+    threads = set()
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=4,
+                             out=out, session_dir=tmp_path / "s", on_result=lambda r: threads.add(threading.get_ident()),
+                             max_turns=5)
+    ids = [str(i) for i in range(12)] + ["named"]
+    assert [(r.id, r.ok, r.final) for r in results] == [
+        (task_id, True, f"answer to {t if isinstance(t, str) else t['prompt']}: hello")
+        for task_id, t in zip(ids, tasks)]
+    assert all(r.usage == usage(21, 9) and r.session_path.endswith(f"-{r.id}.jsonl") for r in results)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(lines, key=lambda line: ids.index(line["id"])) == [dataclasses.asdict(r) for r in results]
+    assert threads == {threading.get_ident()}  # on_result runs in the caller's thread
+    assert len(batch_server.requests) == 13 * 3
+
+
+def test_run_batch_resumes_from_its_out_file_and_redo_runs_all_again(batch_server, workspace, tmp_path):
+    out = tmp_path / "out.jsonl"
+    tasks = ["one", "two", "fail three"]
+    first = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                           max_turns=5)
+    assert [(r.ok, r.stopped_reason) for r in first] == [(True, "final"), (True, "final"), (False, None)]
+    assert first[2].error == "bad_request: openai: HTTP 400 (invalid_request_error): refused on purpose"
+    requests = len(batch_server.requests)
+    again = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                           max_turns=5)
+    assert again[:2] == first[:2] and again[2] == first[2]
+    assert len(batch_server.requests) == requests + 1  # only the failed task ran again
+    lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), out=out,
+                   max_turns=5, redo=True)
+    assert len(batch_server.requests) == requests + 1 + 7
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()].count("0") == 1  # redo starts it afresh
+
+
+def test_a_batch_killed_mid_write_resumes_after_its_torn_line(batch_server, workspace, tmp_path):
+    out = tmp_path / "out.jsonl"
+    done = dataclasses.asdict(answered("0", "one"))
+    out.write_text(json.dumps(done) + "\n" + json.dumps(done)[:40])  # the last write was cut by a kill
+    results = lich.run_batch(["one", "two"], chat=openai_at(batch_server), tools=lich.coding_tools(workspace),
+                             out=out, max_turns=5)
+    assert [r.final for r in results] == ["answer to one: hello", "answer to two: hello"]
+    lines = out.read_text().split("\n")
+    assert json.loads(lines[0])["id"] == "0" and json.loads(lines[2])["id"] == "1" and lines[3] == ""
+
+
+def test_after_max_errors_no_task_starts(batch_server, workspace):
+    tasks = ["fail a", "fail b", "ok c", "ok d"]
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
+                             max_errors=2, max_turns=5)
+    assert [(r.ok, r.error) for r in results[2:]] == [
+        (False, "not started: 2 tasks failed (max_errors=2)")] * 2
+    assert len(batch_server.requests) == 2
+
+
+def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
+    signal = threading.Event()
+    results = lich.run_batch([f"t{i}" for i in range(6)], chat=openai_at(batch_server),
+                             tools=lich.coding_tools(workspace), workers=1, signal=signal, max_turns=5,
+                             on_result=lambda r: signal.set())
+    assert [r.ok for r in results] == [True] + [False] * 5
+    assert {r.error for r in results[1:]} == {"not started: the signal was set"}
+
+
+def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_path):
+    for name in ("p", "q"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_text(f"in {name}\n")
+    results = lich.run_batch([{"id": "p", "prompt": "x", "root": str(tmp_path / "p")},
+                              {"id": "q", "prompt": "x", "root": str(tmp_path / "q"), "system_prompt": "be q"}],
+                             chat=f"openai:gpt-test@{batch_server.url}/v1", max_turns=5)
+    assert [r.final for r in results] == ["answer to x: in p", "answer to x: in q"]
+    assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
+
+
+@pytest.mark.parametrize("tasks, error", [
+    (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
+    ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ([{"prompt": "x", "colour": "red"}], "task 0 has unknown keys: colour"),
+], ids=["duplicate", "bad-id", "unknown-key"])
+def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
+    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+        lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
+    assert server.requests == []
+
+
+def test_run_batch_on_a_process_pool_gives_what_threads_give(batch_server, workspace, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    tasks = [f"task {i}" for i in range(6)]
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        processes = lich.run_batch(tasks, chat=chat, tools=tools, executor=pool, max_turns=5,
+                                   limiter=lich.Limiter(max_concurrent=2))
+    assert processes == threads
+
+
+def test_run_agent_travels_to_a_spawned_process_whole(batch_server, workspace, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        run = pool.submit(lich.run_agent, "far away", chat=chat, tools=tools, max_turns=5,
+                          session_dir=str(tmp_path / "s")).result(timeout=60)
+    assert (run.stopped_reason, run.final, run.usage_total) == (
+        "final", assistant("answer to far away: hello"), usage(21, 9))
+    assert lich.read_session_messages(run.session_path)[-1] == run.final
+
+
+def test_run_batch_on_a_dask_cluster_on_loopback(batch_server, workspace):
+    distributed = pytest.importorskip("dask.distributed", reason="dask is not installed (pip install -e '.[test]')")
+    import logging
+
+    tasks = [f"task {i}" for i in range(8)]
+    chat, tools = openai_at(batch_server), lich.coding_tools(workspace)
+    threads = lich.run_batch(tasks, chat=chat, tools=tools, max_turns=5)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=4, host="127.0.0.1", processes=True,
+                                  dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL) as cluster, \
+            distributed.Client(cluster) as client:
+        assert all(address.startswith("tcp://127.0.0.1:") for address in client.scheduler_info()["workers"])
+        on_cluster = lich.run_batch(tasks, chat=chat, tools=tools, executor=client.get_executor(), max_turns=5)
+    assert on_cluster == threads
+
+
+# ============================================================================
 # Command line
 # ============================================================================
 
@@ -6753,6 +6757,80 @@ def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli
         0, "answer\n", recap + USAGE_LINE)
     assert len(server.requests) == 3
     assert len(server.requests[2]["json"]["messages"]) == 14
+
+
+def test_help_ends_with_examples_exit_codes_and_the_environment():
+    code, out, err = Process(LICH_PY, "--help").wait()
+    assert (code, err) == (0, "")
+    examples, codes, environment = out.index("examples:"), out.index("exit codes:"), out.index("environment:")
+    assert examples < codes < environment
+    for option in ("--mcp", "--schema", "--batch", "--workers", "--out", "--redo", "--otel", "-i",
+                   "--no-project-instructions"):
+        assert option in out[:examples]
+    for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "LICH_SESSION_DIR", "NO_COLOR", "OTEL_"):
+        assert name in out[environment:]
+    assert "130 interrupted" in out[codes:environment]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name"]}
+
+
+def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_path):
+    queue(server, openai_reply('{\n  "name": "Ada",\n  "age": 36\n}'))
+    assert cli("--schema", json.dumps(PERSON), "who?") == (0, '{"name": "Ada", "age": 36}\n', USAGE_LINE)
+    assert server.requests[0]["json"]["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "output", "schema": PERSON}}
+    (tmp_path / "person.json").write_text(json.dumps(PERSON))
+    queue(server, openai_reply("not json"), openai_reply('{"name": "Bo"}'))
+    assert cli("--schema", f"@{tmp_path / 'person.json'}", "who?") == (
+        0, '{"name": "Bo"}\n', "(the answer did not fit the schema; asking again)\ntokens: 14 in, 6 out\n")
+
+
+@pytest.mark.parametrize("schema, error", [
+    ("{not json", ("lich: --schema is not valid JSON: Expecting property name enclosed in double quotes: "
+                   "line 1 column 2 (char 1)\n")),
+    ("[1, 2]", "lich: --schema must be a JSON object\n"),
+    ("@/nonexistent/schema.json", "lich: --schema: cannot read /nonexistent/schema.json: No such file or directory\n"),
+], ids=["not-json", "not-an-object", "no-file"])
+def test_a_bad_schema_is_a_usage_error(server, lich_model, cli, schema, error):
+    assert cli("--schema", schema, "x") == (2, "", error)
+    assert server.requests == []
+
+
+def test_otel_without_the_sdk_is_a_usage_error_naming_the_packages(lich_model):
+    script = ("import sys; sys.modules['opentelemetry'] = sys.modules['opentelemetry.sdk'] = None\n"
+              "import lich; sys.exit(lich.main(['--otel', 'hi']))")
+    assert Process("-c", script, cwd=HERE).wait() == (2, "", (
+        "lich: --otel needs the OpenTelemetry SDK: pip install opentelemetry-api opentelemetry-sdk "
+        "(and an exporter, e.g. opentelemetry-exporter-otlp)\n"))
+
+
+def test_otel_sends_the_runs_spans_to_the_console_exporter_on_stderr(server, lich_model):
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    queue(server, openai_reply("traced"))
+    code, out, err = Process(LICH_PY, "--otel", "--no-stream", "hi",
+                             env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "lich-test"}).wait()
+    assert (code, out) == (0, "traced\n"), err
+    names = re.findall(r'"name": "([^"]+)"', err)
+    assert names[:2] == ["chat gpt-test", "invoke_agent"] and '"service.name": "lich-test"' in err
+
+
+@pytest.mark.parametrize("files, shown", [
+    ({"AGENTS.md": "Use tabs.", "CLAUDE.md": "Use spaces."}, "AGENTS.md"),
+    ({"CLAUDE.md": "Use spaces."}, "CLAUDE.md"),
+], ids=["agents-first", "claude-when-no-agents"])
+def test_project_instructions_join_the_system_prompt_with_one_note(server, lich_model, cli, workspace, files, shown):
+    for name, text in files.items():
+        (workspace / name).write_text(text + "\n")
+    queue(server, openai_reply("ok"), openai_reply("ok"), openai_reply("ok"))
+    code, out, err = cli("--no-stream", "-s", "Be brief.", "--root", str(workspace), "hi")
+    assert (code, out, err) == (0, "ok\n", f"lich: following {shown} of {workspace}\n" + USAGE_LINE)
+    system = server.requests[0]["json"]["messages"][0]["content"]
+    assert system == f"Be brief.\n\nInstructions of this project, from {shown}:\n\n{files[shown]}"
+    assert cli("-q", "--no-stream", "--root", str(workspace), "hi") == (0, "ok\n", "")
+    cli("--no-stream", "--no-project-instructions", "-s", "Be brief.", "--root", str(workspace), "hi")
+    assert server.requests[2]["json"]["messages"][0]["content"] == "Be brief."
 
 
 # --- one-shot runs ---
@@ -6981,6 +7059,86 @@ def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(ser
                and r["headers"].get("x-api-key", SECRET) == SECRET for r in server.requests)
 
 
+def test_a_one_shot_run_on_a_terminal_asks_and_shows_the_whole_command(server, lich_model, workspace):
+    command = "ls -la " + "x" * 80 + "; touch PWNED\x1b[2K\r"
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": command}))), openai_reply("Not run."))
+    term = Pty("--allow", "shell", "--no-stream", "--root", str(workspace), "tidy up", env={"NO_COLOR": "1"})
+    shown = term.expect("[t] always bash: ")
+    assert shown.endswith("  $ ls -la " + "x" * 80 + "; touch PWNED\\x1b[2K\\r\n"
+                          "  allow? [y]es / [N]o / [a]lways this command / [t] always bash: ")
+    assert "\x1b[2K" not in shown
+    term.send("n")
+    assert term.close() == 0
+    assert "Not run." in term.rest and not (workspace / "PWNED").exists()
+
+
+def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, workspace):
+    import signal as signals
+
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch later"}')), openai_reply("never asked"))
+    term = Pty("--allow", "shell", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    term.expect("[t] always bash: ")
+    term.proc.send_signal(signals.SIGINT)
+    assert term.close() == 130
+    assert "→ bash touch later ✗ AbortError: interrupted before the user answered" in term.rest
+    assert not (workspace / "later").exists() and len(server.requests) == 1
+
+
+def test_stdout_that_is_not_a_terminal_gets_only_the_final_answer(server, lich_model, cli, workspace):
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="Let me look first."),
+                                                delta_chunk(tool_calls=[call_delta(0, "{}", id="c1", name="list_files")]),
+                                                delta_chunk(finish="tool_calls"))]),
+          stream_reply("There is ", "a.txt."))
+    code, out, err = cli("--root", str(workspace), "what is here?")
+    assert (code, out) == (0, "There is a.txt.\n")
+    assert err == "Let me look first.\n→ list_files ✓ 1 file\n"
+
+
+def test_a_failover_is_shown_as_it_happens(server, cli, workspace):
+    other = LoopbackServer()
+    try:
+        queue(server, Reply(401, openai_error("bad key", code="invalid_api_key")))
+        queue(other, openai_reply("from the second"))
+        spec = f"openai:a@{server.url}/v1,openai:b@{other.url}/v1"
+        assert cli("--no-stream", "-m", spec, "hi") == (0, "from the second\n", (
+            f"auth from OpenAIChat(model='a', base_url='{server.url}/v1', stream=False); trying "
+            f"OpenAIChat(model='b', base_url='{other.url}/v1', stream=False)\n" + USAGE_LINE))
+    finally:
+        other.close()
+
+
+def test_a_slow_tool_shows_its_time_and_a_cut_output_says_so(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "sleep 1.1; echo slept"}'),
+                             ("c2", "bash", '{"command": "seq 1 100000"}')), openai_reply("ok"))
+    code, out, err = cli("--yolo", "--no-stream", "--root", str(workspace), "go")
+    assert (code, out) == (0, "ok\n")
+    lines = err.splitlines()
+    assert re.fullmatch(r"→ bash sleep 1\.1; echo slept ✓ \(1\.\d s\)", lines[0]), lines
+    assert lines[1:3] == ["    slept", "→ bash seq 1 100000 ✓ (output cut)"]
+    assert lines[3:6] == ["    1", "    2", "    3"] and re.fullmatch(r"    … \d+ more lines", lines[6])
+
+
+def test_a_closed_stdout_ends_lich_quietly(server, lich_model):
+    queue(server, stream_reply(*[f"word{i} " for i in range(20000)]))
+    child = subprocess.Popen([sys.executable, str(LICH_PY), "long answer"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
+    head = child.stdout.read(20)
+    child.stdout.close()  # as `head -c 20` does
+    err = child.stderr.read().decode()
+    assert (child.wait(timeout=30), head, err) == (0, b"word0 word1 word2 wo", "")
+
+
+def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
+    d = tmp_path / "sessions"
+    make_sessions(d, *[f"20260101T0000{i:02d}Z-1" for i in range(40)])
+    code, out, err = Process("-c", "import subprocess, sys\n"
+                             f"p = subprocess.Popen([sys.executable, {str(LICH_PY)!r}, '--list-sessions'], "
+                             "stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+                             "print(p.stdout.readline().decode().split()[0]); p.stdout.close()\n"
+                             "print(p.wait(), repr(p.stderr.read().decode()))").wait()
+    assert (code, out, err) == (0, "20260101T000039Z-1\n0 ''\n", "")
+
+
 # --- interactive chat ---
 
 
@@ -7139,6 +7297,167 @@ def test_api_key_marker_appears_nowhere_in_interactive_chat(server, lich_model, 
     assert [r["headers"]["authorization"] for r in server.requests] == [f"Bearer {SECRET}"] * 3
 
 
+def chat_pty(*args, tmp_path, env=None):
+    """A chat on a terminal, its input history kept under ``tmp_path``."""
+    return Pty(*args, env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})})
+
+
+def test_a_chat_can_start_with_a_first_prompt(server, lich_model, tmp_path):
+    queue(server, stream_reply("First answer."), stream_reply("Second."))
+    term = chat_pty("-i", "first question", tmp_path=tmp_path)
+    assert "First answer.\n" in term.expect(PROMPT)
+    term.send("more")
+    assert "Second.\n" in term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert [r["json"]["messages"][-1]["content"] for r in server.requests] == ["first question", "more"]
+
+
+def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model, tmp_path):
+    queue(server, *[stream_reply("ok") for _ in range(3)])
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("first line \\")
+    term.expect("… ")
+    term.send("  second line")
+    term.expect(PROMPT)
+    term.send('"""')
+    term.expect("… ")
+    term.send("  indented")
+    term.send("")
+    term.send('"""')
+    term.expect(PROMPT)
+    os.write(term.master, b"\x1b[200~pasted one\n  pasted two\n\x1b[201~\r")  # a bracketed paste
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert [r["json"]["messages"][-1]["content"] for r in server.requests] == [
+        "first line \n  second line", "  indented\n", "pasted one\n  pasted two\n"]
+    history = tmp_path / "state" / "lich" / "history"
+    assert oct(history.stat().st_mode & 0o777) == "0o600" and "/exit" in history.read_text()
+    queue(server, stream_reply("recalled"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    os.write(term.master, b"\x1b[A\x1b[A\r")  # up twice: the paste, from the last chat
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert server.requests[-1]["json"]["messages"][-1]["content"] == "pasted one\n  pasted two\n"
+
+
+def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("LICH_MODEL", f"openai:first@{server.url}/v1")
+    usage = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "gpt-test-1", "choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="one"), delta_chunk(finish="stop"),
+                                                usage)]),
+          stream_reply("two"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("first question")
+    term.expect(PROMPT)
+    term.send("/cost")
+    assert term.expect(PROMPT).endswith("tokens: 7 in, 3 out in this chat\n› ")
+    term.send("/help")
+    shown = term.expect(PROMPT)
+    assert all(command in shown for command in ("/model", "/allow", "/compact", "/cost", "/resume", "/exit"))
+    term.send("/model openai:second@" + server.url + "/v1")
+    assert term.expect(PROMPT).endswith(f"model: openai:second@{server.url}/v1\n› ")
+    term.send("/compcat")
+    assert "lich: unknown command /compcat; did you mean /compact?" in term.expect(PROMPT)
+    term.send("second question")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert [r["json"]["model"] for r in server.requests] == ["first", "second"]
+
+
+def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(server, lich_model, tmp_path):
+    queue(server, *[stream_reply(f"answer {i}") for i in range(5)], openai_reply("the summary"),
+          stream_reply("after"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    for i in range(5):
+        term.send(f"question {i}")
+        term.expect(PROMPT)
+    term.send("/compact")
+    assert term.expect(PROMPT).endswith("(history compressed: 11 characters of summary)\n› ")
+    term.send("next")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    sent = [m["content"] for m in server.requests[-1]["json"]["messages"][1:]]
+    assert sent[0] == "[context summary of earlier turns]\nthe summary\n[end summary]" and sent[-1] == "next"
+
+
+def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lich_model, tmp_path):
+    import signal as signals
+
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.proc.send_signal(signals.SIGINT)
+    assert term.expect(PROMPT).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
+    term.proc.send_signal(signals.SIGINT)
+    assert term.close() == 130
+
+
+def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
+    import signal as signals
+
+    held = threading.Event()
+    queue(server, Reply(200, openai_reply("late"), hold=held))
+    term = chat_pty(tmp_path=tmp_path)
+    try:
+        term.expect(PROMPT)
+        term.send("slow")
+        wait_for_request(server)
+        term.proc.send_signal(signals.SIGINT)
+        term.expect("interrupted")
+        term.proc.send_signal(signals.SIGINT)
+        assert term.close() == 130
+        assert "error" not in term.transcript
+    finally:
+        held.set()
+
+
+def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, cli):
+    queue(server, openai_reply("line one\nline two\nline three\nline four\nline five\nline six"))
+    cli("--no-stream", "tell me a story")
+    [path] = sessions_in(tmp_path)
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("/resume")
+    shown = term.expect(PROMPT)
+    assert shown.endswith(f"resumed {path.stem}: 3 messages\nyou: tell me a story\nlich: line one\n"
+                          "      line two\n      line three\n      line four\n      … 2 more lines\n› ")
+    term.send("/exit")
+    assert term.close() == 0
+
+
+@pytest.mark.parametrize("env, spinner, escapes", [
+    ({"NO_COLOR": "1"}, True, False), ({"TERM": "dumb"}, False, False), ({}, True, True)],
+    ids=["no-color-keeps-the-spinner", "dumb-terminal-draws-nothing", "colour"])
+def test_what_a_terminal_gets_drawn(server, lich_model, tmp_path, workspace, env, spinner, escapes):
+    answered = threading.Event()
+    queue(server, tool_reply(("c1", "list_files", "{}")), Reply(200, chunks=[openai_sse(
+        delta_chunk(content="done"), delta_chunk(finish="stop"))], hold=answered))
+    term = Pty("--root", str(workspace), "look", env={"NO_COLOR": "", "TERM": "xterm", **env})
+    try:
+        shown = term.expect("→ list_files")
+        deadline = time.monotonic() + 5
+        while spinner and "thinking" not in shown:
+            assert time.monotonic() < deadline, shown
+            shown += term.expect("thinking", timeout=5)
+    finally:
+        answered.set()
+    assert term.close() == 0
+    shown += term.rest
+    assert ("⠋ thinking" in shown) is spinner
+    assert ("\x1b[32m" in shown) is escapes
+    if not spinner:
+        assert "\x1b" not in shown and "\r" not in shown.replace("\r\n", "\n")
+
+
 # --- sessions ---
 
 
@@ -7282,6 +7601,137 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
     history = lich.read_session_messages(path)
     assert_history_is_paired(history)
     assert history[-1]["role"] != "user"
+
+
+def test_continue_picks_the_latest_session_of_this_folder(server, lich_model, cli, tmp_path):
+    here, there, empty = (tmp_path / n for n in ("here", "there", "empty"))
+    for folder in (here, there, empty):
+        folder.mkdir()
+    queue(server, openai_reply("about here"), openai_reply("about there"), openai_reply("continued"))
+    cli("--no-stream", "--root", str(here), "question here")
+    cli("--no-stream", "--root", str(there), "question there")
+    code, out, _ = cli("--no-stream", "-c", "--root", str(here), "go on")
+    assert (code, out) == (0, "continued\n")
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == [
+        "question here", "about here", "go on"]
+    assert cli("-c", "--root", str(empty), "go on") == (2, "", "lich: no session in this folder\n")
+    assert len(server.requests) == 3
+
+
+def test_list_sessions_shows_each_sessions_folder_model_size_and_prompt(server, lich_model, cli, tmp_path, workspace):
+    queue(server, openai_reply("one"), openai_reply("two"))
+    cli("--no-stream", "--root", str(workspace), "first prompt\nwith two lines")
+    cli("--no-stream", "--root", str(workspace), "-c", "second")
+    code, out, err = cli("--list-sessions")
+    newest, oldest = out.splitlines()
+    assert re.fullmatch(rf"\d{{8}}T\d{{6}}Z-\d+  \d{{4}}-\d\d-\d\d \d\d:\d\d  {workspace}  gpt-test     5 messages  "
+                        r"first prompt with two lines", newest), newest
+    assert oldest.endswith(f"  {workspace}  gpt-test     3 messages  first prompt with two lines")
+    code, out, err = cli("--list-sessions", "--json")
+    assert (code, err) == (0, "")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [sorted(row) for row in rows] == [["folder", "id", "messages", "model", "path", "prompt", "when"]] * 2
+    assert [(r["folder"], r["model"], r["messages"], r["prompt"]) for r in rows] == [
+        (str(workspace), "gpt-test", 5, "first prompt with two lines"),
+        (str(workspace), "gpt-test", 3, "first prompt with two lines")]
+    assert TS.fullmatch(rows[0]["when"]) and rows[0]["path"] == str(sessions_in(tmp_path)[-1])
+
+
+# --- batches and MCP ---
+
+
+def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, workspace):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "fail this"}\n\n'
+                     '{"id": "c", "prompt": "third"}\n')
+    out = tmp_path / "out.jsonl"
+    code, stdout, err = cli("--batch", str(tasks), "--out", str(out), "--workers", "1", "--root", str(workspace))
+    assert (code, stdout) == (1, "")  # one failed
+    assert [line.split(" · ")[:2] for line in err.splitlines()] == [
+        ["1/3 done", "0 failed"], ["2/3 done", "1 failed"], ["3/3 done", "1 failed"]]
+    rows = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert (rows["a"]["final"], rows["b"]["ok"], rows["c"]["final"]) == (
+        "answer to first: hello", False, "answer to third: hello")
+    requests = len(batch_server.requests)
+    code, stdout, err = cli("--batch", str(tasks), "--out", str(out), "--root", str(workspace))
+    assert code == 1 and len(batch_server.requests) == requests + 1  # a and c were done: only b again
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    code, stdout, err = cli("--batch", str(prompts), "--root", str(workspace))  # results on stdout
+    assert code == 0
+    assert [(row["id"], row["final"]) for row in sorted(map(json.loads, stdout.splitlines()), key=lambda r: r["id"])] == [
+        ("0", "answer to one: hello"), ("1", "answer to two: hello")]
+
+
+def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    code, stdout, _ = cli("--batch", str(prompts), "--max-turns", "2", "--root", str(workspace))
+    assert (code, json.loads(stdout)["stopped_reason"]) == (3, "budget")
+
+
+def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server, lich_model, tmp_path, workspace):
+    import signal as signals
+
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("".join(f"task {i}\n" for i in range(30)))
+    out = tmp_path / "out.jsonl"
+    argv = [LICH_PY, "--batch", tasks, "--out", out, "--workers", "4", "--root", workspace]
+    child = Process(*argv)
+    deadline = time.monotonic() + 30
+    while not (out.exists() and out.read_text().count("\n") >= 5):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child.popen.send_signal(signals.SIGKILL)
+    child.wait()
+    done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip().endswith("}")}
+    before = len(batch_server.requests)
+    assert Process(*argv).wait()[0] == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip().endswith("}")]
+    assert sorted(ids, key=int) == [str(i) for i in range(30)]  # each once, none missing
+    assert len(batch_server.requests) - before == 3 * (30 - len(done))  # nothing done was asked again
+
+
+def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, lich_model, tmp_path, workspace):
+    import signal as signals
+
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("".join(f"task {i}\n" for i in range(200)))
+    out = tmp_path / "out.jsonl"
+    child = Process(LICH_PY, "--batch", tasks, "--out", out, "--workers", "2", "--root", workspace)
+    deadline = time.monotonic() + 30
+    while not (out.exists() and out.read_text().count("\n") >= 3):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child.popen.send_signal(signals.SIGINT)
+    code, _, err = child.wait(timeout=30)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == 130 and "Traceback" not in err
+    assert 3 <= len(rows) < 200 and all(r["ok"] or r["stopped_reason"] == "aborted" for r in rows)
+
+
+def test_mcp_tools_on_the_command_line(server, lich_model, cli, fake_mcp, workspace):
+    command, _ = fake_mcp
+    queue(server, tool_reply(("c1", "first", '{"x": 1}')), openai_reply("ok"))
+    code, out, err = cli("--no-stream", "--mcp", " ".join(command), "--root", str(workspace), "use it")
+    assert (code, out) == (0, "ok\n")
+    assert err.startswith("→ first ✓\n    pinged back: ")
+    assert [t["function"]["name"] for t in server.requests[0]["json"]["tools"]] == [
+        "read_file", "list_files", "search", "first", "second"]
+    assert children_of_this_process(command[1]) == []  # closed on the way out
+
+
+def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error(server, lich_model, cli, fake_mcp, monkeypatch):
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_TOOLS", "read_file,other")
+    assert cli("--mcp", " ".join(command), "hi") == (2, "", "lich: --mcp: the tool name 'read_file' is offered twice\n")
+    assert server.requests == [] and children_of_this_process(command[1]) == []
+
+
+def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli):
+    assert cli("--mcp", "/nonexistent/server", "hi") == (2, "", (
+        "lich: --mcp /nonexistent/server: cannot start the MCP server '/nonexistent/server': "
+        "No such file or directory\n"))
 
 
 # --- process ---
