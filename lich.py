@@ -6037,19 +6037,23 @@ class _Approvals:
     def _body(self, name, args, call):
         if name == "bash":
             return ["$ " + _visible(str(args.get("command", ""))).replace("\n", "\n    ")]
+        path = str(args.get("path", ""))
         if name == "edit_file":
-            return [_visible(line) for line in _diff_lines(
-                str(args.get("old_text", "")), str(args.get("new_text", "")), args.get("path"))]
+            before, old, new = self._text_of(path), str(args.get("old_text", "")), str(args.get("new_text", ""))
+            if old and before.count(old) == 1:  # the file's own lines around the change
+                old, new = before, before.replace(old, new)
+            return [_visible(line) for line in _diff_lines(old, new, path)]
         if name == "write_file":
-            path = str(args.get("path", ""))
-            before = ""
-            try:
-                with open(os.path.join(self.cli.root, path), "rb") as f:
-                    before = f.read(_DIFF_MAX_BYTES).decode("utf-8", "replace")
-            except OSError:
-                pass
-            return [_visible(line) for line in _diff_lines(before, str(args.get("content", "")), path)]
+            return [_visible(line) for line in _diff_lines(self._text_of(path), str(args.get("content", "")), path)]
         return [_visible(str(call.get("arguments") or "{}"))]
+
+    def _text_of(self, path):
+        """The file as the user sees it, for a diff ("" when it cannot be read)."""
+        try:
+            with open(os.path.join(self.cli.root, path), "rb") as f:
+                return f.read(_DIFF_MAX_BYTES).decode("utf-8", "replace").replace("\r\n", "\n")
+        except OSError:
+            return ""
 
     def describe(self):
         return [f"{i}. {label}" for i, (_, _, label) in enumerate(self.grants, 1)]

@@ -7227,6 +7227,28 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     assert term.close() == 0
 
 
+def test_an_edit_is_shown_among_the_files_own_lines(server, lich_model, workspace):
+    (workspace / "calc.py").write_bytes(b"import math\r\n\r\ndef add(a, b):\r\n    return a - b\r\n")
+    queue(server, tool_reply(("c1", "edit_file", json.dumps({"path": "calc.py", "old_text": "a - b",
+                                                               "new_text": "a + b"}))),
+          tool_reply(("c2", "edit_file", json.dumps({"path": "calc.py", "old_text": "nowhere",
+                                                     "new_text": "x"}))),
+          stream_reply("Done."))
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("fix it")
+    shown = term.expect("[t] always edit_file: ")
+    assert shown.endswith("→ edit_file calc.py\n  --- a/calc.py\n  +++ b/calc.py\n  @@ -2,3 +2,3 @@\n"
+                          "   \n   def add(a, b):\n  -    return a - b\n  +    return a + b\n"
+                          "  allow? [y]es / [N]o / [a]lways this file / [t] always edit_file: ")
+    term.send("y")
+    shown = term.expect(PROMPT)  # an edit that cannot apply fails before anyone is asked
+    assert "allow?" not in shown and "→ edit_file calc.py ✗ old_text was not found in calc.py" in shown
+    term.send("\x04")
+    assert term.close() == 0
+    assert (workspace / "calc.py").read_bytes() == b"import math\r\n\r\ndef add(a, b):\r\n    return a + b\r\n"
+
+
 def test_ctrl_c_in_a_chat_turn_keeps_the_turn_as_the_session_has_it(server, lich_model, tmp_path, workspace):
     import signal as signals
 
