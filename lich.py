@@ -1708,6 +1708,12 @@ def _watched_adapter_class():
             super().init_poolmanager(*args, **kwargs)
             self.poolmanager.pool_classes_by_scheme = {"http": HTTPPool, "https": HTTPSPool}
 
+        def proxy_manager_for(self, proxy, **proxy_kwargs):
+            manager = super().proxy_manager_for(proxy, **proxy_kwargs)
+            if not proxy.lower().startswith("socks"):  # SOCKS pools have classes of their own
+                manager.pool_classes_by_scheme = {"http": HTTPPool, "https": HTTPSPool}
+            return manager
+
     return WatchedAdapter
 
 
@@ -2411,6 +2417,12 @@ class _AnthropicStream:
         return calls
 
 
+# A 400 naming one of these: the model or server cannot constrain its output to a schema.
+_FORMAT_REFUSALS = r"output_config|output_format|structured output|schema is too complex|recursive definitions"
+_SCHEMA_INSTRUCTION = ("Answer with one JSON value and nothing else (no prose, no code fence), "
+                       "valid under this JSON Schema: ")
+
+
 class AnthropicChat(_HTTPChat):
     """A ChatFn over Anthropic's Messages API.
 
@@ -2418,7 +2430,9 @@ class AnthropicChat(_HTTPChat):
     comes from ``api_key`` or ``ANTHROPIC_API_KEY`` and is always required. ``max_tokens``
     is the output cap sent when a call gives none. With ``cache`` (the default) the tools,
     the system prompt and the newest message carry ``cache_control`` breakpoints, so each
-    turn reads the turns before it from Anthropic's prompt cache.
+    turn reads the turns before it from Anthropic's prompt cache. A ``response_format`` is
+    sent as ``output_config.format``; a model or server that refuses it gets the schema in
+    the system prompt instead, from then on.
     """
 
     provider = "anthropic"
@@ -2433,8 +2447,23 @@ class AnthropicChat(_HTTPChat):
                  cache=True, extra_body=None):
         self.max_tokens = max_tokens
         self.cache = cache
+        self._format_refused = False  # this model or server has no structured output
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
                          stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
+
+    def __call__(self, messages, *, response_format=None, **options):
+        if response_format is None:
+            return super().__call__(messages, **options)
+        if not self._format_refused:
+            try:
+                return super().__call__(messages, response_format=response_format, **options)
+            except ProviderError as e:
+                if e.kind != "bad_request" or not re.search(_FORMAT_REFUSALS, str(e), re.IGNORECASE):
+                    raise
+                self._format_refused = True
+        instruction = {"role": "system", "content": _SCHEMA_INSTRUCTION + json.dumps(
+            response_format["schema"], ensure_ascii=False)}
+        return super().__call__([*messages, instruction], **options)
 
     def _key_required(self):
         return True  # Anthropic's API always wants one (API.md), local proxies included
@@ -5277,6 +5306,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     killed batch resumes) unless ``redo``. A task that raises is an ``ok=False`` result;
     after ``max_errors`` of them, or once ``signal`` is set, no new task starts (running
     ones stop at their next boundary; tasks never started have ``error`` "not started").
+    An event cannot reach another process: on an ``executor`` the signal stops what has
+    not started, and tasks already running there run to their end.
     ``on_result(result)`` is called in the caller's thread as each task finishes;
     ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
     """
@@ -5589,7 +5620,7 @@ def _output_schema(text):
     return schema
 
 
-def _otel_provider(term):
+def _otel_provider():
     """The tracer provider the OpenTelemetry SDK makes from the OTEL_* variables; the console
     exporter writes to stderr (stdout carries the answer)."""
     try:
@@ -5606,15 +5637,18 @@ def _otel_provider(term):
                           "opentelemetry-sdk (and an exporter, e.g. "
                           "opentelemetry-exporter-otlp)") from None
     provider = TracerProvider(resource=Resource.create())
-    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")
+    # As the SDK's own configuration reads it: otlp unless told otherwise, "none" for nothing.
+    names = [n.strip() for n in (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").split(",")
              if n.strip() and n.strip().lower() != "none"]
-    if not names:
-        term.note("lich: --otel: OTEL_TRACES_EXPORTER is not set, so spans go nowhere")
     for name in names:
         if name == "console":
             exporter = ConsoleSpanExporter(out=sys.stderr)
         else:
-            found = entry_points(group="opentelemetry_traces_exporter", name=name)
+            try:
+                found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+            except TypeError:  # Python 3.9: a dict of every group
+                found = [e for e in entry_points().get("opentelemetry_traces_exporter", ())
+                         if e.name == name]
             if not found:
                 raise _UsageError(f"--otel: no OpenTelemetry exporter named {name!r} is "
                                   f"installed (for otlp: pip install opentelemetry-exporter-otlp)")
@@ -6298,7 +6332,7 @@ class _Cli:
                 system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
                 term.note(f"lich: following {found[0]} of {self.root}")
             self.system_prompt = system
-            self.otel = _otel_provider(term) if args.otel else None
+            self.otel = _otel_provider() if args.otel else None
             if self.otel is not None:
                 self.closers.append(self.otel.shutdown)
             self.chat = self._chat(self.model)
@@ -6818,7 +6852,7 @@ def main(argv=None) -> int:
     import logging
     import signal as signals
 
-    term = _Terminal(quiet=args.quiet, json_lines=args.json or args.list_sessions and False)
+    term = _Terminal(quiet=args.quiet, json_lines=args.json)
     logger = logging.getLogger("lich")
     handler = _LogHandler(term, logging.DEBUG if args.verbose else logging.WARNING)
     previous_level = logger.level

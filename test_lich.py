@@ -3069,6 +3069,27 @@ def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(serv
         release.set()
 
 
+def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # a proxy that takes the request and never answers
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    signal = threading.Event()
+    threading.Timer(0.5, signal.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", timeout=60)(USER, signal=signal)
+        assert time.monotonic() - started < 1.5 and len(accepted) == 1
+    finally:
+        for connection, _ in accepted:
+            connection.close()
+        silent.close()
+
+
 def test_a_stream_ending_after_its_finish_reason_without_done_is_complete(server):
     server.reply(200, chunks=[openai_sse(delta_chunk(content="Hi"),
                                          {"choices": [{"index": 0, "delta": {}, "finish_reason": "eos"}],
@@ -3722,6 +3743,31 @@ def test_anthropic_asks_for_structured_output_with_objects_closed(server):
                          "properties": {"name": {"type": "string"}}},
                 "tags": {"type": "array", "items": {"type": "object", "additionalProperties": False}}}}}}}
     assert schema["properties"]["city"] == {"type": "object", "properties": {"name": {"type": "string"}}}
+
+
+def test_anthropic_without_structured_output_gets_the_schema_in_the_system_prompt(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    server.reply(400, anthropic_error("invalid_request_error",
+                                      "output_config.format: this model does not support structured outputs"))
+    server.reply(200, anthropic_reply(text_block('{"n": 1}')))
+    server.reply(200, anthropic_reply(text_block('{"n": 2}')))
+    server.reply(400, anthropic_error("invalid_request_error", "max_tokens: must be at least 1"))
+    chat = anthropic_at(server, cache=False)
+    messages = [{"role": "system", "content": "Count."}, *USER]
+    asked = {"name": "output", "schema": schema}
+    assert chat(messages, response_format=asked).message["content"] == '{"n": 1}'
+    assert chat(messages, response_format=asked).message["content"] == '{"n": 2}'  # no second refusal
+    with pytest.raises(lich.ProviderError, match="max_tokens: must be at least 1"):  # other 400s are errors
+        anthropic_at(server, cache=False)(messages, response_format=asked)
+    assert len(server.requests) == 4
+    first, second, third, fourth = (r["json"] for r in server.requests)
+    assert "output_config" in first and "output_config" not in second and "output_config" not in third
+    assert "output_config" in fourth
+    instruction = ("Count.\n\nAnswer with one JSON value and nothing else (no prose, no code fence), valid "
+                   'under this JSON Schema: {"type": "object", "properties": {"n": {"type": "integer"}}}')
+    assert second["system"] == third["system"] == instruction
+    assert second["messages"] == [{"role": "user", "content": "Hi"}]
+    assert messages == [{"role": "system", "content": "Count."}, *USER]
 
 
 def test_anthropic_streamed_usage_counts_cache_reads_and_writes(server):
@@ -6817,6 +6863,20 @@ def test_otel_sends_the_runs_spans_to_the_console_exporter_on_stderr(server, lic
     assert (code, out) == (0, "traced\n"), err
     names = re.findall(r'"name": "([^"]+)"', err)
     assert names[:2] == ["chat gpt-test", "invoke_agent"] and '"service.name": "lich-test"' in err
+
+
+def test_otel_exports_with_otlp_unless_told_otherwise_as_the_sdk_does(server, lich_model):
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    from importlib.metadata import distributions
+
+    if any(d.metadata["Name"] == "opentelemetry-exporter-otlp-proto-http" for d in distributions()):
+        pytest.skip("an OTLP exporter is installed here")
+    assert Process(LICH_PY, "--otel", "hi").wait() == (2, "", (
+        "lich: --otel: no OpenTelemetry exporter named 'otlp' is installed "
+        "(for otlp: pip install opentelemetry-exporter-otlp)\n"))
+    queue(server, openai_reply("untraced"))
+    assert Process(LICH_PY, "--otel", "-q", "--no-stream", "hi", env={"OTEL_TRACES_EXPORTER": "none"}).wait() == (
+        0, "untraced\n", "")
 
 
 @pytest.mark.parametrize("files, shown", [
