@@ -167,8 +167,10 @@ def _redact_secrets(text: str) -> str:
     """``text`` with every run of 8 characters of a key in use (also \\u-escaped) redacted."""
     if not _secrets or not text:
         return text
+    original = text
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
         text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
+    found_any = False
     for width, pattern in list(_secrets.values()):
         spans = []
         for found in pattern.finditer(text):
@@ -179,7 +181,8 @@ def _redact_secrets(text: str) -> str:
                 spans.append([start, start + width])
         for start, end in reversed(spans):
             text = text[:start] + _REDACTED + text[end:]
-    return text
+        found_any = found_any or bool(spans)
+    return text if found_any else original  # escapes are decoded only where a key hid in them
 
 
 def _redact_url(url: str) -> str:
@@ -1550,6 +1553,7 @@ def _sse_events(chunks, check):
                         raise _StreamTooLong(f"an SSE event exceeds {_SSE_MAX_EVENT_BYTES} bytes")
             elif line[:6] == b"event:":
                 event = line[6:].strip()
+    check()  # a socket cut by the signal or the clock ends the chunks as if the stream ended
     line = b"".join(pending).rstrip(b"\r")
     if line[:5] == b"data:":  # a last line without its newline
         value = line[6:] if line[5:6] == b" " else line[5:]
@@ -3866,6 +3870,8 @@ def _search_worker():
     out.reconfigure(line_buffering=True)  # what was found is lich's even if the job is stopped
 
     def emit(*record):
+        if record[0] == "m":  # only what is shown travels: a line stays well under the pipe's cut
+            record = (*record[:3], record[3][:_SEARCH_LINE_CHARS])
         out.write(json.dumps(record) + "\n")
 
     for line in sys.stdin:
@@ -3896,6 +3902,7 @@ class _SearchWorkers:
 
     def __init__(self):
         self._idle = []
+        self._finalizers = {}  # pid: the finalizer that kills the worker's group
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -3914,7 +3921,7 @@ class _SearchWorkers:
             worker.stdin.write((json.dumps(job) + "\n").encode())
             worker.stdin.flush()
         except OSError:
-            _kill_group(worker.pid)
+            self._end(worker)
             return None
         deadline = time.monotonic() + job["seconds"]
         pending = bytearray()
@@ -3922,7 +3929,10 @@ class _SearchWorkers:
 
         def on_line(line):
             nonlocal ended
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except ValueError:  # a record past the cut (a path of thousands of escapes)
+                return
             if record[0] == "done":
                 ended = "done"
             elif record[0] == "e":
@@ -3930,25 +3940,28 @@ class _SearchWorkers:
             else:
                 on_record(record)
 
-        with selectors.DefaultSelector() as selector:
-            selector.register(worker.stdout, selectors.EVENT_READ)
-            while ended is None:
-                now = time.monotonic()
-                if signal.is_set() or now >= deadline:
-                    ended = "aborted" if signal.is_set() else "timeout"
-                    break
-                if selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
-                    chunk = os.read(worker.stdout.fileno(), _FILE_READ_BYTES)
-                    if not chunk:
-                        ended = "died"
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(worker.stdout, selectors.EVENT_READ)
+                while ended is None:
+                    now = time.monotonic()
+                    if signal.is_set() or now >= deadline:
+                        ended = "aborted" if signal.is_set() else "timeout"
                         break
-                    pending += chunk
-                    _split_lines(pending, on_line)
+                    if selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                        chunk = os.read(worker.stdout.fileno(), _FILE_READ_BYTES)
+                        if not chunk:
+                            ended = "died"
+                            break
+                        pending += chunk
+                        _split_lines(pending, on_line)
+        except BaseException:
+            self._end(worker)
+            raise
         if ended == "done":
             self._keep(worker)
             return "done", (error[0] if error else None)
-        _kill_group(worker.pid)
-        worker.wait()
+        self._end(worker)
         if ended == "died":
             return "done", f"the search worker exited (code {worker.returncode})"
         return ended, None
@@ -3960,18 +3973,21 @@ class _SearchWorkers:
                 worker = self._idle.pop()
                 if worker.poll() is None:
                     return worker
+                self._finalizers.pop(worker.pid).detach()
         source = globals().get("__file__")
         if not (sys.executable and source and os.path.isfile(source)
                 and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
             return None  # no Python to start here (an embedding host): search in this process
-        try:
-            worker = subprocess.Popen([sys.executable, "-c", _WORKER_BOOT, source],
+        try:  # -I and "/": no module of the searched folder (a json.py) is ever imported
+            worker = subprocess.Popen([sys.executable, "-I", "-c", _WORKER_BOOT, os.path.abspath(source)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True,
-                                      env=_tool_environment())
+                                      env=_tool_environment(), cwd="/")
         except OSError:
             return None
-        weakref.finalize(self, _kill_group, worker.pid)
+        # Killed when this object goes (or at exit) unless it ended before: its group id
+        # may by then be another process's.
+        self._finalizers[worker.pid] = weakref.finalize(self, _kill_group, worker.pid)
         return worker
 
     def _keep(self, worker):
@@ -3981,6 +3997,12 @@ class _SearchWorkers:
                 return
         worker.stdin.close()
         worker.wait()
+        self._finalizers.pop(worker.pid).detach()
+
+    def _end(self, worker):
+        _kill_group(worker.pid)
+        worker.wait()
+        self._finalizers.pop(worker.pid).detach()
 
 
 class _Matches:
@@ -5591,10 +5613,17 @@ def _prompt_with_stdin(prompt, piped) -> str:
 
 
 def _project_instructions(root):
-    """(file name, text) of AGENTS.md in ``root``, else CLAUDE.md, else None."""
+    """(file name, text) of AGENTS.md in ``root``, else CLAUDE.md, else None. Only a regular
+    file inside the root counts: a link to ~/.aws/credentials is not sent to a model."""
+    root = os.path.realpath(root)
     for name in ("AGENTS.md", "CLAUDE.md"):
+        path = os.path.realpath(os.path.join(root, name))
+        if not path.startswith(root.rstrip("/") + "/"):
+            continue
         try:
-            with open(os.path.join(root, name), "rb") as f:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO would never end
+                    continue
                 text = f.read(_INSTRUCTIONS_MAX_BYTES).decode("utf-8", "replace").strip()
         except OSError:
             continue

@@ -1487,6 +1487,20 @@ def test_no_response_format_reaches_a_chat_when_no_schema_is_asked_for():
     assert lich.run_conversation(strict_chat, None, [user("x")], max_turns=1).stopped_reason == "final"
 
 
+def test_redaction_leaves_text_without_a_key_exactly_as_it_was(server):
+    lich.OpenAIChat("m", api_key=KEY, base_url=server.url + "/v1")  # the key is now in use
+    source = 'print("caf\\u00e9")  # \\ud83d and \\\\u00e9 stay as written\n'
+    shower = lich.Tools()
+
+    @shower.tool
+    def show() -> str:
+        """Show a source file."""
+        return source
+
+    outcome, _, _ = run_loop(assistant("", ("c1", "show", "{}")), assistant("done"), tools=shower)
+    assert outcome.messages[2]["content"] == source
+
+
 # ============================================================================
 # Sessions
 # ============================================================================
@@ -3088,6 +3102,39 @@ def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
         for connection, _ in accepted:
             connection.close()
         silent.close()
+
+
+@pytest.mark.parametrize("stop", ["signal", "timeout"])
+def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # an HTTP/1.0 server: the body ends when it closes
+    held = []
+
+    def serve():
+        connection, _ = listener.accept()
+        held.append(connection)
+        connection.recv(65536)
+        connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                           + b"data: " + json.dumps(delta_chunk(content="Hi")).encode() + b"\n\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    signal = threading.Event()
+    if stop == "signal":
+        threading.Timer(0.5, signal.set).start()
+    chat = lich.OpenAIChat("gpt-test", base_url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1",
+                           stream=True, timeout=60 if stop == "signal" else 1)
+    try:
+        with pytest.raises((lich.AbortError, lich.ProviderError)) as info:
+            chat(USER, signal=signal)
+        if stop == "signal":
+            assert info.type is lich.AbortError
+        else:
+            assert (info.type, info.value.kind, info.value.retryable) == (lich.ProviderError, "timeout", True)
+    finally:
+        for connection in held:
+            connection.close()
+        listener.close()
 
 
 def test_a_stream_ending_after_its_finish_reason_without_done_is_complete(server):
@@ -5831,6 +5878,29 @@ def test_reads_never_see_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
     assert "     1\toutside" not in seen and "     1\tinside" in seen
 
 
+def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_path, monkeypatch):
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    marker = tmp_path / "imported"
+    for name in ("json.py", "re.py", "typing.py", "inspect.py"):
+        (ws / name).write_text(f"open({str(marker)!r}, 'a').write({name!r})\nraise SystemExit\n")
+    (ws / "a.txt").write_text("hello needle\n")
+    monkeypatch.chdir(ws)
+    monkeypatch.setenv("PYTHONPATH", str(ws))
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern="needle", glob="*.txt") == lich.ToolResult(
+        ok=True, output="a.txt:1: hello needle")
+    assert not marker.exists()
+
+
+def test_a_worker_search_in_a_long_minified_line_shows_its_head(ws, engine):
+    (ws / "app.min.js").write_text("var a=1;" * 5000 + "needle" + ";b=2" * 5000 + "\n")
+    tools = lich.coding_tools(ws)
+    for _ in range(3):
+        found = run_tool(tools, "search", pattern="needle")
+        assert found.ok and found.output == "app.min.js:1: " + ("var a=1;" * 5000)[:500]
+
+
 # --- shell ---
 
 
@@ -6894,6 +6964,22 @@ def test_project_instructions_join_the_system_prompt_with_one_note(server, lich_
     assert cli("-q", "--no-stream", "--root", str(workspace), "hi") == (0, "ok\n", "")
     cli("--no-stream", "--no-project-instructions", "-s", "Be brief.", "--root", str(workspace), "hi")
     assert server.requests[2]["json"]["messages"][0]["content"] == "Be brief."
+
+
+def test_project_instructions_are_a_regular_file_inside_the_root(server, lich_model, cli, workspace, tmp_path):
+    (tmp_path / "credentials").write_text("TOP-SECRET\n")
+    (workspace / "AGENTS.md").symlink_to(tmp_path / "credentials")  # a link out is not followed
+    os.mkfifo(workspace / "CLAUDE.md")  # and a FIFO is not waited on
+    queue(server, openai_reply("ok"), openai_reply("ok"))
+    assert cli("--no-stream", "-s", "Be brief.", "--root", str(workspace), "hi") == (0, "ok\n", USAGE_LINE)
+    assert server.requests[0]["json"]["messages"][0]["content"] == "Be brief."
+    os.unlink(workspace / "AGENTS.md")
+    (workspace / "docs").mkdir()
+    (workspace / "docs" / "agents.md").write_text("Use tabs.\n")
+    (workspace / "AGENTS.md").symlink_to(workspace / "docs" / "agents.md")  # a link inside is
+    cli("--no-stream", "-s", "Be brief.", "--root", str(workspace), "hi")
+    assert server.requests[1]["json"]["messages"][0]["content"] == (
+        "Be brief.\n\nInstructions of this project, from AGENTS.md:\n\nUse tabs.")
 
 
 # --- one-shot runs ---
