@@ -2701,6 +2701,21 @@ class Router:
         raise last
 
 
+_received_limiters = {}  # token: the Limiter that copies sent to this process became
+_received_limiters_lock = threading.Lock()
+
+
+def _limiter_in_this_process(token, max_concurrent, requests_per_minute, tokens_per_minute):
+    with _received_limiters_lock:
+        limiter = _received_limiters.get(token)
+        if limiter is None:
+            limiter = Limiter(max_concurrent=max_concurrent, requests_per_minute=requests_per_minute,
+                              tokens_per_minute=tokens_per_minute)
+            limiter._token = token
+            _received_limiters[token] = limiter
+        return limiter
+
+
 class Limiter:
     """Limits the calls of any number of chats, from any number of threads.
 
@@ -2723,23 +2738,18 @@ class Limiter:
         self.max_concurrent = max_concurrent
         self.requests_per_minute = requests_per_minute
         self.tokens_per_minute = tokens_per_minute
-        self._setup()
-
-    def _setup(self):
+        self._token = os.urandom(8).hex()  # names it in the processes it is sent to
         self._cond = threading.Condition()
         self._in_flight = 0
         self._starts = deque()  # (start time, estimated tokens) within the window
         self._tokens = 0
         self._paused_until = 0.0
 
-    def __getstate__(self):
-        return {"max_concurrent": self.max_concurrent,
-                "requests_per_minute": self.requests_per_minute,
-                "tokens_per_minute": self.tokens_per_minute}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._setup()
+    def __reduce__(self):
+        # Every copy sent to one process is that process's one limiter: tasks pickled
+        # one by one to a pool or a cluster share its limits there.
+        return _limiter_in_this_process, (self._token, self.max_concurrent,
+                                          self.requests_per_minute, self.tokens_per_minute)
 
     def __repr__(self):
         return (f"Limiter(max_concurrent={self.max_concurrent!r}, requests_per_minute="
@@ -4596,6 +4606,7 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
 _MCP_PROTOCOL = "2025-11-25"  # the newest revision with the initialize handshake
 _MCP_PROTOCOLS = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"})
 _MCP_CLOSE_SECONDS = 2.0      # close(): stdin closed, then this long before SIGTERM, then SIGKILL
+_MCP_STDERR_WAIT_SECONDS = 1.0  # a server that exited: how long its stderr may take to be read
 _MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error messages
 _MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
 _MCP_MAX_PAGES = 100          # tools/list pages read
@@ -4639,9 +4650,9 @@ def _mcp_content(result) -> str:
 
 
 class _StdioServer:
-    """An MCP server run as a process, spoken to in newline-delimited JSON-RPC: one reader
+    """An MCP server run as a process, spoken to in newline-delimited JSON-RPC: a reader
     thread hands each answer to the thread waiting for it, answers the server's pings and
-    notes a changed tool list."""
+    notes a changed tool list; another keeps the tail of its stderr."""
 
     def __init__(self, argv, env, cwd, on_list_changed):
         import subprocess
@@ -4661,8 +4672,9 @@ class _StdioServer:
         self._stderr = deque()
         self._stderr_size = 0
         self._gone = None  # why the server cannot answer any more
-        for target in (self._read_stdout, self._read_stderr):
-            threading.Thread(target=target, name="lich-mcp", daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, name="lich-mcp", daemon=True)
+        self._stderr_reader.start()
+        threading.Thread(target=self._read_stdout, name="lich-mcp", daemon=True).start()
 
     def request(self, method, params, seconds, signal):
         with self._lock:
@@ -4720,6 +4732,7 @@ class _StdioServer:
             if isinstance(message, dict):
                 self._received(message)
         code = self.proc.wait()
+        self._stderr_reader.join(_MCP_STDERR_WAIT_SECONDS)  # its last words, read to their end
         self._end(f"the MCP server {self.name} exited (code {code}){self.stderr_tail(': ')}")
 
     def _received(self, message):
@@ -4767,24 +4780,27 @@ class _StdioServer:
 
     def close(self):
         self._end(f"the MCP server {self.name} was closed")
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass
         import signal as signals
         import subprocess
-        for stop in (None, signals.SIGTERM, signals.SIGKILL):
-            if stop is not None:
-                try:
-                    os.killpg(self.proc.pid, stop)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        try:
             try:
-                self.proc.wait(_MCP_CLOSE_SECONDS)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        _kill_group(self.proc.pid)  # what it started, if it left them behind
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            for stop in (None, signals.SIGTERM):
+                if stop is not None:
+                    try:
+                        os.killpg(self.proc.pid, stop)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                try:
+                    self.proc.wait(_MCP_CLOSE_SECONDS)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        finally:  # also when the wait is interrupted: what it started, if it left them behind
+            _kill_group(self.proc.pid)
+            self.proc.wait()
 
 
 class _HTTPServer:
@@ -5328,8 +5344,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     killed batch resumes) unless ``redo``. A task that raises is an ``ok=False`` result;
     after ``max_errors`` of them, or once ``signal`` is set, no new task starts (running
     ones stop at their next boundary; tasks never started have ``error`` "not started").
-    An event cannot reach another process: on an ``executor`` the signal stops what has
-    not started, and tasks already running there run to their end.
+    An event cannot reach another process: on a process pool or a cluster the signal stops
+    what has not started, and tasks already running there run to their end.
     ``on_result(result)`` is called in the caller's thread as each task finishes;
     ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
     """
@@ -5343,14 +5359,18 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
         if own else executor
-    if own and signal is not None:
-        loop_params["signal"] = signal  # threads share the caller's signal
+    # Tasks in this process stop on this event: set by the caller's signal, or on the way
+    # out by an exception (Ctrl-C in the caller, a failing on_result), so none runs on.
+    stopping = threading.Event()
+    if own or isinstance(executor, futures.ThreadPoolExecutor):
+        loop_params["signal"] = stopping
     errors = 0
     running = {}
     try:
         while pending or running:
-            stop = (signal is not None and signal.is_set()) or (
-                max_errors is not None and errors >= max_errors)
+            if signal is not None and signal.is_set():
+                stopping.set()
+            stop = stopping.is_set() or (max_errors is not None and errors >= max_errors)
             while pending and not stop and len(running) < max(1, workers):
                 task = pending.pop(0)
                 args = (task, chat, tools, limiter, session_dir, trace, loop_params)
@@ -5377,6 +5397,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 if on_result is not None:
                     on_result(result)
     finally:
+        stopping.set()
         for future in running:
             future.cancel()
         if own:
@@ -6280,6 +6301,7 @@ class _Interrupts:
     def __init__(self):
         self.last = None
         self.exit_code = _EXIT_INTERRUPTED  # 128 + the signal for SIGTERM and SIGHUP
+        self.terminating = False  # SIGTERM or SIGHUP came: stop what runs, then leave
 
     def pressed(self):
         now = time.monotonic()
@@ -6375,11 +6397,25 @@ class _Cli:
             raise
 
     def close(self):
-        for close in reversed(self.closers):
+        """Close the MCP servers and the tracer, all at once; Ctrl-C or SIGTERM meanwhile
+        cannot cut it short and leave a server running (each close is bounded)."""
+        def close_one(close, done):
             try:
                 close()
             except Exception:
                 _cli_log().debug("closing failed", exc_info=True)
+            finally:
+                done.set()
+
+        closing = [threading.Event() for _ in self.closers]
+        for close, done in zip(self.closers, closing):
+            threading.Thread(target=close_one, args=(close, done), name="lich-close", daemon=True).start()
+        for done in closing:
+            while not done.is_set():  # an Event, not Thread.join: a join cut by Ctrl-C can misreport
+                try:
+                    done.wait(_POLL_SECONDS)
+                except KeyboardInterrupt:
+                    continue
 
     def _start_mcp(self, server):
         try:
@@ -6570,7 +6606,7 @@ class _Cli:
         term.note("/help for commands, Ctrl-D to leave")
         session = None
         try:
-            while True:
+            while not self.interrupts.terminating:  # SIGTERM or SIGHUP: the turn stopped, leave
                 if first is not None:
                     line, first = first, None
                 else:
@@ -6588,6 +6624,7 @@ class _Cli:
                 if session is None:
                     session = self.open_session()
                 _, history = self.run(line, history, session)
+            return self.interrupts.exit_code
         finally:
             if session is not None:
                 session.close()
@@ -6617,6 +6654,8 @@ class _Cli:
                         break
                 return line
             except KeyboardInterrupt:
+                if self.interrupts.terminating:
+                    raise _Quit(self.interrupts.exit_code) from None
                 self.interrupts.pressed()  # a second one within 2 s quits
                 sys.stderr.write("\n")
                 self.term.note("(Ctrl-C again or Ctrl-D to quit)")
@@ -6676,18 +6715,27 @@ class _Cli:
             term.line("\n".join(["commands:", *("  " + text for text in _CHAT_COMMANDS.values()),
                                  _CHAT_KEYS]))
         elif command == "/model":
-            if rest:
-                self.chat = self._chat(rest)
-                self.model = rest
-            term.note(f"model: {self.model}")
+            try:
+                if rest:
+                    self.chat = self._chat(rest)
+                    self.model = rest
+                term.note(f"model: {self.model}")
+            except _UsageError as e:  # a mistyped spec keeps the chat and its model
+                term.error(f"{e}; the model stays {self.model}")
         elif command == "/allow":
             self._allow_command(rest)
         elif command == "/cost":
             term.line(_usage_line(self.usage) + " in this chat")
         elif command == "/compact":
-            compressed, chars = compress_messages(self.chat, history)
+            signal = self.signal = threading.Event()
+            term.start_spinner("compressing")
+            try:
+                compressed, chars = _run_interruptibly(
+                    lambda: compress_messages(self.chat, history, signal=signal), signal, self)
+            finally:
+                term.stop_spinner()
             term.note(f"(history compressed: {chars} characters of summary)" if chars
-                      else "nothing to compress")
+                      else "compression stopped" if signal.is_set() else "nothing to compress")
             return compressed, session
         elif command == "/sessions":
             _print_sessions(self.sessions_home, term, as_json=False)
@@ -6893,6 +6941,7 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():
         def terminated(signum, frame):
             interrupts.exit_code = 128 + signum
+            interrupts.terminating = True
             raise KeyboardInterrupt
 
         for name in ("SIGTERM", "SIGHUP"):

@@ -4170,6 +4170,22 @@ def test_router_and_limiter_pickle():
         5, 0.5, "m", "Limiter(max_concurrent=2, requests_per_minute=60, tokens_per_minute=1000)")
 
 
+def test_every_copy_of_a_limiter_sent_to_a_process_is_that_processs_one_limiter():
+    import pickle
+
+    limiter = lich.Limiter(requests_per_minute=1)
+    data = pickle.dumps(limiter)
+    first, second = pickle.loads(data), pickle.loads(data)  # two tasks sent to one worker
+    assert first is second and first is not limiter and repr(first) == repr(limiter)
+    assert pickle.loads(pickle.dumps(lich.Limiter(requests_per_minute=1))) is not first
+    answer = lambda messages, **kw: lich.ChatResult({"role": "assistant", "content": "ok"})
+    first.wrap(answer)(USER)
+    signal = threading.Event()
+    threading.Timer(0.3, signal.set).start()
+    with pytest.raises(lich.AbortError):  # the one request of this minute went to the other task
+        second.wrap(answer)(USER, signal=signal)
+
+
 def _limited_calls(limiter, n, work=0.05, signal=None):
     """``n`` threads calling one limited chat at once; (in flight at most, start times)."""
     state = {"now": 0, "most": 0}
@@ -6137,8 +6153,13 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
 
 
 FAKE_MCP = r"""
-import json, os, sys, time
+import json, os, signal, sys, time
 log = open(os.environ["FAKE_LOG"], "a")
+stubborn = os.environ.get("FAKE_STUBBORN")  # ignores SIGTERM and the end of its input
+if stubborn:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(stubborn, "a") as pids:
+        pids.write(f"{os.getpid()}\n")
 changed = False
 def send(message):
     sys.stdout.write(json.dumps(message) + "\n")
@@ -6146,12 +6167,14 @@ def send(message):
 def read():
     line = sys.stdin.readline()
     if not line:
+        if stubborn:
+            time.sleep(60)
         sys.exit(0)
     message = json.loads(line)
     log.write(json.dumps(message) + "\n")
     log.flush()
     return message
-names = os.environ.get("FAKE_TOOLS", "first,second").split(",")
+names = (sys.argv[1] if len(sys.argv) > 1 else os.environ.get("FAKE_TOOLS", "first,second")).split(",")
 while True:
     message = read()
     method, ident = message.get("method"), message.get("id")
@@ -6689,6 +6712,42 @@ def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
                              on_result=lambda r: signal.set())
     assert [r.ok for r in results] == [True] + [False] * 5
     assert {r.error for r in results[1:]} == {"not started: the signal was set"}
+
+
+def _waiting_chat(messages, *, signal=None, **_):
+    """Answers "fast" at once; any other prompt waits up to 30 s for the signal."""
+    if messages[-1]["content"] != "fast":
+        if signal is None or not signal.wait(30):
+            return lich.ChatResult({"role": "assistant", "content": "late"})
+        raise lich.AbortError("stopped")
+    return lich.ChatResult({"role": "assistant", "content": "quick"})
+
+
+@pytest.mark.parametrize("executor", ["own-threads", "a-thread-pool"])
+def test_running_tasks_stop_when_the_batch_is_left_by_an_exception_or_the_signal(executor):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(4) if executor == "a-thread-pool" else None
+
+    def fail(result):
+        raise RuntimeError("the progress bar broke")
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="the progress bar broke"):
+            lich.run_batch(["slow", "slow", "fast"], chat=_waiting_chat, workers=3, max_turns=1,
+                           executor=pool, on_result=fail)
+        assert time.monotonic() - started < 5
+        signal = threading.Event()
+        threading.Timer(0.3, signal.set).start()
+        results = lich.run_batch(["slow", "slow", "slow"], chat=_waiting_chat, workers=2, max_turns=1,
+                                 executor=pool, signal=signal)
+        assert time.monotonic() - started < 10
+        assert [(r.stopped_reason, r.error) for r in results] == [("aborted", None)] * 2 + [
+            (None, "not started: the signal was set")]
+    finally:
+        if pool is not None:
+            pool.shutdown()
 
 
 def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_path):
@@ -7591,6 +7650,56 @@ def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
         held.set()
 
 
+def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
+    import signal as signals
+
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.proc.send_signal(signals.SIGTERM)
+    assert term.close() == 128 + signals.SIGTERM and "Ctrl-C again" not in term.transcript
+    held = threading.Event()
+    queue(server, Reply(200, openai_reply("late"), hold=held))
+    term = chat_pty(tmp_path=tmp_path)
+    try:
+        term.expect(PROMPT)
+        term.send("slow")
+        wait_for_request(server)
+        term.proc.send_signal(signals.SIGHUP)
+        assert term.close() == 128 + signals.SIGHUP and "interrupted" in term.rest
+    finally:
+        held.set()
+    [path] = sessions_in(tmp_path)
+    assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
+
+
+def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server, lich_model, tmp_path):
+    import signal as signals
+
+    held = threading.Event()
+    queue(server, *[stream_reply(f"answer {i}") for i in range(5)], Reply(200, openai_reply("summary"), hold=held),
+          stream_reply("still here"))
+    term = chat_pty(tmp_path=tmp_path)
+    try:
+        term.expect(PROMPT)
+        term.send("/model opnai:gpt-4o")
+        assert "the model stays openai:gpt-test@" in term.expect(PROMPT)
+        for i in range(5):
+            term.send(f"question {i}")
+            term.expect(PROMPT)
+        term.send("/compact")
+        wait_for_request(server, 6)
+        term.proc.send_signal(signals.SIGINT)
+        assert term.expect(PROMPT).endswith("compression stopped\n› ")
+        term.send("go on")
+        assert "still here" in term.expect(PROMPT)
+        term.send("/exit")
+        assert term.close() == 0
+    finally:
+        held.set()
+    assert server.requests[-1]["json"]["messages"][-1]["content"] == "go on"
+    assert len(server.requests[-1]["json"]["messages"]) == 12  # the system prompt and every turn, not compressed
+
+
 def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, cli):
     queue(server, openai_reply("line one\nline two\nline three\nline four\nline five\nline six"))
     cli("--no-stream", "tell me a story")
@@ -7903,6 +8012,36 @@ def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, 
     assert cli("--mcp", "/nonexistent/server", "hi") == (2, "", (
         "lich: --mcp /nonexistent/server: cannot start the MCP server '/nonexistent/server': "
         "No such file or directory\n"))
+
+
+def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, lich_model, fake_mcp, tmp_path):
+    import signal as signals
+
+    command, _ = fake_mcp
+    pids = tmp_path / "pids"
+    queue(server, Reply(400, openai_error("bad request")))  # the run ends at once; closing begins
+    child = Process(LICH_PY, "--mcp", " ".join(command), "--mcp", " ".join([*command, "third,fourth"]), "hi",
+                    env={"FAKE_STUBBORN": str(pids)})
+    deadline = time.monotonic() + 20
+    while not (server.requests and pids.exists() and len(pids.read_text().split()) == 2):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    for _ in range(2):  # the servers ignore their input's end and SIGTERM: closing takes a while
+        child.popen.send_signal(signals.SIGINT)
+        time.sleep(0.2)
+    started = time.monotonic()
+    code, _, err = child.wait(timeout=30)
+    assert code == 1 and "Traceback" not in err and time.monotonic() - started < 6
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_an_mcp_server_that_exits_at_once_is_reported_in_its_own_words_every_time():
+    for _ in range(20):
+        with pytest.raises(lich.MCPError, match="no config here"):
+            lich.mcp_tools([sys.executable, "-c", "import sys; sys.stderr.write('no config here'); sys.exit(3)"])
 
 
 # --- process ---
