@@ -185,6 +185,19 @@ def _redact_secrets(text: str) -> str:
     return text if found_any else original  # escapes are decoded only where a key hid in them
 
 
+def _add_url_secrets(url: str) -> None:
+    """Remember the password and the query values of ``url`` (``?key=...``) as secrets."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        secrets = [parts.password or "", *(value for _, value in parse_qsl(parts.query))]
+    except ValueError:
+        return
+    for secret in secrets:
+        _add_secret(secret)
+
+
 def _redact_url(url: str) -> str:
     """``url`` without user-info or query values: what lich may show of a base URL."""
     url = re.sub(r"(?i)^([a-z][a-z0-9+.-]*://)[^/?#@]*@", r"\1" + _REDACTED + "@", url)
@@ -1779,6 +1792,7 @@ class _HTTPChat:
         self._api_key = key.strip() or None
         if self._api_key:
             _add_secret(self._api_key)
+        _add_url_secrets(self.base_url)
         self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN, self._api_key)
         self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
         self._url = self.base_url + self._path
@@ -2592,6 +2606,7 @@ class AnthropicChat(_HTTPChat):
 
 _PROVIDERS = {"anthropic": AnthropicChat, "openai": OpenAIChat}
 _PROVIDER_KEY_ENVS = frozenset(cls.key_env for cls in _PROVIDERS.values())
+_PROVIDER_URL_ENVS = frozenset(cls.url_env for cls in _PROVIDERS.values())
 
 # --- retries, Router, Limiter, chat_from_spec ---
 
@@ -4438,9 +4453,10 @@ _SHELL_SUPERVISOR = ('exec 3<&0; { read _ <&3 || kill -KILL 0; } >/dev/null 2>&1
 
 
 def _tool_environment():
-    """The environment of a tool's process: lich's, without the provider keys (`env` would
-    show them to the model)."""
-    return {k: v for k, v in os.environ.items() if k not in _PROVIDER_KEY_ENVS}
+    """The environment of a tool's process: lich's, without the provider keys and base URLs
+    that hold credentials (`env` would show them to the model)."""
+    return {k: v for k, v in os.environ.items() if k not in _PROVIDER_KEY_ENVS
+            and not (k in _PROVIDER_URL_ENVS and _redact_url(v) != v)}
 
 
 def _kill_group(pgid):
@@ -4500,6 +4516,9 @@ def _run_shell(command, cwd, timeout, signal):
                                 cwd=cwd, stdin=watch_read, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 env=_tool_environment())
+    except BaseException:
+        os.close(watch_write)
+        raise
     finally:
         os.close(watch_read)
     sink = _HeadTail(_SHELL_KEEP_BYTES)
@@ -4811,6 +4830,9 @@ class _HTTPServer:
         self.url = url
         self.name = _redact_url(url)
         self.headers = dict(headers or {})
+        _add_url_secrets(url)
+        for value in self.headers.values():  # "Bearer <token>": the token is the secret
+            _add_secret(str(value).rpartition(" ")[2])
         self.on_list_changed = on_list_changed
         self.session_id = None
         self.protocol = None
@@ -4871,7 +4893,8 @@ class _HTTPServer:
                 raise
             except _requests().RequestException as e:
                 exchange.check()
-                raise _Gone(f"the MCP server {self.name} broke off: {e}") from None
+                raise _Gone(f"the MCP server {self.name} broke off: "
+                            f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
         if "error" in answer:
@@ -5286,7 +5309,7 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
             params["system_prompt"] = task["system_prompt"]
         emitter = AgentEmitter()
         if trace:
-            trace_otel(emitter, **_chat_identity(chat))
+            trace_otel(emitter, tracer=None if trace is True else trace, **_chat_identity(chat))
         run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
                         session_dir=session_dir, label=task["id"], emitter=emitter, **params)
     except AbortError:  # stopped by the signal inside a chat call: at its boundary
@@ -5347,7 +5370,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     An event cannot reach another process: on a process pool or a cluster the signal stops
     what has not started, and tasks already running there run to their end.
     ``on_result(result)`` is called in the caller's thread as each task finishes;
-    ``trace=True`` traces each run with ``trace_otel``. ``loop_params`` go to each run.
+    ``trace=True`` traces each run with ``trace_otel`` (``trace`` may also be the tracer to
+    use, for threads). ``loop_params`` go to each run.
     """
     from concurrent import futures
 
@@ -5709,7 +5733,9 @@ def _otel_provider():
 
 # --- the terminal ---
 
-_CONTROL = "[\x00-\x08\x0b-\x1f\x7f-\x9f]"
+# Control characters but newline and tab, and the bidirectional controls (which can show
+# a command reversed in a terminal that orders bidirectional text).
+_CONTROL = "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
 
 
 def _visible(text) -> str:
@@ -5804,6 +5830,7 @@ class _Terminal:
 
     def line(self, text, *, dim=False):
         self.stop_spinner()
+        text = _visible(text)  # a model's or a server's words cannot move the cursor
         with self._lock:
             self.end_answer()
             self._stderr(self._paint(text, "2") if dim else text)
@@ -6387,8 +6414,6 @@ class _Cli:
             if self.otel is not None:
                 self.closers.append(self.otel.shutdown)
             self.chat = self._chat(self.model)
-            provider, _, model = self.model.split(",")[0].partition(":")
-            self.identity = {"provider": provider.strip().lower(), "model": model.partition("@")[0]}
             self.usage = {"input_tokens": 0, "output_tokens": 0}  # this chat's, for /cost
             self.signal = threading.Event()
             self.progress = None
@@ -6502,8 +6527,9 @@ class _Cli:
         emitter = AgentEmitter()
         emitter.on_any(progress)
         if self.otel is not None:
+            provider, _, model = self.model.split(",")[0].partition(":")  # the one asked first
             trace_otel(emitter, tracer=self.otel.get_tracer("lich", __version__),
-                       **self.identity)
+                       provider=provider.strip().lower(), model=model.partition("@")[0])
         args = self.args
 
         def work():
@@ -6824,7 +6850,8 @@ class _Cli:
             return run_batch(tasks, chat=self.chat, tools=lambda task: self._tools(
                 task.get("root") or self.root), workers=args.workers,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
-                on_result=on_result, trace=False, max_turns=args.max_turns,
+                on_result=on_result, max_turns=args.max_turns,
+                trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
                 system_prompt=self.system_prompt, temperature=args.temperature,
                 context_budget_tokens=args.context_budget or None, output_schema=self.schema)
 

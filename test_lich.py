@@ -6149,6 +6149,29 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
         assert process_gone(pid, wait=5), f"process {pid} outlived lich"
 
 
+def test_credentials_in_a_base_url_never_reach_a_tool_or_its_output(ws, monkeypatch):
+    url = "http://lich:Pa55w0rd-Zq8Wm3@127.0.0.1:9/v1?api-key=Kx7Rt9Ln5Vb2"
+    monkeypatch.setenv("OPENAI_BASE_URL", url)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")  # no credentials: it stays
+    lich.OpenAIChat("m")  # the URL is now in use
+    command = json.dumps({"command": "env | grep _BASE_URL; echo Pa55w0rd-Zq8Wm3 Kx7Rt9Ln5Vb2"})
+    outcome, _, _ = run_loop(assistant("", ("c1", "bash", command)), assistant("done"),
+                             tools=lich.coding_tools(ws, allow_shell=True))
+    assert outcome.messages[2]["content"] == (
+        "ANTHROPIC_BASE_URL=http://127.0.0.1:9\n[redacted] [redacted]\n[exit code 0]")
+
+
+def test_a_shell_that_cannot_start_leaks_no_descriptor(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    tools = lich.coding_tools(gone, allow_shell=True)
+    gone.rmdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        assert not run_tool(tools, "bash", command="true").ok
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 # --- MCP ---
 
 
@@ -7347,6 +7370,16 @@ def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
     assert (code, out, err) == (0, "20260101T000039Z-1\n0 ''\n", "")
 
 
+def test_escape_sequences_from_the_model_or_a_server_reach_no_terminal(server, lich_model, cli, workspace):
+    queue(server, Reply(200, openai_reply("\x1b]0;pwned\x07Looking\u202e.", ("c1", "list_files", "{}"),
+                                          finish="tool_calls")),
+          openai_reply("done"), Reply(400, openai_error("bad \x1b[2J request")))
+    code, out, err = cli("--no-stream", "--root", str(workspace), "look")
+    assert (code, out) == (0, "done\n") and err.startswith("\\x1b]0;pwned\\x07Looking\\u202e.\n→ list_files")
+    code, out, err = cli("--no-stream", "--root", str(workspace), "again")
+    assert (code, out, err) == (1, "", "lich: error: bad_request: openai: HTTP 400 (invalid_request_error): bad \\x1b[2J request\n")
+
+
 # --- interactive chat ---
 
 
@@ -7988,6 +8021,19 @@ def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, li
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert code == 130 and "Traceback" not in err
     assert 3 <= len(rows) < 200 and all(r["ok"] or r["stopped_reason"] == "aborted" for r in rows)
+
+
+def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, workspace):
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\ntwo\n")
+    code, _, err = Process(LICH_PY, "--otel", "--batch", tasks, "--out", tmp_path / "out.jsonl", "--root", workspace,
+                           env={"OTEL_TRACES_EXPORTER": "console"}).wait()
+    assert code == 0, err
+    import collections
+
+    names = collections.Counter(re.findall(r'"name": "(invoke_agent|chat [^"]+|execute_tool [^"]+)"', err))
+    assert names["invoke_agent"] == 2 and names["chat gpt-test"] >= 2, names
 
 
 def test_mcp_tools_on_the_command_line(server, lich_model, cli, fake_mcp, workspace):
