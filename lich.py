@@ -1103,22 +1103,25 @@ def _tools_root(tools) -> str:
     return root if isinstance(root, str) else os.getcwd()
 
 
-def run_agent(prompt, *, chat, max_turns, tools=None, history=None, session=None,
-              session_dir=None, label=None, emitter=None, **loop_params) -> AgentRunResult:
+def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_dir=None,
+              label=None, emitter=None, **loop_params) -> AgentRunResult:
     """Run one user turn, ``history`` + ``prompt``, through ``run_conversation`` and record it.
 
-    ``loop_params`` are ``run_conversation``'s. With ``session`` -- a SessionHandle, or any
-    object with ``.path``, ``.id``, ``append_message``, ``append_meta`` and ``close`` -- the
-    run is recorded there; else with ``session_dir`` into a new session file; with neither,
-    nowhere. A session holds, in order: ``run_start`` (with ``cwd``, ``model`` and the lich
-    version), the seeded messages, each assistant and tool message as it happens,
+    ``loop_params`` are ``run_conversation``'s, ``max_turns`` among them (required). With
+    ``session`` -- a SessionHandle, or any object with ``.path``, ``.id``, ``append_message``,
+    ``append_meta`` and ``close`` -- the run is recorded there; else with ``session_dir``
+    into a new session file; with neither, nowhere. A session holds, in order:
+    ``run_start`` (with ``cwd``, ``model`` and the lich version), the seeded messages, each
+    assistant and tool message as it happens,
     ``budget_exhausted`` / ``compress`` markers, and ``run_end`` with the run's summed
     usage -- or ``run_error`` before the exception propagates. A session that run_agent
     already wrote to in this process gets only what seeding added (pass the previous run's
     ``messages`` as ``history``). Recording never fails the run: the first failing write
     logs a warning and recording stops.
     """
-    _check_max_turns(max_turns)
+    if "max_turns" not in loop_params:  # checked before a session file is made for nothing
+        raise TypeError("run_agent() missing 1 required keyword argument: 'max_turns'")
+    _check_max_turns(loop_params["max_turns"])
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
                                 loop_params.pop("system_prompt", None))
@@ -1143,8 +1146,7 @@ def run_agent(prompt, *, chat, max_turns, tools=None, history=None, session=None
         emitter = emitter if emitter is not None else AgentEmitter()
         unsubscribe = emitter.on_any(recorder.on_event)
         try:
-            outcome = run_conversation(chat, tools, seeded, max_turns=max_turns,
-                                       emitter=emitter, **loop_params)
+            outcome = run_conversation(chat, tools, seeded, emitter=emitter, **loop_params)
         except BaseException as exc:
             recorder.meta({"event": "run_error",
                            "error": _redact_secrets(f"{type(exc).__name__}: {exc}")})
@@ -3034,7 +3036,10 @@ def _type_hints(fn, fn_name):
         return typing.get_type_hints(target)
     except NameError as e:
         raise TypeError(f"cannot register {fn_name}: a type hint cannot be resolved: {e}") from e
-    except TypeError:
+    except TypeError as e:
+        if target is fn and inspect.isfunction(fn):  # a hint Python cannot evaluate here
+            raise TypeError(f"cannot register {fn_name}: a type hint cannot be evaluated: {e} "
+                            f"(X | Y needs Python 3.10; write Optional[X] or Union[X, Y])") from e
         return {}  # not a plain function (a functools.partial...): the signature's hints stand
 
 
@@ -3259,10 +3264,11 @@ def combine_tools(*runners):
     """One ToolRunner over several: their specs in order, each call routed by its name.
 
     A name offered twice raises ValueError naming it; the specs are read when the combined
-    runner is made and again by each ``specs()`` (an MCP server's list may change).
+    runner is made and again by each ``specs()`` (an MCP server's list may change: a name
+    that then clashes is left out of the later runner's tools, with a warning).
     """
     combined = _CombinedTools(runners)
-    combined.specs()
+    combined.combine(strict=True)
     return combined
 
 
@@ -3280,11 +3286,18 @@ class _CombinedTools:
                     None)
 
     def specs(self) -> list:
+        return self.combine(strict=False)
+
+    def combine(self, strict):
         specs, routes = [], {}
         for runner in self.runners:
             for spec in runner.specs() or ():
                 if spec["name"] in routes:
-                    raise ValueError(f"the tool name {spec['name']!r} is offered twice")
+                    if strict:
+                        raise ValueError(f"the tool name {spec['name']!r} is offered twice")
+                    _log.warning("the tool name %r is offered twice; the later one is left out",
+                                 spec["name"])
+                    continue
                 routes[spec["name"]] = runner
                 specs.append(spec)
         self._routes = routes
@@ -3515,12 +3528,36 @@ class _Root:
         found.sort()
         return found, complete, _skipped_note(skipped, "listed")
 
+    def _make_folders(self, folder):
+        """Create what is missing of the real folder ``folder``, one name at a time from the
+        root, following no link: a folder swapped for a link meanwhile makes nothing outside."""
+        rel = self.relative(folder)
+        if rel == ".":
+            return
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
+            | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path, flags)
+        try:
+            for part in rel.split("/"):
+                try:
+                    child = os.open(part, flags, dir_fd=fd)
+                except FileNotFoundError:
+                    try:
+                        os.mkdir(part, dir_fd=fd)
+                    except FileExistsError:
+                        pass  # made meanwhile
+                    child = os.open(part, flags, dir_fd=fd)
+                os.close(fd)
+                fd = child
+        finally:
+            os.close(fd)
+
     def write(self, real, shown, data):
         """Replace the file ``real`` (or create it, and its folders) with ``data``, atomically:
         a temporary file in the same folder renamed over it, with the file's mode."""
         folder, name = os.path.split(real)
         try:
-            os.makedirs(folder, exist_ok=True)
+            self._make_folders(folder)
         except OSError as e:
             raise _fs_failure(e, shown) from None
         dir_fd = self.open_dir(folder, shown)
@@ -5923,7 +5960,8 @@ class _Terminal:
             return text
         import shutil
 
-        width = shutil.get_terminal_size((100, 24)).columns
+        # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal that was given no size.
+        width = shutil.get_terminal_size((100, 24)).columns or 100
         if len(text) <= width:
             return text
         cut = text.rfind(" ", 0, width - 1)
@@ -6218,6 +6256,11 @@ class _LazySession:
 
     def append_meta(self, meta):
         self._append("append_meta", meta)
+
+    def forget_unwritten(self):
+        """A run that failed before any answer: the chat drops it, so the file does too."""
+        if self.handle is None and self.waiting is not None:
+            self.waiting = []
 
     def _append(self, method, record):
         if self.handle is not None:
@@ -6547,7 +6590,9 @@ class _Cli:
             return self.interrupts.exit_code, progress.history
         except Exception as exc:
             _cli_log().debug("the run failed", exc_info=True)
-            self._end_json("error", progress.usage, session)
+            if isinstance(session, _LazySession):
+                session.forget_unwritten()
+            self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
             self._add_usage(progress.usage)
             history = progress.history
@@ -6930,15 +6975,18 @@ class _LogHandler:
 
 def _set_dumpable(dumpable):
     """Linux: whether other processes of this user (the tools) may read this one's memory and
-    /proc entries, its environment among them."""
+    /proc entries, its environment among them; returns what it was (None elsewhere)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(4, int(dumpable), 0, 0, 0)  # PR_SET_DUMPABLE
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        was = prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE
+        prctl(4, int(dumpable), 0, 0, 0)  # PR_SET_DUMPABLE
     except (OSError, AttributeError):
-        pass
+        return None
+    return was == 1
 
 
 def main(argv=None) -> int:
@@ -6976,8 +7024,8 @@ def main(argv=None) -> int:
             if number is not None:
                 handlers[number] = signals.signal(number, terminated)
     undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
-    if undumpable:
-        _set_dumpable(False)  # a tool cannot read the keys from /proc/<lich>/environ
+    # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.
+    was_dumpable = _set_dumpable(False) if undumpable else None
     cli = None
     try:
         if args.list_sessions:
@@ -7003,7 +7051,7 @@ def main(argv=None) -> int:
         term.stop_spinner()
         for number, previous in handlers.items():
             signals.signal(number, previous)
-        if undumpable:
+        if was_dumpable:
             _set_dumpable(True)
         logger.removeHandler(handler)
         logger.setLevel(previous_level)

@@ -5031,6 +5031,18 @@ def test_coding_tools_spec(ws, name):
     assert specs[name] == {"name": name, **_CODING_SPECS[name]}
 
 
+def test_a_hint_python_cannot_evaluate_is_named_at_registration():
+    tools = lich.Tools()
+
+    def lookup(name: str, limit: "int | 3" = 1) -> str:
+        """Look a name up."""
+        return name
+
+    with pytest.raises(TypeError, match=r"^cannot register lookup: a type hint cannot be evaluated: .*"
+                                        r"\(X \| Y needs Python 3\.10; write Optional\[X\] or Union\[X, Y\]\)$"):
+        tools.register(lookup)
+
+
 # --- Tools ---
 
 
@@ -5329,6 +5341,26 @@ def test_combine_tools_routes_by_name_and_refuses_a_name_twice():
         ok=False, error='unknown tool "nope"; the available tools are: _module_tool, ping')
     with pytest.raises(ValueError, match="^the tool name 'ping' is offered twice$"):
         lich.combine_tools(second, second)
+
+
+def test_a_tool_list_that_changes_into_a_clash_leaves_the_later_tool_out(caplog):
+    first, later = lich.Tools(), lich.Tools()
+
+    @first.tool
+    def ping() -> str:
+        """Answer pong."""
+        return "pong"
+
+    @later.tool
+    def other() -> str:
+        """Something else."""
+        return "other"
+
+    both = lich.combine_tools(first, later)
+    later.register(ping, name="ping")  # as an MCP server's list may change after list_changed
+    assert [s["name"] for s in both.specs()] == ["ping", "other"]
+    assert both.run(tool_call("ping")) == lich.ToolResult(ok=True, output="pong")
+    assert caplog.messages == ["the tool name 'ping' is offered twice; the later one is left out"]
 
 
 # --- workspace paths ---
@@ -5862,6 +5894,45 @@ def test_a_folder_swapped_for_a_link_during_the_approval_cannot_lead_out(ws, tmp
     assert run_tool(tools, tool, **arguments) == lich.ToolResult(
         ok=False, error="path is outside the workspace: sub/x.txt")
     assert (tmp_path / "outside" / "x.txt").read_text() == "outside\n"
+
+
+def test_writes_make_no_folder_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
+    (ws / "sub").mkdir()
+    stop = threading.Event()
+
+    flips = []
+
+    def make_room():  # a write made a new "sub" while there was none: put it aside
+        os.rename(ws / "sub", ws / f"made-{len(flips)}-{time.monotonic_ns()}")
+
+    def flip():
+        while not stop.is_set():
+            os.rename(ws / "sub", ws / "real")
+            try:
+                os.symlink(tmp_path / "outside", ws / "sub")
+                time.sleep(0.0001)
+                os.unlink(ws / "sub")
+            except OSError:
+                make_room()
+            while True:
+                try:
+                    os.rename(ws / "real", ws / "sub")
+                    break
+                except OSError:
+                    make_room()
+            flips.append(1)
+            time.sleep(0.0001)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    tools = lich.coding_tools(ws, allow_write=True)
+    try:
+        results = [run_tool(tools, "write_file", path=f"sub/new{i}/x.txt", content="x") for i in range(400)]
+    finally:
+        stop.set()
+        flipper.join()
+    assert [p.name for p in (tmp_path / "outside").iterdir()] == ["secret.txt"]
+    assert any(r.ok for r in results) and len(flips) > 10  # the others failed, saying why
 
 
 def test_reads_never_see_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
@@ -7064,6 +7135,21 @@ def test_project_instructions_are_a_regular_file_inside_the_root(server, lich_mo
         "Be brief.\n\nInstructions of this project, from AGENTS.md:\n\nUse tabs.")
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+@pytest.mark.parametrize("before", [1, 0], ids=["dumpable", "not-dumpable"])
+def test_main_leaves_the_calling_process_as_dumpable_as_it_found_it(server, lich_model, cli, workspace, before):
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(4, before, 0, 0, 0)
+    try:
+        queue(server, openai_reply("ok"))
+        assert cli("--no-stream", "--allow", "shell", "--root", str(workspace), "hi")[0] == 0
+        assert prctl(3, 0, 0, 0, 0) == before
+    finally:
+        prctl(4, 1, 0, 0, 0)
+
+
 # --- one-shot runs ---
 
 
@@ -7149,7 +7235,7 @@ def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
     lines = [json.loads(line) for line in out.splitlines()]
     assert [e["type"] for e in lines] == ["turn_start", "llm_start", "error", "run_end"]
     assert sessions_in(tmp_path) == []  # a run that never reached a model leaves no session
-    assert lines[3] == {"type": "run_end", "stopped_reason": "error",
+    assert lines[3] == {"type": "run_end", "stopped_reason": None,
                         "usage": {"input_tokens": 0, "output_tokens": 0}, "session_path": None}
     assert lines[2]["error"] == {"type": "ProviderError", "message": lines[2]["error"]["message"],
                                  "kind": "bad_request", "status": 400, "retryable": False,
@@ -7733,6 +7819,22 @@ def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server,
     assert len(server.requests[-1]["json"]["messages"]) == 12  # the system prompt and every turn, not compressed
 
 
+def test_a_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_session(server, lich_model, tmp_path):
+    queue(server, Reply(400, openai_error("bad request")), stream_reply("second answer"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("first")
+    assert "lich: error: bad_request" in term.expect(PROMPT)
+    term.send("second")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["second"]
+    [path] = sessions_in(tmp_path)
+    assert [(m["role"], m["content"]) for m in lich.read_session_messages(path) if m["role"] != "system"] == [
+        ("user", "second"), ("assistant", "second answer")]
+
+
 def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, cli):
     queue(server, openai_reply("line one\nline two\nline three\nline four\nline five\nline six"))
     cli("--no-stream", "tell me a story")
@@ -7816,7 +7918,8 @@ def test_resume_by_id_prefix_latest_and_continue(server, lich_model, cli, tmp_pa
         "newline"])
 def test_resume_of_an_unknown_or_hostile_session_exits_2(server, lich_model, cli, tmp_path, ref):
     make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
-    assert cli("--resume", ref, "hi") == (2, "", f"lich: session not found: {ref}\n")
+    shown = ref.replace("\0", "\\x00")  # a control character is spelled out
+    assert cli("--resume", ref, "hi") == (2, "", f"lich: session not found: {shown}\n")
     assert server.requests == [] and len(sessions_in(tmp_path)) == 1
 
 
@@ -7998,7 +8101,10 @@ def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server,
     child.popen.send_signal(signals.SIGKILL)
     child.wait()
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip().endswith("}")}
-    before = len(batch_server.requests)
+    before = -1
+    while before != len(batch_server.requests):  # the killed batch's last requests are in
+        before = len(batch_server.requests)
+        time.sleep(0.3)
     assert Process(*argv).wait()[0] == 0
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip().endswith("}")]
     assert sorted(ids, key=int) == [str(i) for i in range(30)]  # each once, none missing
