@@ -7452,8 +7452,9 @@ def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
                              f"p = subprocess.Popen([sys.executable, {str(LICH_PY)!r}, '--list-sessions'], "
                              "stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
                              "print(p.stdout.readline().decode().split()[0]); p.stdout.close()\n"
-                             "print(p.wait(), repr(p.stderr.read().decode()))").wait()
-    assert (code, out, err) == (0, "20260101T000039Z-1\n0 ''\n", "")
+                             "print(p.wait()); sys.stderr.write(p.stderr.read().decode())").wait()
+    # all 20 lines may fit in the pipe before it closes: then the note on older ones is shown
+    assert (code, out) == (0, "20260101T000039Z-1\n0\n") and err in ("", "... 20 older sessions\n")
 
 
 def test_escape_sequences_from_the_model_or_a_server_reach_no_terminal(server, lich_model, cli, workspace):
