@@ -665,11 +665,16 @@ def call_chat(chat, history, *, turn, tools=None, temperature=None, max_tokens=N
                       emitter=emitter, response_format=response_format)
 
 
+def _chat_extras(response_format):
+    """The keywords a chat call gets beyond the narrow ones: response_format, only when set."""
+    return {} if response_format is None else {"response_format": response_format}
+
+
 def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature, max_tokens,
                signal, emitter, response_format):
     """``call_chat`` with the history's call ids already known; ``used_ids`` grows by the answer's."""
     _emit(emitter, {"type": "llm_start", "turn": turn})
-    extra = {} if response_format is None else {"response_format": response_format}
+    extra = _chat_extras(response_format)
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
                       signal=signal, **extra)
@@ -2652,10 +2657,6 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
                 time.sleep(delay)
             elif signal.wait(delay):
                 raise AbortError("aborted while waiting to retry") from e
-
-
-def _chat_extras(response_format):
-    return {} if response_format is None else {"response_format": response_format}
 
 
 class Router:
@@ -4997,7 +4998,6 @@ class MCPTools:
         self.protocol = None
         self.instructions = None
         self._tools = None  # the server's tool specs, or None to list them again
-        self._lock = threading.Lock()
 
     def __repr__(self):
         return f"MCPTools({self.name!r})"
@@ -5817,7 +5817,6 @@ class _Terminal:
         self._answer_open = False  # streamed text not yet ended by a newline
         self._answer_to = None     # where streamed text goes
         self._spinner = None       # (stop Event, thread)
-        self._spinner_label = ""
         self._lock = threading.RLock()
 
     # -- stdout: the answer
@@ -6594,12 +6593,13 @@ class _Cli:
                 session.forget_unwritten()
             self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
-            self._add_usage(progress.usage)
             history = progress.history
             while history and history[-1].get("role") == "user":
                 history = history[:-1]  # as a resume reads it: no unanswered request
             return _EXIT_ERROR, history
-        self._add_usage(run.usage_total)
+        finally:  # the run's usage, summed from its llm_end events however it ended
+            for key, value in progress.usage.items():
+                self.usage[key] = self.usage.get(key, 0) + value
         if run.stopped_reason == "aborted":
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
@@ -6626,10 +6626,6 @@ class _Cli:
                     _cli_log().warning("session recording stopped: %s", e)
         self._end_json("aborted", progress.usage, session)
         term.note("lich: stopped: interrupted")
-
-    def _add_usage(self, usage):
-        for key, value in usage.items():
-            self.usage[key] = self.usage.get(key, 0) + value
 
     def _end_json(self, stopped_reason, usage, session):
         if self.args.json:
