@@ -775,6 +775,13 @@ class Pty:
     def send(self, line):
         os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
 
+    def signal_at_prompt(self, number):
+        """Send signal ``number`` to lich waiting at a prompt. CPython's readline shows the
+        prompt a moment before it waits: a signal in between is seen only at the next key,
+        a window no hand hits but a test does; so wait a little first."""
+        time.sleep(0.3)
+        self.proc.send_signal(number)
+
     def close(self):
         """Wait for the process; everything it wrote after the last expect is in ``rest``."""
         import select
@@ -7395,7 +7402,7 @@ def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, wo
     queue(server, tool_reply(("c1", "bash", '{"command": "touch later"}')), openai_reply("never asked"))
     term = Pty("--allow", "shell", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
     term.expect("[t] always bash: ")
-    term.proc.send_signal(signals.SIGINT)
+    term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
     assert "→ bash touch later ✗ AbortError: interrupted before the user answered" in term.rest
     assert not (workspace / "later").exists() and len(server.requests) == 1
@@ -7745,9 +7752,9 @@ def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lic
 
     term = chat_pty(tmp_path=tmp_path)
     term.expect(PROMPT)
-    term.proc.send_signal(signals.SIGINT)
+    term.signal_at_prompt(signals.SIGINT)
     assert term.expect(PROMPT).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
-    term.proc.send_signal(signals.SIGINT)
+    term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
 
 
@@ -7775,7 +7782,7 @@ def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lic
 
     term = chat_pty(tmp_path=tmp_path)
     term.expect(PROMPT)
-    term.proc.send_signal(signals.SIGTERM)
+    term.signal_at_prompt(signals.SIGTERM)
     assert term.close() == 128 + signals.SIGTERM and "Ctrl-C again" not in term.transcript
     held = threading.Event()
     queue(server, Reply(200, openai_reply("late"), hold=held))
