@@ -3858,7 +3858,7 @@ def _search_file(regex, f, found, check):
         last = len(block) < _SEARCH_BLOCK_BYTES  # a short read of a regular file: its end
         data = carry + block if carry else block
         cut = len(data) if last else data.rfind(b"\n") + 1
-        if cut == 0:  # no line end yet
+        if cut == 0 and not last:  # no line end yet
             if len(data) < _SEARCH_LINE_MAX_BYTES:
                 carry = data
                 continue
