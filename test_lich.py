@@ -5995,7 +5995,7 @@ def test_a_worker_search_in_a_long_minified_line_shows_its_head(ws, engine):
         assert found.ok and found.output == "app.min.js:1: " + ("var a=1;" * 5000)[:500]
 
 
-@pytest.mark.parametrize("size", [0, 1 << 20], ids=["empty", "lines-ending-at-a-block-boundary"])
+@pytest.mark.parametrize("size", [0, 16 << 20], ids=["empty", "lines-ending-at-a-block-boundary"])
 def test_a_search_over_an_empty_file_or_one_ending_at_a_block_edge_returns_at_once(ws, engine, size):
     (ws / "a.py").write_text("import os\n")
     (ws / "b.txt").write_bytes((b"x" * 1023 + b"\n") * (size // 1024))
