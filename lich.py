@@ -182,16 +182,22 @@ def _redact_secrets(text: str) -> str:
         for start, end in reversed(spans):
             text = text[:start] + _REDACTED + text[end:]
         found_any = found_any or bool(spans)
-    return text if found_any else original  # escapes are decoded only where a key hid in them
+    return text if found_any else original  # text without a key is given back as it was
+
+
+# The names of query parameters and headers whose values are credentials.
+_CREDENTIAL_NAME = re.compile(r"(?i)key|token|secret|passw|auth|sig|credential|session")
 
 
 def _add_url_secrets(url: str) -> None:
-    """Remember the password and the query values of ``url`` (``?key=...``) as secrets."""
+    """Remember the user-info of ``url`` and its credential query values (``?api_key=...``)
+    as secrets; other query values (``?api-version=2024-06-01``) are no secret."""
     from urllib.parse import parse_qsl, urlsplit
 
     try:
         parts = urlsplit(url)
-        secrets = [parts.password or "", *(value for _, value in parse_qsl(parts.query))]
+        secrets = [parts.username or "", parts.password or "",
+                   *(value for name, value in parse_qsl(parts.query) if _CREDENTIAL_NAME.search(name))]
     except ValueError:
         return
     for secret in secrets:
@@ -2527,14 +2533,17 @@ class AnthropicChat(_HTTPChat):
         # thread): a history that only grew re-encodes its newest turn and what is new, so a
         # request costs the same at turn 200 as at 2. Any other change encodes it all again.
         kept = getattr(self._local, "turns", None)
-        if (kept is not None and len(encoded) > len(kept[0])
+        # Kept: the entries up to the newest turn's first (which must stay, or the turns
+        # would group otherwise), the system texts and the encoded turns before it.
+        if (kept is not None and len(encoded) >= len(kept[0])
                 and all(map(operator.is_, kept[0], encoded))):
-            covered, system, wire = kept
+            checked, system, wire = kept
+            start = len(checked) - 1
         else:
-            covered, system, wire = (), [], []
+            start, system, wire = 0, [], []
         new_system = []  # (index, text) of the system messages after what is kept
         turns = []  # [role, first index, [entries]]: consecutive messages of one role make one turn
-        for i in range(len(covered), len(encoded)):
+        for i in range(start, len(encoded)):
             entry = encoded[i]
             role, blocks, _ = entry[3]
             if role == "system":
@@ -2551,7 +2560,7 @@ class AnthropicChat(_HTTPChat):
         system = [*system, *(text for _, text in new_system)]
         if turns:  # next time, everything before the newest turn is known
             start = turns[-1][1]
-            self._local.turns = (encoded[:start], system[:len(system) - sum(
+            self._local.turns = (encoded[:start + 1], system[:len(system) - sum(
                 i >= start for i, _ in new_system)], wire[:-1])
         fields = {}
         if system:
@@ -3052,8 +3061,10 @@ def _type_hints(fn, fn_name):
         raise TypeError(f"cannot register {fn_name}: a type hint cannot be resolved: {e}") from e
     except TypeError as e:
         if target is fn and inspect.isfunction(fn):  # a hint Python cannot evaluate here
-            raise TypeError(f"cannot register {fn_name}: a type hint cannot be evaluated: {e} "
-                            f"(X | Y needs Python 3.10; write Optional[X] or Union[X, Y])") from e
+            hint = (" (X | Y needs Python 3.10; write Optional[X] or Union[X, Y])"
+                    if sys.version_info < (3, 10) else "")
+            raise TypeError(f"cannot register {fn_name}: a type hint cannot be evaluated: "
+                            f"{e}{hint}") from e
         return {}  # not a plain function (a functools.partial...): the signature's hints stand
 
 
@@ -3292,6 +3303,7 @@ class _CombinedTools:
     def __init__(self, runners):
         self.runners = list(runners)
         self._routes = {}
+        self._clashes = set()
 
     @property
     def root(self):
@@ -3309,8 +3321,10 @@ class _CombinedTools:
                 if spec["name"] in routes:
                     if strict:
                         raise ValueError(f"the tool name {spec['name']!r} is offered twice")
-                    _log.warning("the tool name %r is offered twice; the later one is left out",
-                                 spec["name"])
+                    if spec["name"] not in self._clashes:  # said once, not at every turn
+                        self._clashes.add(spec["name"])
+                        _log.warning("the tool name %r is offered twice; the later one is left "
+                                     "out", spec["name"])
                     continue
                 routes[spec["name"]] = runner
                 specs.append(spec)
@@ -3862,13 +3876,15 @@ def _search_file(regex, f, found, check):
     """``found(line number, line)`` per matching line of the binary file ``f``, read in blocks
     of whole lines; ``check()`` between blocks. A file with a NUL byte near its start is skipped."""
     number, carry, first = 1, b"", True
+    # A read allocates what it asks for: a small file is read in one read of its own size.
+    want = min(_SEARCH_BLOCK_BYTES, os.fstat(f.fileno()).st_size + 1)
     while True:
-        block = f.read(_SEARCH_BLOCK_BYTES)
+        block = f.read(want)
         if first:
             if b"\0" in block[:_BINARY_SNIFF_BYTES]:
                 return
             first = False
-        last = len(block) < _SEARCH_BLOCK_BYTES  # a short read of a regular file: its end
+        last = len(block) < want  # a short read of a regular file: its end
         data = carry + block if carry else block
         cut = len(data) if last else data.rfind(b"\n") + 1
         if cut == 0 and not last:  # no line end yet
@@ -3884,6 +3900,7 @@ def _search_file(regex, f, found, check):
         if last:
             return
         number += text.count("\n")
+        want = _SEARCH_BLOCK_BYTES  # a file that grew since: on in whole blocks
         check()
 
 
@@ -4789,9 +4806,21 @@ class _StdioServer:
             try:
                 self.proc.stdin.write(line)
                 self.proc.stdin.flush()
+                return
             except (OSError, ValueError) as e:
-                raise _Gone(f"the MCP server {self.name} does not read its input: "
-                            f"{getattr(e, 'strerror', None) or e}") from None
+                why = f"{getattr(e, 'strerror', None) or e}"
+        # Its input closed: most likely it exited. Its own words, when the reader has them
+        # in time, say more than the broken pipe does.
+        import subprocess
+        try:
+            self.proc.wait(_MCP_STDERR_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass  # alive, and not reading: said below
+        self._stderr_reader.join(_MCP_STDERR_WAIT_SECONDS)
+        if self.proc.poll() is not None:
+            raise _Gone(f"the MCP server {self.name} exited (code {self.proc.returncode})"
+                        f"{self.stderr_tail(': ')}")
+        raise _Gone(f"the MCP server {self.name} does not read its input: {why}")
 
     def _read_stdout(self):
         for line in iter(lambda: self.proc.stdout.readline(_MCP_LINE_MAX_BYTES), b""):
@@ -4882,8 +4911,9 @@ class _HTTPServer:
         self.name = _redact_url(url)
         self.headers = dict(headers or {})
         _add_url_secrets(url)
-        for value in self.headers.values():  # "Bearer <token>": the token is the secret
-            _add_secret(str(value).rpartition(" ")[2])
+        for name, value in self.headers.items():  # "Bearer <token>": the token is the secret
+            if _CREDENTIAL_NAME.search(name):
+                _add_secret(str(value).rpartition(" ")[2])
         self.on_list_changed = on_list_changed
         self.session_id = None
         self.protocol = None
@@ -5507,6 +5537,7 @@ _INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into 
 _HISTORY_LINES = 1000           # chat input lines kept between chats
 _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
+_CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -6243,15 +6274,16 @@ class _ApprovedTools:
 
 
 class _LazySession:
-    """A session file created with the run's first answer, so that a run that never reached
-    a model leaves none; until then its records wait here."""
+    """A session of the command line: a run's records wait here until its first answer, so
+    that a run that got none (it failed at once, or never reached a model) leaves nothing
+    behind, in the file as in the chat; the file is created with the first answer."""
 
     def __init__(self, session_dir, label, term):
         self.session_dir = session_dir
         self.label = label
         self.term = term
         self.handle = None
-        self.waiting = []  # records to write once the file exists; None: recording is off
+        self.waiting = []  # this run's records, until its first answer; None: recording is off
 
     @property
     def path(self):
@@ -6262,35 +6294,39 @@ class _LazySession:
         return self.handle.id if self.handle is not None else "(a session not yet written)"
 
     def append_message(self, message):
-        if self.handle is None and self.waiting is not None and message.get("role") == "assistant":
-            self._open()
+        if self.waiting and message.get("role") == "assistant":
+            self._write_waiting()
         self._append("append_message", message)
 
     def append_meta(self, meta):
+        if meta.get("event") == "run_start" and self.waiting == []:
+            self.waiting.append(("append_meta", meta))  # a new run: wait for its answer
+            return
         self._append("append_meta", meta)
 
     def forget_unwritten(self):
-        """A run that failed before any answer: the chat drops it, so the file does too."""
-        if self.handle is None and self.waiting is not None:
+        """The run failed before any answer: the chat drops it, so the file does too."""
+        if self.waiting:
             self.waiting = []
 
     def _append(self, method, record):
-        if self.handle is not None:
-            getattr(self.handle, method)(record)
-        elif self.waiting is not None:
+        if self.waiting:
             self.waiting.append((method, record))
-
-    def _open(self):
-        try:
-            self.handle = open_session(self.session_dir, self.label)
-        except OSError as e:
-            self.term.error(f"warning: session recording is off: cannot create a session file: "
-                            f"{e.strerror or e}")
-            self.waiting = None
-            return
-        for method, record in self.waiting:
+        elif self.handle is not None:
             getattr(self.handle, method)(record)
-        self.waiting = []
+
+    def _write_waiting(self):
+        if self.handle is None:
+            try:
+                self.handle = open_session(self.session_dir, self.label)
+            except OSError as e:
+                self.term.error(f"warning: session recording is off: cannot create a session "
+                                f"file: {e.strerror or e}")
+                self.waiting = None
+                return
+        waiting, self.waiting = self.waiting, []
+        for method, record in waiting:
+            getattr(self.handle, method)(record)
 
     def close(self):
         if self.handle is not None:
@@ -6490,9 +6526,10 @@ class _Cli:
         closing = [threading.Event() for _ in self.closers]
         for close, done in zip(self.closers, closing):
             threading.Thread(target=close_one, args=(close, done), name="lich-close", daemon=True).start()
+        deadline = time.monotonic() + _CLOSE_SECONDS  # a tracer's exporter may wait 30 s
         for done in closing:
-            while not done.is_set():  # an Event, not Thread.join: a join cut by Ctrl-C can misreport
-                try:
+            while not done.is_set() and time.monotonic() < deadline:
+                try:  # an Event, not Thread.join: a join cut by Ctrl-C can misreport
                     done.wait(_POLL_SECONDS)
                 except KeyboardInterrupt:
                     continue

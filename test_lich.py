@@ -3833,6 +3833,7 @@ def test_anthropic_bodies_from_kept_turns_equal_bodies_made_afresh(server, cache
             tool_msg("c1", "r1")]
     grown = base + [assistant("", ("c2", "echo", "{}")), tool_msg("c2", "r2"), tool_msg("c2b", "r2b")]
     changed = dict(grown[1], content="one, changed")
+    asked = assistant("", ("c9", "echo", "{}"))
     variants = [
         base,
         grown,  # several new messages, two tool results that make one user turn
@@ -3843,7 +3844,8 @@ def test_anthropic_bodies_from_kept_turns_equal_bodies_made_afresh(server, cache
         [base[0], user("[context summary]"), *grown[4:]],  # compressed
         [grown[0], changed, *grown[2:]],  # a message replaced by the caller
         grown[:4],  # cut back
-        grown[:4] + [assistant("", ("c9", "echo", "{}")), tool_msg("c9", "r9")],
+        grown[:4] + [asked, tool_msg("c9", "r9")],
+        grown[:4] + [asked, assistant("a prefill")],  # the newest turn replaced by the role before it
     ]
     chat = anthropic_at(server, cache=cache)
     for messages in variants:
@@ -5076,8 +5078,10 @@ def test_a_hint_python_cannot_evaluate_is_named_at_registration():
         """Look a name up."""
         return name
 
-    with pytest.raises(TypeError, match=r"^cannot register lookup: a type hint cannot be evaluated: .*"
-                                        r"\(X \| Y needs Python 3\.10; write Optional\[X\] or Union\[X, Y\]\)$"):
+    hint = (r" \(X \| Y needs Python 3\.10; write Optional\[X\] or Union\[X, Y\]\)"
+            if sys.version_info < (3, 10) else "")
+    with pytest.raises(TypeError, match=r"^cannot register lookup: a type hint cannot be evaluated: "
+                                        r"unsupported operand.*" + hint + "$"):
         tools.register(lookup)
 
 
@@ -5398,6 +5402,7 @@ def test_a_tool_list_that_changes_into_a_clash_leaves_the_later_tool_out(caplog)
     later.register(ping, name="ping")  # as an MCP server's list may change after list_changed
     assert [s["name"] for s in both.specs()] == ["ping", "other"]
     assert both.run(tool_call("ping")) == lich.ToolResult(ok=True, output="pong")
+    both.specs()
     assert caplog.messages == ["the tool name 'ping' is offered twice; the later one is left out"]
 
 
@@ -6269,15 +6274,15 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
 
 
 def test_credentials_in_a_base_url_never_reach_a_tool_or_its_output(ws, monkeypatch):
-    url = "http://lich:Pa55w0rd-Zq8Wm3@127.0.0.1:9/v1?api-key=Kx7Rt9Ln5Vb2"
+    url = "http://lich:Pa55w0rd-Zq8Wm3@127.0.0.1:9/v1?api-version=2024-06-01&api-key=Kx7Rt9Ln5Vb2"
     monkeypatch.setenv("OPENAI_BASE_URL", url)
     monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")  # no credentials: it stays
     lich.OpenAIChat("m")  # the URL is now in use
-    command = json.dumps({"command": "env | grep _BASE_URL; echo Pa55w0rd-Zq8Wm3 Kx7Rt9Ln5Vb2"})
+    command = json.dumps({"command": "env | grep _BASE_URL; echo Pa55w0rd-Zq8Wm3 Kx7Rt9Ln5Vb2 2024-06-01"})
     outcome, _, _ = run_loop(assistant("", ("c1", "bash", command)), assistant("done"),
                              tools=lich.coding_tools(ws, allow_shell=True))
-    assert outcome.messages[2]["content"] == (
-        "ANTHROPIC_BASE_URL=http://127.0.0.1:9\n[redacted] [redacted]\n[exit code 0]")
+    assert outcome.messages[2]["content"] == (  # a query value that is no credential stays
+        "ANTHROPIC_BASE_URL=http://127.0.0.1:9\n[redacted] [redacted] 2024-06-01\n[exit code 0]")
 
 
 def test_a_shell_that_cannot_start_leaks_no_descriptor(tmp_path):
@@ -6859,7 +6864,7 @@ def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
 def _waiting_chat(messages, *, signal=None, **_):
     """Answers "fast" at once; any other prompt waits up to 30 s for the signal."""
     if messages[-1]["content"] != "fast":
-        if signal is None or not signal.wait(30):
+        if not (signal or threading.Event()).wait(30):
             return lich.ChatResult({"role": "assistant", "content": "late"})
         raise lich.AbortError("stopped")
     return lich.ChatResult({"role": "assistant", "content": "quick"})
@@ -7884,6 +7889,21 @@ def test_a_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_session(s
         ("user", "second"), ("assistant", "second answer")]
 
 
+def test_a_later_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_session(server, lich_model, tmp_path):
+    queue(server, stream_reply("first answer"), Reply(400, openai_error("bad request")), stream_reply("third answer"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    for text in ("first", "second", "third"):
+        term.send(text)
+        term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert [m["content"] for m in server.requests[2]["json"]["messages"][1:]] == ["first", "first answer", "third"]
+    [path] = sessions_in(tmp_path)
+    assert [m["content"] for m in lich.read_session_messages(path) if m["role"] != "system"] == [
+        "first", "first answer", "third", "third answer"]
+
+
 def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, cli):
     queue(server, openai_reply("line one\nline two\nline three\nline four\nline five\nline six"))
     cli("--no-stream", "tell me a story")
@@ -8239,10 +8259,14 @@ def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, li
             os.kill(pid, 0)
 
 
-def test_an_mcp_server_that_exits_at_once_is_reported_in_its_own_words_every_time():
+@pytest.mark.parametrize("server", [
+    [sys.executable, "-c", "import sys; sys.stderr.write('no config here'); sys.exit(3)"],
+    ["/bin/sh", "-c", "echo no config here >&2; exit 3"],  # gone before lich writes a word
+], ids=["python", "sh"])
+def test_an_mcp_server_that_exits_at_once_is_reported_in_its_own_words_every_time(server):
     for _ in range(20):
         with pytest.raises(lich.MCPError, match="no config here"):
-            lich.mcp_tools([sys.executable, "-c", "import sys; sys.stderr.write('no config here'); sys.exit(3)"])
+            lich.mcp_tools(server)
 
 
 # --- process ---
