@@ -2816,6 +2816,7 @@ class Limiter:
         with self._cond:
             while True:
                 if signal is not None and signal.is_set():
+                    self._cond.notify()  # a wake-up it may have had goes on to another waiter
                     raise AbortError("aborted while waiting for the limiter")
                 now = time.monotonic()
                 wait = self._wait_needed(tokens, now)
@@ -3314,7 +3315,7 @@ class _CombinedTools:
     def specs(self) -> list:
         return self.combine(strict=False)
 
-    def combine(self, strict):
+    def combine(self, *, strict):
         specs, routes = [], {}
         for runner in self.runners:
             for spec in runner.specs() or ():
@@ -5603,6 +5604,10 @@ class _Quit(BaseException):
     A BaseException, as SystemExit is: no ``except Exception`` on the way out keeps it."""
 
 
+class _StdoutClosed(_Quit):
+    """The reader of stdout went away (``lich ... | head``): leave quietly, exit code 0."""
+
+
 # --- options and defaults ---
 
 
@@ -6022,7 +6027,7 @@ class _Terminal:
             stream.flush()
         except BrokenPipeError:
             if stream is sys.stdout:
-                raise _Quit(_EXIT_OK) from None  # `lich ... | head`: the reader has what it wanted
+                raise _StdoutClosed(_EXIT_OK) from None  # `lich ... | head`: the reader has what it wanted
         except ValueError:  # closed
             pass
 
@@ -7080,7 +7085,8 @@ def main(argv=None) -> int:
         cli = _Cli(args, os.environ, term, interrupts)
         return _run_cli(cli)
     except _Quit as quit:
-        _quiet_stdout()
+        if isinstance(quit, _StdoutClosed):
+            _quiet_stdout()
         return quit.args[0]
     except (_UsageError, SessionNotFound) as exc:
         term.error(str(exc))

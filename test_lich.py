@@ -1,5 +1,6 @@
 """Tests for lich.py; the sections follow lich.py's banners, fixtures and helpers first."""
 
+import collections
 import dataclasses
 import io
 import json
@@ -6315,6 +6316,8 @@ def read():
     line = sys.stdin.readline()
     if not line:
         if stubborn:
+            with open(stubborn, "a") as pids:
+                pids.write("eof\n")  # lich is closing it
             time.sleep(60)
         sys.exit(0)
     message = json.loads(line)
@@ -8205,8 +8208,6 @@ def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, w
     code, _, err = Process(LICH_PY, "--otel", "--batch", tasks, "--out", tmp_path / "out.jsonl", "--root", workspace,
                            env={"OTEL_TRACES_EXPORTER": "console"}).wait()
     assert code == 0, err
-    import collections
-
     names = collections.Counter(re.findall(r'"name": "(invoke_agent|chat [^"]+|execute_tool [^"]+)"', err))
     assert names["invoke_agent"] == 2 and names["chat gpt-test"] >= 2, names
 
@@ -8244,17 +8245,16 @@ def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, li
     child = Process(LICH_PY, "--mcp", " ".join(command), "--mcp", " ".join([*command, "third,fourth"]), "hi",
                     env={"FAKE_STUBBORN": str(pids)})
     deadline = time.monotonic() + 20
-    while not (server.requests and pids.exists() and len(pids.read_text().split()) == 2):
+    while not (pids.exists() and pids.read_text().split().count("eof") == 2):  # lich is closing them
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(0.3)
     for _ in range(2):  # the servers ignore their input's end and SIGTERM: closing takes a while
         child.popen.send_signal(signals.SIGINT)
         time.sleep(0.2)
     started = time.monotonic()
     code, _, err = child.wait(timeout=30)
     assert code == 1 and "Traceback" not in err and time.monotonic() - started < 6
-    for pid in map(int, pids.read_text().split()):
+    for pid in [int(word) for word in pids.read_text().split() if word != "eof"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
