@@ -5366,6 +5366,7 @@ def _error_text(exc) -> str:
 
 
 _batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
+_BATCH_RETRIES = 8  # a batch's spec chats retry more than one run's: many workers meet 429s
 
 
 def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
@@ -5377,7 +5378,7 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
                 chats = _batch_chats.chats = {}
             key = (chat, id(limiter))
             if key not in chats:
-                chats[key] = chat_from_spec(chat, limiter=limiter)
+                chats[key] = chat_from_spec(chat, limiter=limiter, retries=_BATCH_RETRIES)
             chat = chats[key]
         elif limiter is not None:
             chat = limiter.wrap(chat)
@@ -5439,8 +5440,9 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
 
     ``tasks`` are prompts or dicts ``{"id"?, "prompt", "history"?, "system_prompt"?, "root"?}``
     (ids default to the position; unique, ``[A-Za-z0-9_.-]{1,64}``). ``chat`` is a ChatFn or
-    a spec string (a Router per worker); ``tools`` a ToolRunner, or ``tools(task)`` giving
-    one; a task's ``root`` without ``tools`` means ``coding_tools(root)``. Tasks run on
+    a spec string (a Router per worker, retrying 8 times: a batch meets rate limits);
+    ``tools`` a ToolRunner, or ``tools(task)`` giving one; a task's ``root`` without
+    ``tools`` means ``coding_tools(root)``. Tasks run on
     ``workers`` threads, or on ``executor`` (any ``concurrent.futures.Executor``: a process
     pool, a Dask client's executor), to which each is submitted whole. ``limiter`` limits
     every call (in each process). ``out`` is a JSONL file: a line per finished task,

@@ -6900,6 +6900,13 @@ def test_running_tasks_stop_when_the_batch_is_left_by_an_exception_or_the_signal
             pool.shutdown()
 
 
+def test_a_batch_of_a_spec_string_rides_out_more_rate_limits_than_one_run(server):
+    limited = Reply(429, openai_error("slow down", type="rate_limit_error"), headers={"retry-after-ms": "10"})
+    queue(server, limited, limited, limited, openai_reply("made it"))  # one run's Router gives up after 2 retries
+    [result] = lich.run_batch(["x"], chat=f"openai:gpt-test@{server.url}/v1", max_turns=1)
+    assert (result.ok, result.final) == (True, "made it") and len(server.requests) == 4
+
+
 def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_path):
     for name in ("p", "q"):
         (tmp_path / name).mkdir()
