@@ -4817,10 +4817,8 @@ class _StdioServer:
             self.proc.wait(_MCP_STDERR_WAIT_SECONDS)
         except subprocess.TimeoutExpired:
             pass  # alive, and not reading: said below
-        self._stderr_reader.join(_MCP_STDERR_WAIT_SECONDS)
         if self.proc.poll() is not None:
-            raise _Gone(f"the MCP server {self.name} exited (code {self.proc.returncode})"
-                        f"{self.stderr_tail(': ')}")
+            raise _Gone(self._exit_message())
         raise _Gone(f"the MCP server {self.name} does not read its input: {why}")
 
     def _read_stdout(self):
@@ -4831,9 +4829,14 @@ class _StdioServer:
                 continue  # not a message: MCP servers must not print anything else there
             if isinstance(message, dict):
                 self._received(message)
-        code = self.proc.wait()
-        self._stderr_reader.join(_MCP_STDERR_WAIT_SECONDS)  # its last words, read to their end
-        self._end(f"the MCP server {self.name} exited (code {code}){self.stderr_tail(': ')}")
+        self.proc.wait()
+        self._end(self._exit_message())
+
+    def _exit_message(self):
+        """Why an exited server cannot answer, in its own last words (read to their end)."""
+        self._stderr_reader.join(_MCP_STDERR_WAIT_SECONDS)
+        return (f"the MCP server {self.name} exited (code {self.proc.returncode})"
+                f"{self.stderr_tail(': ')}")
 
     def _received(self, message):
         method = message.get("method")

@@ -2854,12 +2854,12 @@ def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
 
 
 def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
-    server.reply(200, b'{"pad": "' + b"x" * (lich._BODY_MAX_BYTES + 10) + b'"}')
+    cap = 64 << 20  # the cap the README documents for a response
+    server.reply(200, b'{"pad": "' + b"x" * (cap + 10) + b'"}')
     with pytest.raises(lich.ProviderError) as info:
         openai_at(server)(USER)
     assert info.value.kind == "invalid_response"
-    assert str(info.value).startswith(f"openai: invalid response: body larger than "
-                                      f"{lich._BODY_MAX_BYTES} bytes: ")
+    assert str(info.value).startswith(f"openai: invalid response: body larger than {cap} bytes: ")
 
 
 def test_connection_refused_is_a_network_error():
