@@ -4697,6 +4697,7 @@ _MCP_CLOSE_SECONDS = 2.0      # close(): stdin closed, then this long before SIG
 _MCP_STDERR_WAIT_SECONDS = 1.0  # a server that exited: how long its stderr may take to be read
 _MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error messages
 _MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
+_MCP_READ_BYTES = 1 << 16       # one read of a server's output
 _MCP_MAX_PAGES = 100          # tools/list pages read
 
 
@@ -4738,11 +4739,16 @@ def _mcp_content(result) -> str:
 
 
 class _StdioServer:
-    """An MCP server run as a process, spoken to in newline-delimited JSON-RPC: a reader
-    thread hands each answer to the thread waiting for it, answers the server's pings and
-    notes a changed tool list; another keeps the tail of its stderr."""
+    """An MCP server run as a process, spoken to in newline-delimited JSON-RPC.
+
+    A thread waiting for an answer reads the server's output itself when no other thread
+    reads it: it leads, and hands the other waiting threads their answers; when it has its
+    own, one of them leads next. This saves two thread wake-ups a call. While nobody
+    waits, a watcher thread reads instead: it answers the server's pings and notes a changed
+    tool list. Another thread keeps the tail of the server's stderr."""
 
     def __init__(self, argv, env, cwd, on_list_changed):
+        import select
         import subprocess
         environ = _tool_environment()
         environ.update(env or {})
@@ -4757,12 +4763,18 @@ class _StdioServer:
         self._lock = threading.Lock()  # the waiting answers, the next id, stdin
         self._waiting = {}  # id -> [Event, answer or None]
         self._next_id = 1
+        self._reading = threading.Lock()  # held by the one thread that reads stdout
+        self._poller = select.poll()  # the reader's; not select(): stdout may be above fd 1023
+        self._poller.register(self.proc.stdout.fileno(), select.POLLIN)
+        self._partial = []  # the start of a line not read to its end yet, in pieces
+        self._partial_size = 0
+        self._ended = threading.Event()
         self._stderr = deque()
         self._stderr_size = 0
         self._gone = None  # why the server cannot answer any more
         self._stderr_reader = threading.Thread(target=self._read_stderr, name="lich-mcp", daemon=True)
         self._stderr_reader.start()
-        threading.Thread(target=self._read_stdout, name="lich-mcp", daemon=True).start()
+        threading.Thread(target=self._watch, name="lich-mcp", daemon=True).start()
 
     def request(self, method, params, seconds, signal):
         with self._lock:
@@ -4772,13 +4784,22 @@ class _StdioServer:
         try:
             self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
             deadline = time.monotonic() + seconds
-            while not slot[0].wait(min(_WATCH_SECONDS, max(0.0, deadline - time.monotonic()))):
+            while slot[1] is None and self._gone is None:
+                left = deadline - time.monotonic()
                 reason = "aborted" if signal is not None and signal.is_set() else \
-                    "timeout" if time.monotonic() >= deadline else None
+                    "timeout" if left <= 0 else None
                 if reason is not None:
                     self.notify("notifications/cancelled",
                                 {"requestId": request_id, "reason": f"the client {reason}"})
                     raise _Cut(reason)
+                if self._reading.acquire(blocking=False):
+                    try:
+                        self._read_until(slot, min(_WATCH_SECONDS, left))
+                    finally:
+                        self._leave_reading()
+                else:  # another thread reads: it hands over the answer, or wakes us to read
+                    slot[0].wait(min(_WATCH_SECONDS, left))
+                    slot[0].clear()
         finally:
             with self._lock:
                 self._waiting.pop(request_id, None)
@@ -4821,16 +4842,73 @@ class _StdioServer:
             raise _Gone(self._exit_message())
         raise _Gone(f"the MCP server {self.name} does not read its input: {why}")
 
-    def _read_stdout(self):
-        for line in iter(lambda: self.proc.stdout.readline(_MCP_LINE_MAX_BYTES), b""):
+    def _read_until(self, slot, seconds):
+        """Read the server's output until ``slot`` has its answer, the server is gone, or
+        ``seconds`` have passed (the reader does this)."""
+        deadline = time.monotonic() + seconds
+        while slot[1] is None and self._gone is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poller.poll(left * 1000):
+                return
+            self._read_output()
+
+    def _leave_reading(self):
+        """The reader goes: the threads still waiting for an answer look again, and one of
+        them reads next."""
+        self._reading.release()
+        with self._lock:
+            waiting = [slot for slot in self._waiting.values() if slot[1] is None]
+        for slot in waiting:
+            slot[0].set()
+
+    def _watch(self):
+        """Read while nobody waits for an answer, until the server's output ends."""
+        import select
+        poller = select.poll()  # its own: the readers' is used under self._reading only
+        poller.register(self.proc.stdout.fileno(), select.POLLIN)
+        while not self._ended.is_set():
+            if self._waiting:  # those waiting read for themselves
+                self._ended.wait(_WATCH_SECONDS)
+            elif poller.poll(_WATCH_SECONDS * 1000) and not self._waiting:
+                if not self._reading.acquire(blocking=False):
+                    self._ended.wait(_WATCH_SECONDS)
+                    continue
+                try:
+                    while not self._waiting and self._gone is None and poller.poll(0):
+                        self._read_output()
+                finally:
+                    self._leave_reading()
+
+    def _read_output(self):
+        """Read what the server wrote, and take in each whole line (the reader does this)."""
+        data = os.read(self.proc.stdout.fileno(), _MCP_READ_BYTES)
+        if not data:
+            import subprocess
+            try:
+                self.proc.wait(_MCP_STDERR_WAIT_SECONDS)
+            except subprocess.TimeoutExpired:  # alive: it will not answer again all the same
+                self._end(f"the MCP server {self.name} closed its output")
+            else:
+                self._end(self._exit_message())
+            return
+        lines = data.split(b"\n")
+        if len(lines) > 1 and self._partial:
+            lines[0] = b"".join(self._partial) + lines[0]
+            self._partial.clear()
+            self._partial_size = 0
+        if lines[-1]:
+            self._partial.append(lines[-1])
+            self._partial_size += len(lines[-1])
+            if self._partial_size > _MCP_LINE_MAX_BYTES:  # too long to be read: dropped
+                self._partial.clear()
+                self._partial_size = 0
+        for line in lines[:-1]:
             try:
                 message = json.loads(line)
             except (ValueError, RecursionError):
                 continue  # not a message: MCP servers must not print anything else there
             if isinstance(message, dict):
                 self._received(message)
-        self.proc.wait()
-        self._end(self._exit_message())
 
     def _exit_message(self):
         """Why an exited server cannot answer, in its own last words (read to their end)."""
@@ -4878,6 +4956,7 @@ class _StdioServer:
         with self._lock:
             self._gone = self._gone or why
             waiting = list(self._waiting.values())
+        self._ended.set()
         for slot in waiting:
             slot[0].set()
 

@@ -6353,8 +6353,34 @@ while True:
             changed = True
             send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "changed"}]}})
+        elif name == "pieces":  # noise, a notification, then the answer in three writes
+            line = json.dumps({"jsonrpc": "2.0", "id": ident, "result": {"content": [
+                {"type": "text", "text": "in pieces"}]}}) + "\n"
+            sys.stdout.write("not json\n" + json.dumps({"jsonrpc": "2.0", "method": "notifications/message"}) + "\n" + line[:10])
+            for part in (line[10:20], line[20:]):
+                sys.stdout.flush()
+                time.sleep(0.05)
+                sys.stdout.write(part)
+            sys.stdout.flush()
+        elif name == "long":  # an answer too long to be read, then the one to read
+            sys.stdout.write('{"jsonrpc": "2.0", "id": %d, "result": {"content": [{"type": "text", "text": "' % ident)
+            sys.stdout.write("x" * (64 << 20) + '"}]}}\n')
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "after it"}]}})
+        elif name == "hold":  # answered when release is called, before release itself
+            held = ident
+        elif name == "release":
+            send({"jsonrpc": "2.0", "id": held, "result": {"content": [{"type": "text", "text": "held"}]}})
+            time.sleep(0.3)
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "released"}]}})
+        elif name == "ping_later":  # answers, then pings lich while nobody waits
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "later"}]}})
+            time.sleep(0.3)
+            send({"jsonrpc": "2.0", "id": "idle-ping", "method": "ping"})
         elif name == "crash":
             os._exit(3)
+        elif name == "close_output":
+            os.close(1)
+            time.sleep(30)
         elif name == "sleep":
             pass  # never answered
         else:
@@ -6452,6 +6478,45 @@ def test_an_mcp_server_that_dies_mid_call_is_a_failed_result_not_a_hang(fake_mcp
         name = os.path.basename(sys.executable)
         assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 3)")
         assert finishes(lambda: tools.run(tool_call("first"))) == result  # and stays failed, quickly
+
+
+def test_mcp_answers_in_pieces_past_noise_and_a_line_too_long_are_read(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        assert tools.run(tool_call("pieces")) == lich.ToolResult(ok=True, output="in pieces")
+        assert tools.run(tool_call("long")) == lich.ToolResult(ok=True, output="after it")
+        assert tools.run(tool_call("pieces")) == lich.ToolResult(ok=True, output="in pieces")
+
+
+def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_waits(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        results = {}
+        holder = threading.Thread(target=lambda: results.update(hold=tools.run(tool_call("hold"))))
+        holder.start()
+        deadline = time.monotonic() + 5
+        while not any(m.get("params", {}).get("name") == "hold" for m in received(log)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        results["release"] = tools.run(tool_call("release"))  # its answer comes 0.3 s after hold's
+        holder.join(5)
+        assert results == {"hold": lich.ToolResult(ok=True, output="held"),
+                           "release": lich.ToolResult(ok=True, output="released")}
+        assert time.monotonic() - started < 1
+        assert tools.run(tool_call("ping_later")) == lich.ToolResult(ok=True, output="later")
+        pong = {"jsonrpc": "2.0", "id": "idle-ping", "result": {}}
+        while pong not in received(log):
+            assert time.monotonic() < deadline + 5, "the idle ping was never answered"
+            time.sleep(0.02)
+
+
+def test_an_mcp_server_that_closes_its_output_but_lives_is_a_failed_result_not_a_hang(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        name = os.path.basename(sys.executable)
+        assert finishes(lambda: tools.run(tool_call("close_output"))) == lich.ToolResult(
+            ok=False, error=f"the MCP server {name} closed its output")
 
 
 @pytest.mark.parametrize("command, error", [
