@@ -3379,7 +3379,7 @@ def _fd_path(fd) -> Optional[str]:
         return None
 
 
-def _walk_tree(top_fd, visit, *, limit=None):
+def _walk_tree(top_fd, visit, *, limit=None, depth=0):
     """Walk the folder open as ``top_fd``; ``visit(rel, entry, is_dir, folder_fd)`` is called per
     entry (``rel`` the path from the top, "/"-separated; ``folder_fd`` the descriptor of the
     entry's folder) and returns whether to enter a folder.
@@ -3387,7 +3387,8 @@ def _walk_tree(top_fd, visit, *, limit=None):
     No link is followed: each folder is opened relative to its parent's descriptor with
     O_NOFOLLOW, so the walk cannot leave the top's tree however it changes meanwhile.
     Returns (complete, skipped): whether ``limit`` entries were not reached, and the
-    (folder, reason) pairs of folders that could not be read. Closes ``top_fd``.
+    (folder, reason) pairs of folders that could not be read. ``depth`` is the top's own,
+    where the walk is part of a larger one. Closes ``top_fd``.
     """
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
         | getattr(os, "O_CLOEXEC", 0)
@@ -3418,7 +3419,7 @@ def _walk_tree(top_fd, visit, *, limit=None):
         return True
 
     try:
-        if not enter(top_fd, "", 0):
+        if not enter(top_fd, "", depth):
             return False, skipped
         while frames:
             fd, rel, depth, subfolders = frames[-1]
@@ -3811,7 +3812,10 @@ _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
 _PROCESS_LINE_MAX_BYTES = 16 << 10  # of a line a search process prints, what is kept
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
-_SEARCH_WORKERS_KEPT = 2        # idle search workers kept for the next search
+_SEARCH_PARTS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                           else os.cpu_count() or 1))  # workers that share a folder's search
+_SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
+_SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers
 _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "import importlib.util, sys\n"
     "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
@@ -3873,19 +3877,21 @@ def _search_text(regex, text, number, found):
         pos = line_end + 1
 
 
-def _search_file(regex, f, found, check):
-    """``found(line number, line)`` per matching line of the binary file ``f``, read in blocks
-    of whole lines; ``check()`` between blocks. A file with a NUL byte near its start is skipped."""
-    number, carry, first = 1, b"", True
+def _search_file(regex, fd, size, found, check):
+    """``found(line number, line)`` per matching line of the file open as ``fd`` (``size``
+    bytes long, by its fstat), read in blocks of whole lines; ``check()`` between blocks. A
+    file with a NUL byte near its start is skipped."""
+    number, carry, first, offset = 1, b"", True, 0
     # A read allocates what it asks for: a small file is read in one read of its own size.
-    want = min(_SEARCH_BLOCK_BYTES, os.fstat(f.fileno()).st_size + 1)
+    want = min(_SEARCH_BLOCK_BYTES, size + 1)
     while True:
-        block = f.read(want)
+        block = os.read(fd, want)
+        offset += len(block)
         if first:
-            if b"\0" in block[:_BINARY_SNIFF_BYTES]:
+            if block.find(b"\0", 0, _BINARY_SNIFF_BYTES) >= 0:
                 return
             first = False
-        last = len(block) < want  # a short read of a regular file: its end
+        last = not block or (len(block) < want and offset >= size)  # a short read at its size: the end
         data = carry + block if carry else block
         cut = len(data) if last else data.rfind(b"\n") + 1
         if cut == 0 and not last:  # no line end yet
@@ -3901,17 +3907,24 @@ def _search_file(regex, f, found, check):
         if last:
             return
         number += text.count("\n")
-        want = _SEARCH_BLOCK_BYTES  # a file that grew since: on in whole blocks
+        want = _SEARCH_BLOCK_BYTES  # a file that grew since, or a short read: on in whole blocks
         check()
 
 
-def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check):
+def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, base="",
+                 recursive=True):
     """Search the folder (or file) open as ``fd``: ``emit("m", path, number, line)`` per
     match and ``emit("x", path, reason)`` per folder not searched. Paths are ``prefix`` plus
-    the path from the folder; links are not followed; ``rules`` are the root's .gitignore."""
+    the path from the folder; links are not followed; ``rules`` are the root's .gitignore.
+    Where the folder is part of a larger search, ``base`` is its path from the searched
+    folder (for ``wanted``), and ``recursive=False`` searches only its own files. Closes
+    ``fd``."""
     if not is_folder:
-        with os.fdopen(fd, "rb") as f:
-            _search_file(regex, f, lambda n, line: emit("m", prefix, n, line), check)
+        try:
+            _search_file(regex, fd, os.fstat(fd).st_size,
+                         lambda n, line: emit("m", prefix, n, line), check)
+        finally:
+            os.close(fd)
         return
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
         | getattr(os, "O_CLOEXEC", 0)
@@ -3921,18 +3934,25 @@ def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check):
         if rules and _ignored(rules, path, entry.name, is_dir):
             return False
         if is_dir:
-            return entry.name not in _SKIP_DIRS
-        if entry.is_file(follow_symlinks=False) and wanted(rel, entry.name):
+            return recursive and entry.name not in _SKIP_DIRS
+        if entry.is_file(follow_symlinks=False) and wanted(base + rel, entry.name):
             check()
             try:
-                with os.fdopen(os.open(entry.name, flags, dir_fd=folder_fd), "rb") as f:
-                    if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                        _search_file(regex, f, lambda n, line: emit("m", path, n, line), check)
+                file_fd = os.open(entry.name, flags, dir_fd=folder_fd)
             except OSError:
-                pass  # vanished or unreadable meanwhile
+                return False  # vanished or unreadable meanwhile
+            try:
+                status = os.fstat(file_fd)
+                if stat.S_ISREG(status.st_mode):
+                    _search_file(regex, file_fd, status.st_size,
+                                 lambda n, line: emit("m", path, n, line), check)
+            except OSError:
+                pass  # unreadable meanwhile
+            finally:
+                os.close(file_fd)
         return False
 
-    _, skipped = _walk_tree(fd, visit)
+    _, skipped = _walk_tree(fd, visit, depth=base.count("/"))
     for path, reason in skipped:
         emit("x", prefix + path, reason)
 
@@ -3954,10 +3974,56 @@ def _open_beneath(folder_fd, rel, flags):
             os.close(fd)
 
 
+def _search_units(fd, prefix, rules):
+    """The folder open as ``fd`` cut into pieces for workers that share its search: the first
+    ``_SEARCH_SPLIT_FOLDERS`` folders breadth first, each for its own files, then every
+    folder below them whole. Returns (units, skipped): [path from the folder, whether below
+    too] each, and the (path, reason) of folders that could not be read."""
+    units, skipped = [], []
+    queue = deque([""])
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(_SEARCH_SPLIT_FOLDERS):
+        if not queue:
+            break
+        sub = queue.popleft()
+        try:
+            folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
+            try:
+                with os.scandir(folder_fd) as listing:
+                    entries = sorted(listing, key=lambda entry: entry.name)
+            finally:
+                os.close(folder_fd)
+        except OSError as e:
+            skipped.append((prefix + sub, e.strerror or str(e)))
+            continue
+        has_files = False
+        for entry in entries:
+            path = f"{sub}/{entry.name}" if sub else entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            if rules and _ignored(rules, prefix + path, entry.name, is_dir):
+                continue
+            if not is_dir:
+                has_files = True
+            elif entry.name in _SKIP_DIRS:
+                continue
+            elif path.count("/") >= _WALK_MAX_DEPTH:  # as _walk_tree does
+                skipped.append((prefix + path, f"deeper than {_WALK_MAX_DEPTH} levels"))
+            else:
+                queue.append(path)
+        if has_files:
+            units.append([sub, False])
+    return [[sub, True] for sub in queue] + units, skipped  # the larger first: an even end
+
+
 def _search_worker():
     """A search worker's main: one search per job line on stdin, its records as JSON lines on
-    stdout, then ``["done"]``. An alarm ends the process if a job outlives its time limit:
-    its default action kills even a process caught in a regex."""
+    stdout, then ``["done"]``. A job with ``units`` searches only those folders of the
+    searched one: [path from it, whether to search below]. An alarm ends the process if a
+    job outlives its time limit: its default action kills even a process caught in a regex."""
     import signal as signals
 
     out = sys.stdout
@@ -3974,15 +4040,25 @@ def _search_worker():
         try:
             regex = re.compile(job["pattern"], re.MULTILINE)
             wanted = _Glob(job["glob"]) if job["glob"] else _match_all
+            rules = _gitignore_rules(job["gitignore"])
+            flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if job["folder"] else
+                     os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_NOFOLLOW", 0)
             root = os.open(job["root"], os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             try:
-                flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if job["folder"] else
-                         os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_NOFOLLOW", 0)
-                fd = os.dup(root) if job["rel"] == "." else _open_beneath(root, job["rel"], flags)
+                for sub, recursive in job.get("units") or [["", True]]:
+                    rel = "/".join(p for p in (job["rel"], sub) if p and p != ".") or "."
+                    try:
+                        fd = os.dup(root) if rel == "." else _open_beneath(root, rel, flags)
+                    except OSError as e:
+                        if not sub:
+                            raise
+                        emit("x", job["prefix"] + sub, e.strerror or str(e))  # gone meanwhile
+                        continue
+                    base = sub + "/" if sub else ""
+                    _search_tree(regex, fd, job["folder"], job["prefix"] + base, wanted, rules,
+                                 emit, lambda: None, base=base, recursive=recursive)
             finally:
                 os.close(root)
-            _search_tree(regex, fd, job["folder"], job["prefix"], wanted,
-                         _gitignore_rules(job["gitignore"]), emit, lambda: None)
         except (OSError, re.error, _ToolFailure) as e:
             emit("e", str(e))
         signals.alarm(0)
@@ -4005,60 +4081,89 @@ class _SearchWorkers:
     def __setstate__(self, state):
         self.__init__()
 
-    def search(self, job, on_record, signal):
-        """("done", error or None), ("timeout" | "aborted", None), or None when no worker starts."""
+    def search(self, job, on_record, signal, units=None):
+        """("done", error or None), ("timeout" | "aborted", None), or None when no worker
+        starts. With ``units`` (of the folder the job searches), up to _SEARCH_PARTS workers
+        share them: each is given the next few whenever it is done with its last."""
         import selectors
-        worker = self._take()
-        if worker is None:
-            return None
-        try:
-            worker.stdin.write((json.dumps(job) + "\n").encode())
-            worker.stdin.flush()
-        except OSError:
-            self._end(worker)
+        workers = []
+        for _ in range(_SEARCH_PARTS if units else 1):
+            worker = self._take()
+            if worker is None:
+                break
+            workers.append(worker)
+        if not workers:
             return None
         deadline = time.monotonic() + job["seconds"]
-        pending = bytearray()
-        error, ended = [], None
+        left = deque(units or ())
+        pending = {worker: bytearray() for worker in workers}  # output after its last line end
+        busy, error, ended, died = set(), [], None, None
 
-        def on_line(line):
-            nonlocal ended
+        def give(worker):
+            """The next few units to ``worker`` (the whole job without units)."""
+            nonlocal died
+            if units:
+                size = max(1, len(left) // (2 * len(workers)))  # smaller as the end nears
+                task = {**job, "units": [left.popleft() for _ in range(min(size, len(left)))],
+                        "seconds": max(0.0, deadline - time.monotonic())}
+            else:
+                task = job
+            try:
+                worker.stdin.write((json.dumps(task) + "\n").encode())
+                worker.stdin.flush()
+            except OSError:
+                died = worker
+                return
+            busy.add(worker)
+
+        def on_line(line, worker):
             try:
                 record = json.loads(line)
             except ValueError:  # a record past the cut (a path of thousands of escapes)
                 return
             if record[0] == "done":
-                ended = "done"
+                busy.discard(worker)
+                if left and not error:
+                    give(worker)
             elif record[0] == "e":
                 error.append(record[1])
             else:
                 on_record(record)
 
         try:
+            for worker in workers:
+                if died is None and (left or not units):
+                    give(worker)
             with selectors.DefaultSelector() as selector:
-                selector.register(worker.stdout, selectors.EVENT_READ)
-                while ended is None:
+                for worker in workers:
+                    selector.register(worker.stdout, selectors.EVENT_READ, worker)
+                while busy and died is None:
                     now = time.monotonic()
                     if signal.is_set() or now >= deadline:
                         ended = "aborted" if signal.is_set() else "timeout"
                         break
-                    if selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                    for key, _ in selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
+                        worker = key.data
                         chunk = os.read(worker.stdout.fileno(), _FILE_READ_BYTES)
                         if not chunk:
-                            ended = "died"
+                            died = worker
                             break
-                        pending += chunk
-                        _split_lines(pending, on_line)
+                        pending[worker] += chunk
+                        _split_lines(pending[worker], lambda line, w=worker: on_line(line, w))
         except BaseException:
-            self._end(worker)
+            for worker in workers:
+                self._end(worker)
             raise
-        if ended == "done":
-            self._keep(worker)
-            return "done", (error[0] if error else None)
-        self._end(worker)
-        if ended == "died":
-            return "done", f"the search worker exited (code {worker.returncode})"
-        return ended, None
+        for worker in workers:
+            if worker in busy or worker is died:
+                self._end(worker)
+            else:
+                self._keep(worker)
+        if died is not None:
+            return "done", f"the search worker exited (code {died.returncode})"
+        if ended is not None:
+            return ended, None
+        return "done", (error[0] if error else None)
 
     def _take(self):
         import subprocess
@@ -4281,8 +4386,8 @@ class _Workspace:
             ended = self._search_with_rg(pattern, fd, folder, prefix, glob, wanted, gitignore,
                                          matches, signal)
             if ended is None:
-                ended = self._search_in_worker(pattern, real, folder, prefix, glob, gitignore,
-                                               matches, signal)
+                ended = self._search_in_worker(pattern, fd, real, folder, prefix, glob,
+                                               gitignore, matches, signal)
             if ended is None:
                 ended = self._search_here(regex, fd, folder, prefix, wanted, gitignore, matches,
                                           signal)
@@ -4354,7 +4459,7 @@ class _Workspace:
             return None  # a Python pattern ripgrep does not take: the worker searches
         return ended
 
-    def _search_in_worker(self, pattern, real, folder, prefix, glob, gitignore, matches,
+    def _search_in_worker(self, pattern, fd, real, folder, prefix, glob, gitignore, matches,
                           signal):
         """The search done by a worker process of lich's own; None where none can start."""
         job = {"pattern": pattern, "glob": glob, "gitignore": gitignore, "folder": folder,
@@ -4367,7 +4472,11 @@ class _Workspace:
             elif record[0] == "x":
                 matches.skipped.append((record[1], record[2]))
 
-        ended = self._workers.search(job, on_record, signal)
+        units = None
+        if folder and _SEARCH_PARTS > 1:
+            units, skipped = _search_units(fd, prefix, _gitignore_rules(gitignore))
+            matches.skipped += skipped
+        ended = self._workers.search(job, on_record, signal, units)
         if ended is None:
             return None
         if ended[1] is not None:

@@ -6042,6 +6042,29 @@ def test_a_search_over_an_empty_file_or_one_ending_at_a_block_edge_returns_at_on
     assert time.monotonic() - started < 5
 
 
+def test_a_wide_tree_shared_among_search_workers_gives_every_match_once(ws, engine):
+    (ws / ".gitignore").write_text("p05/\n*.log\np1*/q/skip/\n")
+    files = {"root.txt": "needle root\n", "node_modules/m.txt": "needle nm\n"}
+    for i in range(90):  # more folders than lich looks into to share the search out
+        files[f"p{i:02}/top.txt"] = f"needle top {i}\n"
+        files[f"p{i:02}/q/r/f.txt"] = f"x\nneedle {i}\n"
+        files[f"p{i:02}/q/n.log"] = "needle log\n"
+        if 10 <= i < 20:
+            files[f"p{i:02}/q/skip/g.txt"] = "needle skipped\n"
+    for rel, text in files.items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+    tools = lich.coding_tools(ws)
+    expected = [f"p{i:02}/q/r/f.txt:2: needle {i}\np{i:02}/top.txt:1: needle top {i}"
+                for i in range(90) if i != 5]
+    assert run_tool(tools, "search", pattern="needle") == lich.ToolResult(
+        ok=True, output="\n".join(expected + ["root.txt:1: needle root"]))
+    assert run_tool(tools, "search", pattern="needle", glob="p2?/q/r/*.txt") == lich.ToolResult(
+        ok=True, output="\n".join(f"p2{i}/q/r/f.txt:2: needle 2{i}" for i in range(10)))
+    assert run_tool(tools, "search", pattern="needle", path="p17") == lich.ToolResult(
+        ok=True, output="p17/q/r/f.txt:2: needle 17\np17/top.txt:1: needle top 17")
+
+
 # --- shell ---
 
 
