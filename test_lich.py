@@ -6401,9 +6401,10 @@ while True:
             send({"jsonrpc": "2.0", "id": "idle-ping", "method": "ping"})
         elif name == "crash":
             os._exit(3)
-        elif name == "close_output":
+        elif name == "close_output":  # lives on until its input ends
             os.close(1)
-            time.sleep(30)
+            sys.stdin.read()
+            sys.exit(0)
         elif name == "sleep":
             pass  # never answered
         else:
@@ -6546,7 +6547,7 @@ def test_an_mcp_server_that_closes_its_output_but_lives_is_a_failed_result_not_a
     (["/nonexistent/mcp-server"], "cannot start the MCP server '/nonexistent/mcp-server': No such file or directory"),
     ([sys.executable, "-c", "import sys; sys.stderr.write('no config here'); sys.exit(3)"],
      "exited (code 3): no config here"),
-    ([sys.executable, "-c", "import time; time.sleep(30)"], "did not answer within 1 s"),
+    ([sys.executable, "-c", "import sys; sys.stdin.read()"], "did not answer within 1 s"),
 ], ids=["missing", "exits", "silent"])
 def test_an_mcp_server_that_does_not_start_is_an_mcp_error_in_its_own_words(command, error):
     started = time.monotonic()
