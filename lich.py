@@ -3815,7 +3815,8 @@ _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against 
 _SEARCH_PARTS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                            else os.cpu_count() or 1))  # workers that share a folder's search
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
-_SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers
+_SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers,
+_SEARCH_SPLIT_ENTRIES = 20_000  # and at most about this many entries in them
 _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "import importlib.util, sys\n"
     "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
@@ -3974,18 +3975,36 @@ def _open_beneath(folder_fd, rel, flags):
             os.close(fd)
 
 
-def _search_units(fd, prefix, rules):
+class _Stopped(Exception):
+    """A search stopped in this process: ``args[0]`` is "aborted" or "timeout"."""
+
+
+def _stop_check(signal, deadline):
+    """A check() that raises _Stopped("aborted") once ``signal`` is set and
+    _Stopped("timeout") once the clock passes ``deadline``."""
+    def check():
+        if signal.is_set():
+            raise _Stopped("aborted")
+        if time.monotonic() >= deadline:
+            raise _Stopped("timeout")
+    return check
+
+
+def _search_units(fd, prefix, rules, check):
     """The folder open as ``fd`` cut into pieces for workers that share its search: the first
-    ``_SEARCH_SPLIT_FOLDERS`` folders breadth first, each for its own files, then every
-    folder below them whole. Returns (units, skipped): [path from the folder, whether below
-    too] each, and the (path, reason) of folders that could not be read."""
+    ``_SEARCH_SPLIT_FOLDERS`` folders breadth first (fewer if they hold more than
+    ``_SEARCH_SPLIT_ENTRIES`` entries), each for its own files, then every folder below them
+    whole. Returns (units, skipped): [path from the folder, whether below too] each, and the
+    (path, reason) of folders that could not be read. ``check()`` before each folder."""
     units, skipped = [], []
     queue = deque([""])
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
         | getattr(os, "O_CLOEXEC", 0)
+    seen = 0
     for _ in range(_SEARCH_SPLIT_FOLDERS):
-        if not queue:
+        if not queue or seen > _SEARCH_SPLIT_ENTRIES:
             break
+        check()
         sub = queue.popleft()
         try:
             folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
@@ -3997,18 +4016,18 @@ def _search_units(fd, prefix, rules):
         except OSError as e:
             skipped.append((prefix + sub, e.strerror or str(e)))
             continue
+        seen += len(entries)
         has_files = False
         for entry in entries:
-            path = f"{sub}/{entry.name}" if sub else entry.name
             try:
                 is_dir = entry.is_dir(follow_symlinks=False)
             except OSError:
                 continue
-            if rules and _ignored(rules, prefix + path, entry.name, is_dir):
-                continue
-            if not is_dir:
+            if not is_dir:  # which of them to search is the worker's to say
                 has_files = True
-            elif entry.name in _SKIP_DIRS:
+                continue
+            path = f"{sub}/{entry.name}" if sub else entry.name
+            if entry.name in _SKIP_DIRS or rules and _ignored(rules, prefix + path, entry.name, True):
                 continue
             elif path.count("/") >= _WALK_MAX_DEPTH:  # as _walk_tree does
                 skipped.append((prefix + path, f"deeper than {_WALK_MAX_DEPTH} levels"))
@@ -4472,13 +4491,19 @@ class _Workspace:
             elif record[0] == "x":
                 matches.skipped.append((record[1], record[2]))
 
-        units = None
+        deadline = time.monotonic() + self.search_timeout
+        units, skipped = None, []
         if folder and _SEARCH_PARTS > 1:
-            units, skipped = _search_units(fd, prefix, _gitignore_rules(gitignore))
-            matches.skipped += skipped
+            try:
+                units, skipped = _search_units(fd, prefix, _gitignore_rules(gitignore),
+                                               _stop_check(signal, deadline))
+            except _Stopped as stopped:
+                return stopped.args[0]
+        job["seconds"] = max(0.0, deadline - time.monotonic())
         ended = self._workers.search(job, on_record, signal, units)
         if ended is None:
             return None
+        matches.skipped += skipped
         if ended[1] is not None:
             raise _ToolFailure(f"the search failed: {ended[1]}")
         return ended[0]
@@ -4486,13 +4511,7 @@ class _Workspace:
     def _search_here(self, regex, fd, folder, prefix, wanted, gitignore, matches, signal):
         """The search done in this process: the signal is seen between blocks, but a regex
         that backtracks without end is not stopped (used only where no process can start)."""
-        deadline = time.monotonic() + self.search_timeout
-
-        def check():
-            if signal.is_set():
-                raise _Stopped("aborted")
-            if time.monotonic() >= deadline:
-                raise _Stopped("timeout")
+        check = _stop_check(signal, time.monotonic() + self.search_timeout)
 
         def emit(kind, *record):
             if kind == "m":
@@ -4602,10 +4621,6 @@ class _Workspace:
     def _approve(self, call):
         if self.approve is not None and not self.approve(call):
             raise _ToolFailure("the user declined this call")
-
-
-class _Stopped(Exception):
-    """A search in this process stopped: ``args[0]`` is "aborted" or "timeout"."""
 
 
 def _rg_path_ignored(rules, prefix, rel):
@@ -4852,9 +4867,11 @@ class _StdioServer:
 
     A thread waiting for an answer reads the server's output itself when no other thread
     reads it: it leads, and hands the other waiting threads their answers; when it has its
-    own, one of them leads next. This saves two thread wake-ups a call. While nobody
-    waits, a watcher thread reads instead: it answers the server's pings and notes a changed
-    tool list. Another thread keeps the tail of the server's stderr."""
+    own, one of them leads next. This saves two thread wake-ups a call. When no thread
+    leads -- nobody waits, or a caller is still writing its request -- a watcher thread
+    reads instead, to the end of the output: it answers the server's pings, notes a changed
+    tool list, and keeps the server from blocking on a full pipe. Another thread keeps the
+    tail of the server's stderr."""
 
     def __init__(self, argv, env, cwd, on_list_changed):
         import select
@@ -4869,15 +4886,17 @@ class _StdioServer:
             raise MCPError(f"cannot start the MCP server {argv[0]!r}: {e.strerror or e}") from e
         self.name = os.path.basename(argv[0])
         self.on_list_changed = on_list_changed
-        self._lock = threading.Lock()  # the waiting answers, the next id, stdin
-        self._waiting = {}  # id -> [Event, answer or None]
+        self._lock = threading.Lock()  # the waiting answers, the next id, the stderr tail
+        self._writing = threading.Lock()  # stdin
+        self._waiting = {}  # id -> [Event, answer or None, whether it waits for the reader]
         self._next_id = 1
         self._reading = threading.Lock()  # held by the one thread that reads stdout
         self._poller = select.poll()  # the reader's; not select(): stdout may be above fd 1023
         self._poller.register(self.proc.stdout.fileno(), select.POLLIN)
+        self._lines = deque()  # whole lines read, not yet taken in
         self._partial = []  # the start of a line not read to its end yet, in pieces
         self._partial_size = 0
-        self._ended = threading.Event()
+        self._eof = threading.Event()  # the server's output ended
         self._stderr = deque()
         self._stderr_size = 0
         self._gone = None  # why the server cannot answer any more
@@ -4889,7 +4908,7 @@ class _StdioServer:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            slot = self._waiting[request_id] = [threading.Event(), None]
+            slot = self._waiting[request_id] = [threading.Event(), None, False]  # [.., following]
         try:
             self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
             deadline = time.monotonic() + seconds
@@ -4901,13 +4920,16 @@ class _StdioServer:
                     self.notify("notifications/cancelled",
                                 {"requestId": request_id, "reason": f"the client {reason}"})
                     raise _Cut(reason)
+                slot[2] = True  # before trying to lead: a reader that leaves then wakes us
                 if self._reading.acquire(blocking=False):
+                    slot[2] = False
                     try:
                         self._read_until(slot, min(_WATCH_SECONDS, left))
                     finally:
                         self._leave_reading()
                 else:  # another thread reads: it hands over the answer, or wakes us to read
                     slot[0].wait(min(_WATCH_SECONDS, left))
+                    slot[2] = False
                     slot[0].clear()
         finally:
             with self._lock:
@@ -4924,14 +4946,23 @@ class _StdioServer:
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
+        self._send_quietly(message)
+
+    def _send_quietly(self, message):
         try:
             self._send(message)
         except _Gone:
             pass
 
-    def _send(self, message):
+    def _send(self, message, wait=True):
+        """Write ``message``; with ``wait=False`` (a reader answering the server) a thread of
+        its own writes it if another write is under way, so that reading never waits."""
         line = json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-        with self._lock:
+        if not self._writing.acquire(blocking=wait):
+            threading.Thread(target=self._send_quietly, args=(message,), name="lich-mcp",
+                             daemon=True).start()
+            return
+        try:
             if self._gone is not None:
                 raise _Gone(self._gone)
             try:
@@ -4940,6 +4971,8 @@ class _StdioServer:
                 return
             except (OSError, ValueError) as e:
                 why = f"{getattr(e, 'strerror', None) or e}"
+        finally:
+            self._writing.release()
         # Its input closed: most likely it exited. Its own words, when the reader has them
         # in time, say more than the broken pipe does.
         import subprocess
@@ -4962,35 +4995,59 @@ class _StdioServer:
             self._read_output()
 
     def _leave_reading(self):
-        """The reader goes: the threads still waiting for an answer look again, and one of
-        them reads next."""
+        """The reader goes: one of the threads that wait for it, their answer still to come,
+        reads next."""
         self._reading.release()
         with self._lock:
-            waiting = [slot for slot in self._waiting.values() if slot[1] is None]
-        for slot in waiting:
-            slot[0].set()
+            for slot in self._waiting.values():
+                if slot[2] and slot[1] is None:
+                    slot[0].set()
+                    break
 
     def _watch(self):
-        """Read while nobody waits for an answer, until the server's output ends."""
+        """Read while no caller does, to the end of the server's output."""
         import select
         poller = select.poll()  # its own: the readers' is used under self._reading only
         poller.register(self.proc.stdout.fileno(), select.POLLIN)
-        while not self._ended.is_set():
-            if self._waiting:  # those waiting read for themselves
-                self._ended.wait(_WATCH_SECONDS)
-            elif poller.poll(_WATCH_SECONDS * 1000) and not self._waiting:
-                if not self._reading.acquire(blocking=False):
-                    self._ended.wait(_WATCH_SECONDS)
-                    continue
-                try:
-                    while not self._waiting and self._gone is None and poller.poll(0):
-                        self._read_output()
-                finally:
-                    self._leave_reading()
+        while not self._eof.is_set():
+            poller.poll()  # until there is output, or its end
+            if not self._reading.acquire(blocking=False):  # a caller reads: look again later
+                self._eof.wait(_WATCH_SECONDS)
+                continue
+            try:
+                while not self._eof.is_set() and poller.poll(0):
+                    self._read_output()
+            finally:
+                self._leave_reading()
 
     def _read_output(self):
-        """Read what the server wrote, and take in each whole line (the reader does this)."""
+        """Read what the server wrote, and take in each whole line (the reader does this).
+        Lines read wait in ``_lines``: a reader stopped by an exception loses none but the
+        one it was taking in."""
         data = os.read(self.proc.stdout.fileno(), _MCP_READ_BYTES)
+        if data:
+            lines = data.split(b"\n")
+            if len(lines) > 1 and self._partial:
+                lines[0] = b"".join(self._partial) + lines[0]
+                self._partial.clear()
+                self._partial_size = 0
+            if lines[-1]:
+                self._partial.append(lines[-1])
+                self._partial_size += len(lines[-1])
+                if self._partial_size > _MCP_LINE_MAX_BYTES:  # too long to be read: dropped
+                    self._partial.clear()
+                    self._partial_size = 0
+            self._lines.extend(lines[:-1])
+        elif self._partial:  # a last line without its newline
+            self._lines.append(b"".join(self._partial))
+            self._partial.clear()
+        while self._lines:
+            try:
+                message = json.loads(self._lines.popleft())
+            except (ValueError, RecursionError):
+                continue  # not a message: MCP servers must not print anything else there
+            if isinstance(message, dict):
+                self._received(message)
         if not data:
             import subprocess
             try:
@@ -4999,25 +5056,7 @@ class _StdioServer:
                 self._end(f"the MCP server {self.name} closed its output")
             else:
                 self._end(self._exit_message())
-            return
-        lines = data.split(b"\n")
-        if len(lines) > 1 and self._partial:
-            lines[0] = b"".join(self._partial) + lines[0]
-            self._partial.clear()
-            self._partial_size = 0
-        if lines[-1]:
-            self._partial.append(lines[-1])
-            self._partial_size += len(lines[-1])
-            if self._partial_size > _MCP_LINE_MAX_BYTES:  # too long to be read: dropped
-                self._partial.clear()
-                self._partial_size = 0
-        for line in lines[:-1]:
-            try:
-                message = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # not a message: MCP servers must not print anything else there
-            if isinstance(message, dict):
-                self._received(message)
+            self._eof.set()
 
     def _exit_message(self):
         """Why an exited server cannot answer, in its own last words (read to their end)."""
@@ -5028,8 +5067,9 @@ class _StdioServer:
     def _received(self, message):
         method = message.get("method")
         if method is None:  # an answer
+            ident = message.get("id")
             with self._lock:
-                slot = self._waiting.get(message.get("id"))
+                slot = self._waiting.get(ident) if isinstance(ident, (int, str)) else None
             if slot is not None:
                 slot[1] = message
                 slot[0].set()
@@ -5040,7 +5080,7 @@ class _StdioServer:
             else:
                 answer["error"] = {"code": -32601, "message": f"lich does not offer {method}"}
             try:
-                self._send(answer)
+                self._send(answer, wait=False)
             except _Gone:
                 pass
         elif method == "notifications/tools/list_changed":
@@ -5065,7 +5105,6 @@ class _StdioServer:
         with self._lock:
             self._gone = self._gone or why
             waiting = list(self._waiting.values())
-        self._ended.set()
         for slot in waiting:
             slot[0].set()
 

@@ -5776,6 +5776,21 @@ def test_a_catastrophic_regex_stops_at_the_signal_within_a_second(ws, engine):
     assert result == expected
 
 
+def test_where_no_search_process_can_start_the_calling_thread_searches(ws, monkeypatch):
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    monkeypatch.setattr(sys, "executable", "/opt/host/bin/embedding-host")  # not a Python to start
+    folder = ws
+    for _ in range(130):
+        folder = folder / "d"
+        folder.mkdir()
+    (folder / "deep.txt").write_text("hit\n")
+    (ws / "top.txt").write_text("hit\n")
+    deep = "/".join(["d"] * 129)
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output=f"top.txt:1: hit\n[... not searched: {deep} (deeper than 128 levels)]")
+
+
 def test_a_search_ends_at_its_time_limit_saying_so_with_what_it_found(ws, monkeypatch):
     path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
     monkeypatch.setenv("PATH", os.pathsep.join(path))  # ripgrep would not backtrack at all
@@ -6337,6 +6352,11 @@ def send(message):
     sys.stdout.flush()
 def read():
     line = sys.stdin.readline()
+    if not line and os.environ.get("FAKE_GOODBYE"):  # more than a pipe holds, on the way out
+        for _ in range(300):
+            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "g" * 2000}})
+        log.write(json.dumps({"goodbye": "written"}) + "\n")
+        log.flush()
     if not line:
         if stubborn:
             with open(stubborn, "a") as pids:
@@ -6399,6 +6419,18 @@ while True:
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "later"}]}})
             time.sleep(0.3)
             send({"jsonrpc": "2.0", "id": "idle-ping", "method": "ping"})
+        elif name == "spew":  # answers, then logs more than a pipe holds before reading on
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "spewing"}]}})
+            for _ in range(200):
+                send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "x" * 2000}})
+        elif name == "odd_id":
+            send({"jsonrpc": "2.0", "id": [ident], "result": {"content": [{"type": "text", "text": "wrong id"}]}})
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "right id"}]}})
+        elif name == "last_words":  # the answer without its newline, and gone
+            sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": ident, "result": {"content": [
+                {"type": "text", "text": "last words"}]}}))
+            sys.stdout.flush()
+            os._exit(0)
         elif name == "crash":
             os._exit(3)
         elif name == "close_output":  # lives on until its input ends
@@ -6533,6 +6565,34 @@ def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_w
         while pong not in received(log):
             assert time.monotonic() < deadline + 5, "the idle ping was never answered"
             time.sleep(0.02)
+
+
+def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_the_other(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command, timeout=5) as tools:
+        assert tools.run(tool_call("spew")) == lich.ToolResult(ok=True, output="spewing")
+        assert finishes(lambda: tools.run(tool_call("big", {"blob": "y" * 300_000}))) == lich.ToolResult(
+            ok=False, error="Unknown tool: big (MCP error -32602)")
+
+
+def test_closing_an_mcp_server_reads_what_it_writes_on_its_way_out(fake_mcp, monkeypatch):
+    command, log = fake_mcp
+    monkeypatch.setenv("FAKE_GOODBYE", "1")
+    tools = lich.mcp_tools(command)
+    started = time.monotonic()
+    tools.close()
+    assert time.monotonic() - started < 1.5  # not the 2 s before SIGTERM
+    assert {"goodbye": "written"} in received(log)
+
+
+def test_mcp_answers_with_an_odd_id_or_without_a_last_newline_are_read_right(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        assert tools.run(tool_call("odd_id")) == lich.ToolResult(ok=True, output="right id")
+        assert tools.run(tool_call("last_words")) == lich.ToolResult(ok=True, output="last words")
+        name = os.path.basename(sys.executable)
+        assert tools.run(tool_call("first")) == lich.ToolResult(
+            ok=False, error=f"the MCP server {name} exited (code 0)")
 
 
 def test_an_mcp_server_that_closes_its_output_but_lives_is_a_failed_result_not_a_hang(fake_mcp):
