@@ -3816,7 +3816,7 @@ _SEARCH_PARTS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched
                            else os.cpu_count() or 1))  # workers that share a folder's search
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
 _SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers,
-_SEARCH_SPLIT_ENTRIES = 20_000  # and at most about this many entries in them
+_SEARCH_SPLIT_WORK = 200_000    # as long as their entries times .gitignore's rules stay below
 _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "import importlib.util, sys\n"
     "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
@@ -3992,20 +3992,21 @@ def _stop_check(signal, deadline):
 
 def _search_units(fd, prefix, rules, check):
     """The folder open as ``fd`` cut into pieces for workers that share its search: the first
-    ``_SEARCH_SPLIT_FOLDERS`` folders breadth first (fewer if they hold more than
-    ``_SEARCH_SPLIT_ENTRIES`` entries), each for its own files, then every folder below them
-    whole. Returns (units, skipped): [path from the folder, whether below too] each, and the
-    (path, reason) of folders that could not be read. ``check()`` before each folder."""
+    ``_SEARCH_SPLIT_FOLDERS`` folders breadth first (fewer where their entries times the
+    .gitignore's rules pass ``_SEARCH_SPLIT_WORK``), each for its own files, then every
+    folder below them whole. Returns (units, skipped): [path from the folder, whether below
+    too] each, and the (path, reason) of folders that could not be read. ``check()`` is
+    called every few hundred entries."""
     units, skipped = [], []
     queue = deque([""])
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
         | getattr(os, "O_CLOEXEC", 0)
-    seen = 0
+    work = 0
     for _ in range(_SEARCH_SPLIT_FOLDERS):
-        if not queue or seen > _SEARCH_SPLIT_ENTRIES:
+        if not queue:
             break
         check()
-        sub = queue.popleft()
+        sub = queue[0]
         try:
             folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
             try:
@@ -4014,11 +4015,17 @@ def _search_units(fd, prefix, rules, check):
             finally:
                 os.close(folder_fd)
         except OSError as e:
+            queue.popleft()
             skipped.append((prefix + sub, e.strerror or str(e)))
             continue
-        seen += len(entries)
+        work += len(entries) * (1 + len(rules))
+        if work > _SEARCH_SPLIT_WORK:  # too large to look into here: one worker takes it whole
+            break
+        queue.popleft()
         has_files = False
-        for entry in entries:
+        for i, entry in enumerate(entries):
+            if i % 256 == 255:
+                check()
             try:
                 is_dir = entry.is_dir(follow_symlinks=False)
             except OSError:
@@ -4822,6 +4829,7 @@ _MCP_STDERR_WAIT_SECONDS = 1.0  # a server that exited: how long its stderr may 
 _MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error messages
 _MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
 _MCP_READ_BYTES = 1 << 16       # one read of a server's output
+_MCP_WATCH_SECONDS = 1.0        # how often an idle server's watcher looks whether it is closed
 _MCP_MAX_PAGES = 100          # tools/list pages read
 
 
@@ -4869,9 +4877,11 @@ class _StdioServer:
     reads it: it leads, and hands the other waiting threads their answers; when it has its
     own, one of them leads next. This saves two thread wake-ups a call. When no thread
     leads -- nobody waits, or a caller is still writing its request -- a watcher thread
-    reads instead, to the end of the output: it answers the server's pings, notes a changed
-    tool list, and keeps the server from blocking on a full pipe. Another thread keeps the
-    tail of the server's stderr."""
+    reads instead, until the server's output ends or it is closed: it notes a changed tool
+    list, and keeps the server from blocking on a full pipe. Answers to the server's own
+    requests (pings) are written by a thread of their own, so that reading never waits
+    for writing. Writes wait at most for the caller's time limit or signal. Another thread
+    keeps the tail of the server's stderr."""
 
     def __init__(self, argv, env, cwd, on_list_changed):
         import select
@@ -4884,12 +4894,15 @@ class _StdioServer:
                                          start_new_session=True)
         except OSError as e:
             raise MCPError(f"cannot start the MCP server {argv[0]!r}: {e.strerror or e}") from e
+        os.set_blocking(self.proc.stdin.fileno(), False)  # a write waits in poll, watched
         self.name = os.path.basename(argv[0])
         self.on_list_changed = on_list_changed
         self._lock = threading.Lock()  # the waiting answers, the next id, the stderr tail
         self._writing = threading.Lock()  # stdin
         self._waiting = {}  # id -> [Event, answer or None, whether it waits for the reader]
         self._next_id = 1
+        self._answers = deque()  # answers to the server's requests, not written yet
+        self._answering = False  # a thread writes them
         self._reading = threading.Lock()  # held by the one thread that reads stdout
         self._poller = select.poll()  # the reader's; not select(): stdout may be above fd 1023
         self._poller.register(self.proc.stdout.fileno(), select.POLLIN)
@@ -4897,6 +4910,7 @@ class _StdioServer:
         self._partial = []  # the start of a line not read to its end yet, in pieces
         self._partial_size = 0
         self._eof = threading.Event()  # the server's output ended
+        self._closed = False
         self._stderr = deque()
         self._stderr_size = 0
         self._gone = None  # why the server cannot answer any more
@@ -4905,13 +4919,14 @@ class _StdioServer:
         threading.Thread(target=self._watch, name="lich-mcp", daemon=True).start()
 
     def request(self, method, params, seconds, signal):
+        deadline = time.monotonic() + seconds
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            slot = self._waiting[request_id] = [threading.Event(), None, False]  # [.., following]
+            slot = self._waiting[request_id] = [threading.Event(), None, False]
         try:
-            self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
-            deadline = time.monotonic() + seconds
+            self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params},
+                       deadline, signal)
             while slot[1] is None and self._gone is None:
                 left = deadline - time.monotonic()
                 reason = "aborted" if signal is not None and signal.is_set() else \
@@ -4946,33 +4961,41 @@ class _StdioServer:
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
-        self._send_quietly(message)
-
-    def _send_quietly(self, message):
-        try:
-            self._send(message)
-        except _Gone:
+        try:  # not worth waiting for: a cancel must not hold up the caller
+            self._send(message, time.monotonic() + _WATCH_SECONDS, None)
+        except (_Gone, _Cut):
             pass
 
-    def _send(self, message, wait=True):
-        """Write ``message``; with ``wait=False`` (a reader answering the server) a thread of
-        its own writes it if another write is under way, so that reading never waits."""
-        line = json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-        if not self._writing.acquire(blocking=wait):
-            threading.Thread(target=self._send_quietly, args=(message,), name="lich-mcp",
-                             daemon=True).start()
-            return
-        try:
-            if self._gone is not None:
-                raise _Gone(self._gone)
+    def _send(self, message, deadline, signal):
+        """Write ``message`` as one line, by ``deadline`` unless ``signal`` is set first: a
+        server that does not read its input meanwhile raises _Cut, and then _Gone for all
+        (half a line is in the pipe)."""
+        import select
+        line = memoryview(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
+        fd = self.proc.stdin.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        with self._writing:
             try:
-                self.proc.stdin.write(line)
-                self.proc.stdin.flush()
+                while line:
+                    if self._gone is not None:
+                        raise _Gone(self._gone)
+                    try:
+                        line = line[os.write(fd, line):]
+                        continue
+                    except BlockingIOError:
+                        pass
+                    left = deadline - time.monotonic()
+                    cut = "aborted" if signal is not None and signal.is_set() else \
+                        "timeout" if left <= 0 else None
+                    if cut is not None:
+                        if len(line) < len(line.obj):  # half a line written: no more lines
+                            self._end(f"the MCP server {self.name} stopped reading its input")
+                        raise _Cut(cut)
+                    poller.poll(min(_WATCH_SECONDS, left) * 1000)
                 return
             except (OSError, ValueError) as e:
                 why = f"{getattr(e, 'strerror', None) or e}"
-        finally:
-            self._writing.release()
         # Its input closed: most likely it exited. Its own words, when the reader has them
         # in time, say more than the broken pipe does.
         import subprocess
@@ -4984,11 +5007,35 @@ class _StdioServer:
             raise _Gone(self._exit_message())
         raise _Gone(f"the MCP server {self.name} does not read its input: {why}")
 
+    def _answer_server(self, answer):
+        """Have ``answer`` (to the server's request) written by the answering thread."""
+        with self._lock:
+            self._answers.append(answer)
+            if self._answering:
+                return
+            self._answering = True
+        threading.Thread(target=self._write_answers, name="lich-mcp", daemon=True).start()
+
+    def _write_answers(self):
+        while True:
+            with self._lock:
+                if not self._answers:
+                    self._answering = False
+                    return
+                answer = self._answers.popleft()
+            try:
+                self._send(answer, time.monotonic() + _MCP_CLOSE_SECONDS, None)
+            except (_Gone, _Cut):
+                pass
+
     def _read_until(self, slot, seconds):
         """Read the server's output until ``slot`` has its answer, the server is gone, or
         ``seconds`` have passed (the reader does this)."""
         deadline = time.monotonic() + seconds
         while slot[1] is None and self._gone is None:
+            if self._lines:  # left by a reader stopped by an exception
+                self._take_in()
+                continue
             left = deadline - time.monotonic()
             if left <= 0 or not self._poller.poll(left * 1000):
                 return
@@ -5005,25 +5052,26 @@ class _StdioServer:
                     break
 
     def _watch(self):
-        """Read while no caller does, to the end of the server's output."""
+        """Read while no caller does, until the output ends or the server is closed."""
         import select
         poller = select.poll()  # its own: the readers' is used under self._reading only
         poller.register(self.proc.stdout.fileno(), select.POLLIN)
         while not self._eof.is_set():
-            poller.poll()  # until there is output, or its end
+            if not poller.poll(_MCP_WATCH_SECONDS * 1000) and self._closed:
+                return  # closed, and quiet: an escaped child of the server holds its output
             if not self._reading.acquire(blocking=False):  # a caller reads: look again later
                 self._eof.wait(_WATCH_SECONDS)
                 continue
             try:
+                if self._lines:
+                    self._take_in()
                 while not self._eof.is_set() and poller.poll(0):
                     self._read_output()
             finally:
                 self._leave_reading()
 
     def _read_output(self):
-        """Read what the server wrote, and take in each whole line (the reader does this).
-        Lines read wait in ``_lines``: a reader stopped by an exception loses none but the
-        one it was taking in."""
+        """Read what the server wrote, and take in each whole line (the reader does this)."""
         data = os.read(self.proc.stdout.fileno(), _MCP_READ_BYTES)
         if data:
             lines = data.split(b"\n")
@@ -5041,13 +5089,7 @@ class _StdioServer:
         elif self._partial:  # a last line without its newline
             self._lines.append(b"".join(self._partial))
             self._partial.clear()
-        while self._lines:
-            try:
-                message = json.loads(self._lines.popleft())
-            except (ValueError, RecursionError):
-                continue  # not a message: MCP servers must not print anything else there
-            if isinstance(message, dict):
-                self._received(message)
+        self._take_in()
         if not data:
             import subprocess
             try:
@@ -5057,6 +5099,17 @@ class _StdioServer:
             else:
                 self._end(self._exit_message())
             self._eof.set()
+
+    def _take_in(self):
+        """Take in the lines read, one at a time: a reader stopped by an exception leaves
+        the rest to the next one."""
+        while self._lines:
+            try:
+                message = json.loads(self._lines.popleft())
+            except (ValueError, RecursionError):
+                continue  # not a message: MCP servers must not print anything else there
+            if isinstance(message, dict):
+                self._received(message)
 
     def _exit_message(self):
         """Why an exited server cannot answer, in its own last words (read to their end)."""
@@ -5079,10 +5132,7 @@ class _StdioServer:
                 answer["result"] = {}
             else:
                 answer["error"] = {"code": -32601, "message": f"lich does not offer {method}"}
-            try:
-                self._send(answer, wait=False)
-            except _Gone:
-                pass
+            self._answer_server(answer)
         elif method == "notifications/tools/list_changed":
             self.on_list_changed()
 
@@ -5113,10 +5163,11 @@ class _StdioServer:
         import signal as signals
         import subprocess
         try:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
+            with self._writing:  # a write under way sees the end within _WATCH_SECONDS
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
             for stop in (None, signals.SIGTERM):
                 if stop is not None:
                     try:
@@ -5131,6 +5182,7 @@ class _StdioServer:
         finally:  # also when the wait is interrupted: what it started, if it left them behind
             _kill_group(self.proc.pid)
             self.proc.wait()
+            self._closed = True
 
 
 class _HTTPServer:

@@ -6431,6 +6431,9 @@ while True:
                 {"type": "text", "text": "last words"}]}}))
             sys.stdout.flush()
             os._exit(0)
+        elif name == "deaf":  # answers, then reads nothing more
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "deaf now"}]}})
+            time.sleep(60)
         elif name == "crash":
             os._exit(3)
         elif name == "close_output":  # lives on until its input ends
@@ -6573,6 +6576,21 @@ def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_th
         assert tools.run(tool_call("spew")) == lich.ToolResult(ok=True, output="spewing")
         assert finishes(lambda: tools.run(tool_call("big", {"blob": "y" * 300_000}))) == lich.ToolResult(
             ok=False, error="Unknown tool: big (MCP error -32602)")
+
+
+def test_an_mcp_call_to_a_server_that_stops_reading_ends_at_its_timeout(fake_mcp):
+    command, _ = fake_mcp
+    tools = lich.mcp_tools(command, timeout=1)
+    assert tools.run(tool_call("deaf")) == lich.ToolResult(ok=True, output="deaf now")
+    started = time.monotonic()
+    assert finishes(lambda: tools.run(tool_call("big", {"blob": "y" * 300_000}))) == lich.ToolResult(
+        ok=False, error="timed out after 1 s")
+    assert time.monotonic() - started < 2
+    name = os.path.basename(sys.executable)
+    assert tools.run(tool_call("first")) == lich.ToolResult(
+        ok=False, error=f"the MCP server {name} stopped reading its input")
+    finishes(tools.close)
+    assert children_of_this_process("fake_mcp.py") == []
 
 
 def test_closing_an_mcp_server_reads_what_it_writes_on_its_way_out(fake_mcp, monkeypatch):
