@@ -1672,6 +1672,14 @@ class _Cut(Exception):
     """The exchange was cut: ``args[0]`` is "aborted" or "timeout"."""
 
 
+def _cut_reason(deadline, signal):
+    """"aborted" when ``signal`` (an Event or None) is set, "timeout" once the clock has
+    passed ``deadline``, else None."""
+    if signal is not None and signal.is_set():
+        return "aborted"
+    return "timeout" if time.monotonic() >= deadline else None
+
+
 class _Watchdog:
     """One thread, started when first needed, that cuts the exchanges that are due."""
 
@@ -4011,7 +4019,13 @@ def _search_units(fd, prefix, rules, check):
             folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
             try:
                 with os.scandir(folder_fd) as listing:
-                    entries = sorted(listing, key=lambda entry: entry.name)
+                    entries = []
+                    for entry in listing:  # a huge folder is not read to its end here
+                        entries.append(entry)
+                        if len(entries) % 4096 == 0:
+                            check()
+                            if work + len(entries) * (1 + len(rules)) > _SEARCH_SPLIT_WORK:
+                                break
             finally:
                 os.close(folder_fd)
         except OSError as e:
@@ -4022,6 +4036,7 @@ def _search_units(fd, prefix, rules, check):
         if work > _SEARCH_SPLIT_WORK:  # too large to look into here: one worker takes it whole
             break
         queue.popleft()
+        entries.sort(key=lambda entry: entry.name)
         has_files = False
         for i, entry in enumerate(entries):
             if i % 256 == 255:
@@ -4830,6 +4845,7 @@ _MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error mess
 _MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
 _MCP_READ_BYTES = 1 << 16       # one read of a server's output
 _MCP_WATCH_SECONDS = 1.0        # how often an idle server's watcher looks whether it is closed
+_MCP_LATER_MAX = 1000           # messages waiting to be written for readers (pings answered)
 _MCP_MAX_PAGES = 100          # tools/list pages read
 
 
@@ -4901,8 +4917,8 @@ class _StdioServer:
         self._writing = threading.Lock()  # stdin
         self._waiting = {}  # id -> [Event, answer or None, whether it waits for the reader]
         self._next_id = 1
-        self._answers = deque()  # answers to the server's requests, not written yet
-        self._answering = False  # a thread writes them
+        self._later = deque()  # messages to be written by the thread that writes for readers
+        self._writing_later = False  # that thread runs
         self._reading = threading.Lock()  # held by the one thread that reads stdout
         self._poller = select.poll()  # the reader's; not select(): stdout may be above fd 1023
         self._poller.register(self.proc.stdout.fileno(), select.POLLIN)
@@ -4928,13 +4944,10 @@ class _StdioServer:
             self._send({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params},
                        deadline, signal)
             while slot[1] is None and self._gone is None:
-                left = deadline - time.monotonic()
-                reason = "aborted" if signal is not None and signal.is_set() else \
-                    "timeout" if left <= 0 else None
+                reason = _cut_reason(deadline, signal)
                 if reason is not None:
-                    self.notify("notifications/cancelled",
-                                {"requestId": request_id, "reason": f"the client {reason}"})
                     raise _Cut(reason)
+                left = deadline - time.monotonic()
                 slot[2] = True  # before trying to lead: a reader that leaves then wakes us
                 if self._reading.acquire(blocking=False):
                     slot[2] = False
@@ -4946,6 +4959,10 @@ class _StdioServer:
                     slot[0].wait(min(_WATCH_SECONDS, left))
                     slot[2] = False
                     slot[0].clear()
+        except _Cut as cut:  # also when the request was not (all) written: a cancel is harmless
+            self._send_soon({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {
+                "requestId": request_id, "reason": f"the client {cut.args[0]}"}})
+            raise
         finally:
             with self._lock:
                 self._waiting.pop(request_id, None)
@@ -4961,41 +4978,53 @@ class _StdioServer:
         message = {"jsonrpc": "2.0", "method": method}
         if params is not None:
             message["params"] = params
-        try:  # not worth waiting for: a cancel must not hold up the caller
-            self._send(message, time.monotonic() + _WATCH_SECONDS, None)
+        try:
+            self._send(message, time.monotonic() + _MCP_CLOSE_SECONDS, None)
         except (_Gone, _Cut):
             pass
 
     def _send(self, message, deadline, signal):
-        """Write ``message`` as one line, by ``deadline`` unless ``signal`` is set first: a
-        server that does not read its input meanwhile raises _Cut, and then _Gone for all
-        (half a line is in the pipe)."""
+        """Write ``message`` as one line, by ``deadline`` unless ``signal`` is set first
+        (else _Cut). A line cut half-way is finished by a thread of its own, which holds
+        the writing until then: the server may be busy rather than deaf."""
         import select
-        line = memoryview(json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n")
-        fd = self.proc.stdin.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        with self._writing:
-            try:
-                while line:
-                    if self._gone is not None:
-                        raise _Gone(self._gone)
-                    try:
-                        line = line[os.write(fd, line):]
-                        continue
-                    except BlockingIOError:
-                        pass
-                    left = deadline - time.monotonic()
-                    cut = "aborted" if signal is not None and signal.is_set() else \
-                        "timeout" if left <= 0 else None
-                    if cut is not None:
-                        if len(line) < len(line.obj):  # half a line written: no more lines
-                            self._end(f"the MCP server {self.name} stopped reading its input")
-                        raise _Cut(cut)
-                    poller.poll(min(_WATCH_SECONDS, left) * 1000)
-                return
-            except (OSError, ValueError) as e:
-                why = f"{getattr(e, 'strerror', None) or e}"
+        line = memoryview(json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+                          .encode("utf-8", "backslashreplace") + b"\n")  # a lone surrogate: \udXXX
+        while not self._writing.acquire(timeout=_WATCH_SECONDS):  # another write is under way
+            if self._gone is not None:
+                raise _Gone(self._gone)
+            reason = _cut_reason(deadline, signal)
+            if reason is not None:
+                raise _Cut(reason)
+        held = True
+        try:
+            if self._gone is not None:
+                raise _Gone(self._gone)
+            fd = self.proc.stdin.fileno()
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            while line:
+                if self._gone is not None:
+                    raise _Gone(self._gone)
+                try:
+                    line = line[os.write(fd, line):]
+                    continue
+                except BlockingIOError:
+                    pass
+                reason = _cut_reason(deadline, signal)
+                if reason is not None:
+                    if len(line) < len(line.obj):
+                        threading.Thread(target=self._finish_line, args=(line, fd, poller),
+                                         name="lich-mcp", daemon=True).start()
+                        held = False  # the finishing thread releases it
+                    raise _Cut(reason)
+                poller.poll(min(_WATCH_SECONDS, max(0.0, deadline - time.monotonic())) * 1000)
+            return
+        except (OSError, ValueError) as e:
+            why = f"{getattr(e, 'strerror', None) or e}"
+        finally:
+            if held:
+                self._writing.release()
         # Its input closed: most likely it exited. Its own words, when the reader has them
         # in time, say more than the broken pipe does.
         import subprocess
@@ -5007,26 +5036,55 @@ class _StdioServer:
             raise _Gone(self._exit_message())
         raise _Gone(f"the MCP server {self.name} does not read its input: {why}")
 
-    def _answer_server(self, answer):
-        """Have ``answer`` (to the server's request) written by the answering thread."""
-        with self._lock:
-            self._answers.append(answer)
-            if self._answering:
-                return
-            self._answering = True
-        threading.Thread(target=self._write_answers, name="lich-mcp", daemon=True).start()
+    def _finish_line(self, rest, fd, poller):
+        """Write the rest of a line whose writer gave up, then let others write."""
+        try:
+            while rest and self._gone is None:
+                try:
+                    rest = rest[os.write(fd, rest):]
+                except BlockingIOError:
+                    poller.poll(_WATCH_SECONDS * 1000)
+        except OSError:
+            pass  # gone: the reader says why
+        finally:
+            self._writing.release()
 
-    def _write_answers(self):
+    def _send_soon(self, message):
+        """Write ``message`` now if that takes no wait, else have it written later."""
+        try:
+            self._send(message, time.monotonic(), None)
+        except _Cut:  # nothing written: a short line goes into the pipe whole or not at all
+            self._send_later(message)
+        except _Gone:
+            pass
+
+    def _send_later(self, message):
+        """Have ``message`` written by the thread that writes for readers (it must never be
+        a reader that waits for the server to read)."""
+        with self._lock:
+            if len(self._later) >= _MCP_LATER_MAX:
+                _log.debug("MCP server %s: too many messages waiting to be written; %r dropped",
+                           self.name, message)
+                return
+            self._later.append(message)
+            if self._writing_later:
+                return
+            self._writing_later = True
+        threading.Thread(target=self._write_later, name="lich-mcp", daemon=True).start()
+
+    def _write_later(self):
         while True:
             with self._lock:
-                if not self._answers:
-                    self._answering = False
+                if not self._later:
+                    self._writing_later = False
                     return
-                answer = self._answers.popleft()
+                message = self._later.popleft()
             try:
-                self._send(answer, time.monotonic() + _MCP_CLOSE_SECONDS, None)
+                self._send(message, time.monotonic() + _MCP_CLOSE_SECONDS, None)
             except (_Gone, _Cut):
                 pass
+            except Exception:  # this thread must go on
+                _log.debug("cannot write %r to the MCP server %s", message, self.name, exc_info=True)
 
     def _read_until(self, slot, seconds):
         """Read the server's output until ``slot`` has its answer, the server is gone, or
@@ -5132,7 +5190,7 @@ class _StdioServer:
                 answer["result"] = {}
             else:
                 answer["error"] = {"code": -32601, "message": f"lich does not offer {method}"}
-            self._answer_server(answer)
+            self._send_later(answer)
         elif method == "notifications/tools/list_changed":
             self.on_list_changed()
 

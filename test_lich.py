@@ -6431,6 +6431,9 @@ while True:
                 {"type": "text", "text": "last words"}]}}))
             sys.stdout.flush()
             os._exit(0)
+        elif name == "nap":  # busy a while: reads nothing meanwhile
+            time.sleep(1)
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "napped"}]}})
         elif name == "deaf":  # answers, then reads nothing more
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "deaf now"}]}})
             time.sleep(60)
@@ -6578,7 +6581,7 @@ def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_th
             ok=False, error="Unknown tool: big (MCP error -32602)")
 
 
-def test_an_mcp_call_to_a_server_that_stops_reading_ends_at_its_timeout(fake_mcp):
+def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp):
     command, _ = fake_mcp
     tools = lich.mcp_tools(command, timeout=1)
     assert tools.run(tool_call("deaf")) == lich.ToolResult(ok=True, output="deaf now")
@@ -6586,11 +6589,41 @@ def test_an_mcp_call_to_a_server_that_stops_reading_ends_at_its_timeout(fake_mcp
     assert finishes(lambda: tools.run(tool_call("big", {"blob": "y" * 300_000}))) == lich.ToolResult(
         ok=False, error="timed out after 1 s")
     assert time.monotonic() - started < 2
-    name = os.path.basename(sys.executable)
-    assert tools.run(tool_call("first")) == lich.ToolResult(
-        ok=False, error=f"the MCP server {name} stopped reading its input")
+    started = time.monotonic()  # the rest of that line is still being written: this one waits
+    assert tools.run(tool_call("first")) == lich.ToolResult(ok=False, error="timed out after 1 s")
+    assert time.monotonic() - started < 2
+    stop = threading.Event()
+    stop.set()
+    started = time.monotonic()
+    assert tools.run(tool_call("first"), stop) == lich.ToolResult(ok=False, error="aborted")
+    assert time.monotonic() - started < 0.5
     finishes(tools.close)
+    name = os.path.basename(sys.executable)
+    assert tools.run(tool_call("first")) == lich.ToolResult(ok=False, error=f"the MCP server {name} was closed")
+    assert tools.specs() == []
     assert children_of_this_process("fake_mcp.py") == []
+
+
+def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command, timeout=5) as tools:
+        results = {}
+        napper = threading.Thread(target=lambda: results.update(nap=tools.run(tool_call("nap"))))
+        napper.start()
+        deadline = time.monotonic() + 5
+        while not any(m.get("params", {}).get("name") == "nap" for m in received(log)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        assert tools.run(tool_call("big", {"blob": "y" * 300_000}), stop) == lich.ToolResult(
+            ok=False, error="aborted")
+        napper.join(5)
+        assert results == {"nap": lich.ToolResult(ok=True, output="napped")}
+        assert tools.run(tool_call("small")) == lich.ToolResult(
+            ok=False, error="Unknown tool: small (MCP error -32602)")
+    cancels = [m["params"] for m in received(log) if m.get("method") == "notifications/cancelled"]
+    assert cancels == [{"requestId": 3, "reason": "the client aborted"}]
 
 
 def test_closing_an_mcp_server_reads_what_it_writes_on_its_way_out(fake_mcp, monkeypatch):
