@@ -3778,8 +3778,35 @@ def _match_all(rel, name):
     return True
 
 
+def _name_pattern(tokens):
+    """A regular expression that matches what a glob segment's tokens match, where it has
+    at most one star (so it cannot backtrack far); else None."""
+    if tokens == "**" or tokens.count(_STAR) > 1:
+        return None
+    parts = []
+    for token in tokens:
+        if token == _STAR:
+            parts.append(".*")
+        elif token == "?":
+            parts.append(".")
+        elif isinstance(token, tuple):
+            negated, ranges = token
+            body = "".join(re.escape(low) if low == high else f"{re.escape(low)}-{re.escape(high)}"
+                           for low, high in ranges)
+            parts.append(f"[{'^' if negated else ''}{body}]" if body else "." if negated else "(?!)")
+        else:
+            parts.append(re.escape(token))
+    pattern = "".join(parts)
+    try:
+        re.compile(pattern)
+    except re.error:  # a range such as z-a: the general walk says it matches nothing
+        return None
+    return pattern
+
+
 def _gitignore_rules(text):
-    """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments)."""
+    """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments, and for a
+    rule on names alone its regular expression's fullmatch, else None)."""
     rules = []
     for line in text.splitlines():
         line = line.rstrip()
@@ -3793,17 +3820,27 @@ def _gitignore_rules(text):
         line = line.lstrip("/")
         if line:
             try:
-                rules.append((negated, folders_only, anchored, _Glob(line).alternatives))
+                alternatives = _Glob(line).alternatives
             except _ToolFailure:
                 continue
+            names = None  # the common rule (*.pyc, build/): one regex a name, not the walk
+            if not anchored and all(len(segments) == 1 for segments in alternatives):
+                patterns = [_name_pattern(segments[0]) for segments in alternatives]
+                if None not in patterns:
+                    names = re.compile("|".join(f"(?:{p})" for p in patterns), re.DOTALL).fullmatch
+            rules.append((negated, folders_only, anchored, alternatives, names))
     return rules
 
 
 def _ignored(rules, rel, name, is_dir):
     """Whether the .gitignore ``rules`` ignore the path ``rel`` from the root (last rule wins)."""
     ignored = False
-    for negated, folders_only, anchored, alternatives in rules:
+    for negated, folders_only, anchored, alternatives, names in rules:
         if folders_only and not is_dir:
+            continue
+        if names is not None:
+            if names(name):
+                ignored = not negated
             continue
         parts = rel.split("/") if anchored else [name]
         if any(_path_matches(segments, parts) for segments in alternatives):

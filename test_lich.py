@@ -6080,6 +6080,17 @@ def test_a_wide_tree_shared_among_search_workers_gives_every_match_once(ws, engi
         ok=True, output="p17/q/r/f.txt:2: needle 17\np17/top.txt:1: needle top 17")
 
 
+def test_search_honours_gitignore_classes_braces_and_stars(ws, engine):
+    (ws / ".gitignore").write_text("*.py[co]\n[!k]*.tmp\n{x,y}.cfg\n?.md\nfoo*bar\na*b*c\n")
+    names = ["m.pyc", "m.pyo", "m.py", "a.tmp", "k.tmp", "x.cfg", "z.cfg", "a.md", "ab.md",
+             "foobar", "foo-x-bar", "foobarx", "abc", "a-b-c", "acb"]
+    for name in names:
+        (ws / name).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="\n".join(f"{name}:1: hit" for name in
+                                  ["ab.md", "acb", "foobarx", "k.tmp", "m.py", "z.cfg"]))
+
+
 # --- shell ---
 
 
