@@ -4933,8 +4933,9 @@ class _StdioServer:
     reads instead, until the server's output ends or it is closed: it notes a changed tool
     list, and keeps the server from blocking on a full pipe. Answers to the server's own
     requests (pings) are written by a thread of their own, so that reading never waits
-    for writing. Writes wait at most for the caller's time limit or signal. Another thread
-    keeps the tail of the server's stderr."""
+    for writing. A write waits at most for its caller's time limit or signal; a line it
+    leaves half-written is finished by a thread of its own. Another thread keeps the tail
+    of the server's stderr."""
 
     def __init__(self, argv, env, cwd, on_list_changed):
         import select
