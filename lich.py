@@ -3779,8 +3779,8 @@ def _match_all(rel, name):
 
 
 def _name_pattern(tokens):
-    """A regular expression that matches what a glob segment's tokens match, where it has
-    at most one star (so it cannot backtrack far); else None."""
+    """A regular expression (its text) that matches what a glob segment's tokens match,
+    where it has at most one star (so it cannot backtrack far); else None."""
     if tokens == "**" or tokens.count(_STAR) > 1:
         return None
     parts = []
@@ -3796,17 +3796,13 @@ def _name_pattern(tokens):
             parts.append(f"[{'^' if negated else ''}{body}]" if body else "." if negated else "(?!)")
         else:
             parts.append(re.escape(token))
-    pattern = "".join(parts)
-    try:
-        re.compile(pattern)
-    except re.error:  # a range such as z-a: the general walk says it matches nothing
-        return None
-    return pattern
+    return "".join(parts)
 
 
+@functools.lru_cache(maxsize=8)  # a search worker is given the same text batch after batch
 def _gitignore_rules(text):
     """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments, and for a
-    rule on names alone its regular expression's fullmatch, else None)."""
+    rule on names alone its regular expression's fullmatch, else None), in a tuple."""
     rules = []
     for line in text.splitlines():
         line = line.rstrip()
@@ -3826,10 +3822,14 @@ def _gitignore_rules(text):
             names = None  # the common rule (*.pyc, build/): one regex a name, not the walk
             if not anchored and all(len(segments) == 1 for segments in alternatives):
                 patterns = [_name_pattern(segments[0]) for segments in alternatives]
-                if None not in patterns:
-                    names = re.compile("|".join(f"(?:{p})" for p in patterns), re.DOTALL).fullmatch
+                try:
+                    if None not in patterns:
+                        names = re.compile("|".join(f"(?:{p})" for p in patterns),
+                                           re.DOTALL).fullmatch
+                except re.error:  # a range such as z-a: the walk says it matches nothing
+                    pass
             rules.append((negated, folders_only, anchored, alternatives, names))
-    return rules
+    return tuple(rules)
 
 
 def _ignored(rules, rel, name, is_dir):
@@ -4178,40 +4178,46 @@ class _SearchWorkers:
         busy, error, ended, died = set(), [], None, None
 
         def give(worker):
-            """The next few units to ``worker`` (the whole job without units)."""
-            nonlocal died
+            """The next few units to ``worker`` (the whole job without units); False when it
+            cannot take them (they stay to be given)."""
+            batch = []
             if units:
                 size = max(1, len(left) // (2 * len(workers)))  # smaller as the end nears
-                task = {**job, "units": [left.popleft() for _ in range(min(size, len(left)))],
-                        "seconds": max(0.0, deadline - time.monotonic())}
+                batch = [left.popleft() for _ in range(min(size, len(left)))]
+                task = {**job, "units": batch, "seconds": max(0.0, deadline - time.monotonic())}
             else:
                 task = job
             try:
                 worker.stdin.write((json.dumps(task) + "\n").encode())
                 worker.stdin.flush()
             except OSError:
-                died = worker
-                return
+                left.extendleft(reversed(batch))
+                return False
             busy.add(worker)
+            return True
 
         def on_line(line, worker):
+            nonlocal died
             try:
                 record = json.loads(line)
             except ValueError:  # a record past the cut (a path of thousands of escapes)
                 return
             if record[0] == "done":
                 busy.discard(worker)
-                if left and not error:
-                    give(worker)
+                if left and not error and not give(worker):
+                    died = worker
             elif record[0] == "e":
                 error.append(record[1])
             else:
                 on_record(record)
 
         try:
-            for worker in workers:
-                if died is None and (left or not units):
-                    give(worker)
+            for worker in list(workers):
+                if (left or not units) and not give(worker):  # it died while it was kept
+                    workers.remove(worker)
+                    self._end(worker)
+            if not busy:
+                return None
             with selectors.DefaultSelector() as selector:
                 for worker in workers:
                     selector.register(worker.stdout, selectors.EVENT_READ, worker)
@@ -5088,7 +5094,8 @@ class _StdioServer:
             self._writing.release()
 
     def _send_soon(self, message):
-        """Write ``message`` now if that takes no wait, else have it written later."""
+        """Write ``message`` now if that takes at most _WATCH_SECONDS, else have it written
+        later."""
         try:
             self._send(message, time.monotonic(), None)
         except _Cut:  # nothing written: a short line goes into the pipe whole or not at all
@@ -5117,8 +5124,8 @@ class _StdioServer:
                     self._writing_later = False
                     return
                 message = self._later.popleft()
-            try:
-                self._send(message, time.monotonic() + _MCP_CLOSE_SECONDS, None)
+            try:  # in order, however long the server takes to read: up to its end
+                self._send(message, math.inf, None)
             except (_Gone, _Cut):
                 pass
             except Exception:  # this thread must go on
