@@ -3857,8 +3857,7 @@ _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
 _PROCESS_LINE_MAX_BYTES = 16 << 10  # of a line a search process prints, what is kept
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
-_SEARCH_PARTS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                           else os.cpu_count() or 1))  # workers that share a folder's search
+_SEARCH_PARTS_MAX = 4           # workers that share a folder's search, one per CPU up to this
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
 _SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers,
 _SEARCH_SPLIT_WORK = 200_000    # as long as their entries times .gitignore's rules stay below
@@ -4020,6 +4019,13 @@ def _open_beneath(folder_fd, rel, flags):
             os.close(fd)
 
 
+def _search_parts():
+    """How many workers share a folder's search: one per CPU this process may use, at most
+    _SEARCH_PARTS_MAX."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(_SEARCH_PARTS_MAX, cpus or 1))
+
+
 class _Stopped(Exception):
     """A search stopped in this process: ``args[0]`` is "aborted" or "timeout"."""
 
@@ -4161,11 +4167,11 @@ class _SearchWorkers:
 
     def search(self, job, on_record, signal, units=None):
         """("done", error or None), ("timeout" | "aborted", None), or None when no worker
-        starts. With ``units`` (of the folder the job searches), up to _SEARCH_PARTS workers
+        starts. With ``units`` (of the folder the job searches), up to _search_parts() workers
         share them: each is given the next few whenever it is done with its last."""
         import selectors
         workers = []
-        for _ in range(_SEARCH_PARTS if units else 1):
+        for _ in range(_search_parts() if units else 1):
             worker = self._take()
             if worker is None:
                 break
@@ -4558,7 +4564,7 @@ class _Workspace:
 
         deadline = time.monotonic() + self.search_timeout
         units, skipped = None, []
-        if folder and _SEARCH_PARTS > 1:
+        if folder and _search_parts() > 1:
             try:
                 units, skipped = _search_units(fd, prefix, _gitignore_rules(gitignore),
                                                _stop_check(signal, deadline))

@@ -235,12 +235,18 @@ def queue(server, *replies):
         server.replies.append(reply if isinstance(reply, Reply) else Reply(200, reply))
 
 
+def eventually(check, seconds=5.0, what="it never happened"):
+    """Return once ``check()`` is true, looked at every 10 ms; an AssertionError saying
+    ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def wait_for_request(server, count=1, timeout=10):
     """Return once ``server`` has received ``count`` requests."""
-    deadline = time.monotonic() + timeout
-    while len(server.requests) < count:
-        assert time.monotonic() < deadline, "no request arrived"
-        time.sleep(0.02)
+    eventually(lambda: len(server.requests) >= count, timeout, "no request arrived")
 
 
 def free_port():
@@ -5927,10 +5933,8 @@ def test_a_write_killed_part_way_leaves_the_original_whole(ws):
 
     (ws / "f.txt").write_text("original\n")
     child = Process("-c", WRITE_IN_A_CHILD, ws, 0, "y", 500_000, cwd=HERE)  # 500 MB
-    deadline = time.monotonic() + 20
-    while not any(p.name.endswith(".tmp") and p.stat().st_size > 1 << 20 for p in ws.iterdir()):
-        assert time.monotonic() < deadline, "the write never started"
-        time.sleep(0.01)
+    eventually(lambda: any(p.name.endswith(".tmp") and p.stat().st_size > 1 << 20 for p in ws.iterdir()),
+               20, "the write never started")
     child.popen.send_signal(signals.SIGKILL)
     child.wait()
     assert (ws / "f.txt").read_text() == "original\n"
@@ -6311,10 +6315,8 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
 
     _bash_then(server, "echo $$ > shell.pid; sleep 300 & echo $! > child.pid; wait")
     child = Process(LICH_PY, "--yolo", "--no-stream", "--no-session", "--root", workspace, "run it")
-    deadline = time.monotonic() + 20
-    while not ((workspace / "child.pid").exists() and (workspace / "child.pid").read_text().strip()):
-        assert time.monotonic() < deadline, "the command never started"
-        time.sleep(0.02)
+    eventually(lambda: (workspace / "child.pid").exists() and (workspace / "child.pid").read_text().strip(),
+               20, "the command never started")
     pids = [int((workspace / name).read_text()) for name in ("shell.pid", "child.pid")]
     child.popen.send_signal(getattr(signals, how))
     code, _, err = child.wait(timeout=20)
@@ -6475,6 +6477,17 @@ def received(log):
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+def mcp_call_in_the_background(tools, name, log):
+    """``tools.run`` of the tool ``name`` in a thread, returned once the server has read the
+    call: (the thread, a dict that gets {name: its result})."""
+    results = {}
+    thread = threading.Thread(target=lambda: results.update({name: tools.run(tool_call(name))}))
+    thread.start()
+    eventually(lambda: any(m.get("params", {}).get("name") == name for m in received(log)),
+               what=f"the server never read the call of {name}")
+    return thread, results
+
+
 def children_of_this_process(pattern):
     """Pids of live processes whose command line holds ``pattern`` and whose parent is us."""
     found = []
@@ -6504,10 +6517,8 @@ def test_mcp_handshake_pages_pings_and_list_changes(fake_mcp):
         assert tools.run(tool_call("f_first", {"x": 1})) == lich.ToolResult(
             ok=True, output='pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}')
         assert tools.run(tool_call("f_change")) == lich.ToolResult(ok=True, output="changed")
-        deadline = time.monotonic() + 5
-        while [s["name"] for s in tools.specs()] != ["f_first", "f_renamed"]:
-            assert time.monotonic() < deadline, "the changed list was never read again"
-            time.sleep(0.02)
+        eventually(lambda: [s["name"] for s in tools.specs()] == ["f_first", "f_renamed"],
+                   what="the changed list was never read again")
         assert tools.run(tool_call("f_nope")) == lich.ToolResult(
             ok=False, error="Unknown tool: nope (MCP error -32602)")
     messages = received(log)
@@ -6564,13 +6575,7 @@ def test_mcp_answers_in_pieces_past_noise_and_a_line_too_long_are_read(fake_mcp)
 def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_waits(fake_mcp):
     command, log = fake_mcp
     with lich.mcp_tools(command) as tools:
-        results = {}
-        holder = threading.Thread(target=lambda: results.update(hold=tools.run(tool_call("hold"))))
-        holder.start()
-        deadline = time.monotonic() + 5
-        while not any(m.get("params", {}).get("name") == "hold" for m in received(log)):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        holder, results = mcp_call_in_the_background(tools, "hold", log)
         started = time.monotonic()
         results["release"] = tools.run(tool_call("release"))  # its answer comes 0.3 s after hold's
         holder.join(5)
@@ -6579,9 +6584,7 @@ def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_w
         assert time.monotonic() - started < 1
         assert tools.run(tool_call("ping_later")) == lich.ToolResult(ok=True, output="later")
         pong = {"jsonrpc": "2.0", "id": "idle-ping", "result": {}}
-        while pong not in received(log):
-            assert time.monotonic() < deadline + 5, "the idle ping was never answered"
-            time.sleep(0.02)
+        eventually(lambda: pong in received(log), what="the idle ping was never answered")
 
 
 def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_the_other(fake_mcp):
@@ -6618,13 +6621,7 @@ def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp)
 def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp):
     command, log = fake_mcp
     with lich.mcp_tools(command, timeout=5) as tools:
-        results = {}
-        napper = threading.Thread(target=lambda: results.update(nap=tools.run(tool_call("nap"))))
-        napper.start()
-        deadline = time.monotonic() + 5
-        while not any(m.get("params", {}).get("name") == "nap" for m in received(log)):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        napper, results = mcp_call_in_the_background(tools, "nap", log)
         stop = threading.Event()
         threading.Timer(0.3, stop.set).start()
         assert tools.run(tool_call("big", {"blob": "y" * 300_000}), stop) == lich.ToolResult(
@@ -6635,9 +6632,8 @@ def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mc
             ok=False, error="Unknown tool: small (MCP error -32602)")
         cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                   "params": {"requestId": 3, "reason": "the client aborted"}}
-        while cancel not in received(log):  # after the request, however long the server naps
-            assert time.monotonic() < deadline + 10, "the cancel was never written"
-            time.sleep(0.02)
+        eventually(lambda: cancel in received(log), 10,  # after the request, however long the server naps
+                   "the cancel was never written")
     sent = [m.get("id", m.get("method")) for m in received(log)]
     assert sent.index(3) < sent.index("notifications/cancelled")
 
@@ -8389,10 +8385,7 @@ def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server,
     out = tmp_path / "out.jsonl"
     argv = [LICH_PY, "--batch", tasks, "--out", out, "--workers", "4", "--root", workspace]
     child = Process(*argv)
-    deadline = time.monotonic() + 30
-    while not (out.exists() and out.read_text().count("\n") >= 5):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    eventually(lambda: out.exists() and out.read_text().count("\n") >= 5, 30)
     child.popen.send_signal(signals.SIGKILL)
     child.wait()
     done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip().endswith("}")}
@@ -8413,10 +8406,7 @@ def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, li
     tasks.write_text("".join(f"task {i}\n" for i in range(200)))
     out = tmp_path / "out.jsonl"
     child = Process(LICH_PY, "--batch", tasks, "--out", out, "--workers", "2", "--root", workspace)
-    deadline = time.monotonic() + 30
-    while not (out.exists() and out.read_text().count("\n") >= 3):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    eventually(lambda: out.exists() and out.read_text().count("\n") >= 3, 30)
     child.popen.send_signal(signals.SIGINT)
     code, _, err = child.wait(timeout=30)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -8467,10 +8457,7 @@ def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, li
     queue(server, Reply(400, openai_error("bad request")))  # the run ends at once; closing begins
     child = Process(LICH_PY, "--mcp", " ".join(command), "--mcp", " ".join([*command, "third,fourth"]), "hi",
                     env={"FAKE_STUBBORN": str(pids)})
-    deadline = time.monotonic() + 20
-    while not (pids.exists() and pids.read_text().split().count("eof") == 2):  # lich is closing them
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    eventually(lambda: pids.exists() and pids.read_text().split().count("eof") == 2, 20)  # lich is closing them
     for _ in range(2):  # the servers ignore their input's end and SIGTERM: closing takes a while
         child.popen.send_signal(signals.SIGINT)
         time.sleep(0.2)
@@ -8564,10 +8551,7 @@ def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspa
     queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
     child = Process(LICH_PY, "--yolo", "--no-stream", "--root", workspace, "run it")
     pid_file = workspace / "pid"
-    deadline = time.monotonic() + 10
-    while not (pid_file.exists() and pid_file.read_text().strip()):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    eventually(lambda: pid_file.exists() and pid_file.read_text().strip(), 10)
     shell = int(pid_file.read_text())
     child.popen.send_signal(signals.SIGINT)
     code, out, err = child.wait(timeout=10)
