@@ -2903,6 +2903,10 @@ def chat_from_spec(spec, **options):
         if not found or not found.group(2).strip():
             raise ValueError(f"invalid model spec {part!r}: expected 'provider:model[@base_url]'")
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
+        after = model.rpartition("@")[2] if "@" in model else ""
+        if "/" in after or ":" in after:  # a version such as "claude-x@20250929" has neither
+            raise ValueError(f"invalid model spec {part!r}: the base URL after '@' must begin with "
+                             f"http:// or https://")
         cls = _PROVIDERS.get(provider)
         if cls is None:
             raise ValueError(f"unknown provider {provider!r} in {part!r}; known providers: "

@@ -4366,6 +4366,17 @@ def test_chat_from_spec_refuses_malformed_specs(spec):
         lich.chat_from_spec(spec)
 
 
+@pytest.mark.parametrize("spec, url", [("openai:llama3.2@localhost:11434/v1", "localhost:11434/v1"),
+                                       ("anthropic:c@127.0.0.1:8080", "127.0.0.1:8080"),
+                                       ("openai:m@ftp://host/v1", "ftp://host/v1")])
+def test_chat_from_spec_refuses_a_base_url_without_http(spec, url):
+    # not a model name to send to the provider's public URL with the user's key
+    with pytest.raises(ValueError) as info:
+        lich.chat_from_spec(spec)
+    assert str(info.value) == (f"invalid model spec {spec!r}: the base URL after '@' must begin "
+                               "with http:// or https://")
+
+
 def test_chat_from_spec_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="'temperature'"):
         lich.chat_from_spec("openai:gpt-4.1-mini", temperature=0.5)
