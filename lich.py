@@ -5517,7 +5517,7 @@ class MCPTools:
         except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
-        text = _mcp_content(result)
+        text = _truncate(_mcp_content(result), DEFAULT_MAX_OUTPUT_CHARS)  # as a Tools' tool is
         if result.get("isError"):
             return ToolResult(ok=False, error=text or "the tool reported an error")
         return ToolResult(ok=True, output=text)
@@ -5927,6 +5927,7 @@ _PROMPT_SHOWN_CHARS = 200       # of a session's first prompt, in --list-session
 _QUIT_WINDOW_SECONDS = 2.0      # a second Ctrl-C this soon quits, whatever lich is doing
 _TOOL_SUMMARY_CHARS = 60
 _PREVIEW_LINES = 3              # lines of a tool's output shown under its line
+_PLAIN_LINE_CHARS = 400         # the most of a tool's line or preview line kept in a log
 _DIFF_SHOWN_LINES = 40          # an approval's diff longer than this is cut in the middle
 _RECAP_LINES = 4                # lines of each message of the last exchange shown on resume
 _RECAP_LINE_CHARS = 120         # and the most characters of each of those lines
@@ -6400,13 +6401,15 @@ class _Terminal:
                 spinner[1].join()
 
     def _fit(self, text):
-        """``text`` cut to the terminal's width, at a word where it can be."""
-        if not self.fancy:
-            return text
-        import shutil
+        """``text`` cut to the terminal's width (or, not on a terminal, to a log's line), at a
+        word where it can be."""
+        if self.fancy:
+            import shutil
 
-        # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal that was given no size.
-        width = shutil.get_terminal_size((100, 24)).columns or 100
+            # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal that was given no size.
+            width = shutil.get_terminal_size((100, 24)).columns or 100
+        else:
+            width = _PLAIN_LINE_CHARS
         if len(text) <= width:
             return text
         cut = text.rfind(" ", 0, width - 1)

@@ -6479,6 +6479,10 @@ while True:
             os.close(1)
             sys.stdin.read()
             sys.exit(0)
+        elif name in ("huge", "huge_error"):  # 60,000 characters in two pieces of text
+            content = [{"type": "text", "text": "".join(f"{i:05d}\n" for i in range(n, n + 5000))}
+                       for n in (0, 5000)]
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": content, "isError": name == "huge_error"}})
         elif name == "sleep":
             pass  # never answered
         else:
@@ -6585,6 +6589,17 @@ def test_an_mcp_server_that_dies_mid_call_is_a_failed_result_not_a_hang(fake_mcp
         name = os.path.basename(sys.executable)
         assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 3)")
         assert finishes(lambda: tools.run(tool_call("first"))) == result  # and stays failed, quickly
+
+
+def test_mcp_results_are_cut_as_a_tools_output_is(fake_mcp):
+    command, _ = fake_mcp
+    pieces = ["".join(f"{i:05d}\n" for i in range(n, n + 5000)) for n in (0, 5000)]
+    whole = "\n".join(pieces)  # 60,001 characters
+    cut = whole[:25_000] + "\n[... 10001 characters omitted ...]\n" + whole[-25_000:]
+    assert lich.DEFAULT_MAX_OUTPUT_CHARS == 50_000
+    with lich.mcp_tools(command) as tools:
+        assert tools.run(tool_call("huge")) == lich.ToolResult(ok=True, output=cut)
+        assert tools.run(tool_call("huge_error")) == lich.ToolResult(ok=False, error=cut)
 
 
 def test_mcp_answers_in_pieces_past_noise_and_a_line_too_long_are_read(fake_mcp):
@@ -7732,6 +7747,14 @@ def test_a_slow_tool_shows_its_time_and_a_cut_output_says_so(server, lich_model,
     assert re.fullmatch(r"→ bash sleep 1\.1; echo slept ✓ \(1\.\d s\)", lines[0]), lines
     assert lines[1:3] == ["    slept", "→ bash seq 1 100000 ✓ (output cut)"]
     assert lines[3:6] == ["    1", "    2", "    3"] and re.fullmatch(r"    … \d+ more lines", lines[6])
+
+
+def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "head -c 5000 /dev/zero | tr \'\\\\0\' x; echo"}')),
+          openai_reply("ok"))
+    code, out, err = cli("--yolo", "--no-stream", "--root", str(workspace), "go")
+    assert (code, out) == (0, "ok\n")
+    assert err.splitlines()[:2] == ["→ bash head -c 5000 /dev/zero | tr '\\0' x; echo ✓", "    " + "x" * 395 + "…"]
 
 
 def test_a_closed_stdout_ends_lich_quietly(server, lich_model):
