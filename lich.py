@@ -411,6 +411,38 @@ def _schema_check(value, schema, where, problems):
     return value
 
 
+def _schema_problem(schema, where):
+    """Why ``schema`` cannot be checked against -- a keyword that ``_schema_check`` reads
+    is not of its JSON Schema shape -- or None."""
+    if isinstance(schema, bool):  # true and false are schemas too
+        return None
+    if not isinstance(schema, dict):
+        return f"{where} must be an object, not {_json_kind(schema)}"
+    if "type" in schema:
+        kinds = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
+        if (not isinstance(kinds, list) or not kinds
+                or not all(isinstance(k, str) and k in _JSON_TYPES for k in kinds)):
+            return (f'{where}["type"] must be one of {", ".join(_JSON_TYPES)} or a list of them, '
+                    f'not {_echo(schema["type"])}')
+    for keyword, ok, shape in (("enum", isinstance(schema.get("enum"), list), "an array"),
+                               ("required", isinstance(schema.get("required"), list) and all(
+                                   isinstance(k, str) for k in schema.get("required")),
+                                "an array of strings"),
+                               ("properties", isinstance(schema.get("properties"), dict),
+                                "an object")):
+        if keyword in schema and not ok:
+            return f'{where}["{keyword}"] must be {shape}, not {_echo(schema[keyword])}'
+    inner = [(f'{where}["properties"][{json.dumps(key, ensure_ascii=False)}]', value)
+             for key, value in (schema.get("properties") or {}).items()]
+    inner += [(f'{where}["{keyword}"]', schema[keyword])
+              for keyword in ("items", "additionalProperties") if keyword in schema]
+    for path, value in inner:
+        problem = _schema_problem(value, path)
+        if problem:
+            return problem
+    return None
+
+
 # ============================================================================
 # Events
 # ============================================================================
@@ -770,11 +802,18 @@ def run_tool_calls(tools, calls, history, *, turn, signal=None, emitter=None) ->
                         "cancelled": False})
 
 
-def _check_max_turns(max_turns):
+def _check_run_options(max_turns, output_schema):
+    """A run's options checked before it calls anything, so a mistake costs no model call."""
     if isinstance(max_turns, bool) or not isinstance(max_turns, int):
         raise TypeError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
+    if output_schema is not None:
+        problem = (_schema_problem(output_schema, "output_schema")
+                   if isinstance(output_schema, dict) else
+                   f"output_schema must be an object, not {_json_kind(output_schema)}")
+        if problem:
+            raise ValueError(problem)
 
 
 def _parse_output(text, schema):
@@ -822,7 +861,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     ``messages`` is not changed; the outcome's ``messages`` is the working history, after
     compression when ``context_budget_tokens`` is set.
     """
-    _check_max_turns(max_turns)
+    _check_run_options(max_turns, output_schema)
     history = seed_system_prompt(messages, system_prompt)
     specs = (tools.specs() or None) if tools is not None else None
     response_format = (None if output_schema is None
@@ -1132,7 +1171,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
     """
     if "max_turns" not in loop_params:  # checked before a session file is made for nothing
         raise TypeError("run_agent() missing 1 required keyword argument: 'max_turns'")
-    _check_max_turns(loop_params["max_turns"])
+    _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
                                 loop_params.pop("system_prompt", None))
@@ -5853,7 +5892,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     """
     from concurrent import futures
 
-    _check_max_turns(loop_params.get("max_turns"))
+    _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
     tasks = _batch_tasks(tasks)
     fd, done = _results_file(out, redo) if out is not None else (None, {})
     results = {task_id: result for task_id, result in done.items()}

@@ -1494,6 +1494,37 @@ def test_a_structured_answer_that_never_fits_ends_on_the_budget():
         "budget", None, None, assistant("still no"))
 
 
+TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
+
+
+@pytest.mark.parametrize("schema, problem", [
+    ([], "output_schema must be an object, not an array"),
+    ({"type": "text"}, f'output_schema["type"] must be {TYPE_NAMES}, not "text"'),
+    ({"type": []}, f'output_schema["type"] must be {TYPE_NAMES}, not []'),
+    ({"properties": 5}, 'output_schema["properties"] must be an object, not 5'),
+    ({"properties": {"a": {"enum": 5}}}, 'output_schema["properties"]["a"]["enum"] must be an array, not 5'),
+    ({"required": ["a", 1]}, 'output_schema["required"] must be an array of strings, not ["a", 1]'),
+    ({"items": {"additionalProperties": {"type": ["string", {}]}}},
+     f'output_schema["items"]["additionalProperties"]["type"] must be {TYPE_NAMES}, not ["string", {{}}]'),
+    ({"items": "string"}, 'output_schema["items"] must be an object, not a string'),
+], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items"])
+def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
+    chat = ScriptedChat(assistant("{}"))
+    for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
+                lambda: lich.run_agent("x", chat=chat, max_turns=1, output_schema=schema,
+                                       session_dir=tmp_path / "sessions"),
+                lambda: lich.run_batch(["x"], chat=chat, max_turns=1, output_schema=schema)):
+        with pytest.raises(ValueError) as info:
+            run()
+        assert str(info.value) == problem
+    assert chat.calls == [] and not (tmp_path / "sessions").exists()
+    fine = {"type": ["object", "null"], "properties": {"a": True, "b": {"enum": [1, None]}},
+            "additionalProperties": False, "items": {}, "required": ["a"], "description": "any"}
+    answer = ScriptedChat(assistant('{"a": [1, "x"]}'))
+    assert lich.run_conversation(answer, None, [user("x")], max_turns=1, output_schema=fine).output == {
+        "a": [1, "x"]}
+
+
 def test_no_response_format_reaches_a_chat_when_no_schema_is_asked_for():
     def strict_chat(messages, *, tools=None, temperature=None, max_tokens=None, signal=None):
         return lich.ChatResult(assistant("ok"))  # an older ChatFn: no response_format keyword
