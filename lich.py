@@ -207,7 +207,8 @@ def _add_url_secrets(url: str) -> None:
 def _redact_url(url: str) -> str:
     """``url`` without user-info or query values: what lich may show of a base URL."""
     url = re.sub(r"(?i)^([a-z][a-z0-9+.-]*://)[^/?#@]*@", r"\1" + _REDACTED + "@", url)
-    return re.sub(r"([?&][^=&#]*=)[^&#]*", r"\1" + _REDACTED, url)
+    # query values end at a space too: a URL inside a message stops there
+    return re.sub(r"([?&][^=&#\s]*=)[^&#\s]*", r"\1" + _REDACTED, url)
 
 
 # ============================================================================
@@ -1423,6 +1424,14 @@ def _snippet(body):
     return text[:_SNIPPET_MAX_CHARS] + ("..." if len(text) > _SNIPPET_MAX_CHARS else "")
 
 
+def _unreachable_reason(error) -> str:
+    """Why ``requests`` could not reach a server: its ``[Errno N] text`` when it has one (not
+    urllib3's paragraph around it), secrets and URL user-info redacted."""
+    text = _redact_url(_redact_secrets(str(error)))
+    found = re.search(_ERRNO_TEXT, text)
+    return found.group(0) if found else _snippet(text)
+
+
 def _count(value):
     """A token count from a usage field: an int, or 0 when absent or not a number."""
     if isinstance(value, bool):
@@ -2136,9 +2145,7 @@ class _HTTPChat:
         if isinstance(e, (requests.Timeout, ReadTimeoutError)) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
-        text = _redact_url(_redact_secrets(str(e)))
-        found = re.search(_ERRNO_TEXT, text)
-        reason = found.group(0) if found else _snippet(text)
+        reason = _unreachable_reason(e)
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
@@ -5379,8 +5386,7 @@ class _HTTPServer:
                                          stream=True, allow_redirects=False)
         except requests.RequestException as e:
             exchange.check()
-            raise _Gone(f"cannot reach the MCP server {self.name}: "
-                        f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
+            raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
         if response.status_code == 404 and self.session_id:
             response.close()
             self.session_id = None
@@ -6981,7 +6987,9 @@ class _Cli:
     def _start_mcp(self, server):
         try:
             tools = mcp_tools(server, cwd=self.root)
-        except (MCPError, ValueError) as e:
+        except MCPError as e:  # it names the server, a URL's secrets redacted
+            raise _UsageError(f"--mcp: {e}") from None
+        except ValueError as e:  # a command that cannot be split
             raise _UsageError(f"--mcp {server}: {e}") from None
         self.closers.append(tools.close)
         return tools

@@ -8523,8 +8523,13 @@ def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error(server, lich_mod
 
 def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli):
     assert cli("--mcp", "/nonexistent/server", "hi") == (2, "", (
-        "lich: --mcp /nonexistent/server: cannot start the MCP server '/nonexistent/server': "
-        "No such file or directory\n"))
+        "lich: --mcp: cannot start the MCP server '/nonexistent/server': No such file or directory\n"))
+    port = free_port()
+    assert cli("--mcp", f"http://user:pw@127.0.0.1:{port}/mcp?token=abcdef123456&x=1", "hi") == (2, "", (
+        f"lich: --mcp: cannot reach the MCP server http://[redacted]@127.0.0.1:{port}/mcp?token=[redacted]"
+        "&x=[redacted]: [Errno 111] Connection refused\n"))
+    assert cli("--mcp", "server 'unclosed", "hi") == (2, "", "lich: --mcp server 'unclosed: No closing quotation\n")
+    assert server.requests == []
 
 
 def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, lich_model, fake_mcp, tmp_path):
