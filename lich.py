@@ -6290,6 +6290,17 @@ def _usage_line(usage) -> str:
             f"{_count_text(usage.get('output_tokens', 0))} out")
 
 
+def _json_text(value) -> str:
+    """``value`` as JSON that is valid UTF-8: a lone surrogate (from a file name that is not
+    UTF-8, say) is written as its ``\\u`` escape, not as a stray byte."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = json.dumps(value, default=repr)
+    return text
+
+
 class _Terminal:
     """Everything the CLI shows: the answer on stdout; progress, notes and errors on stderr.
 
@@ -6348,7 +6359,7 @@ class _Terminal:
             self._write(sys.stdout, shown if shown.endswith("\n") else shown + "\n")
 
     def json_line(self, value):
-        self._write(sys.stdout, json.dumps(value, ensure_ascii=False, default=repr) + "\n")
+        self._write(sys.stdout, _json_text(value) + "\n")
 
     # -- stderr: everything else
 
@@ -7142,7 +7153,7 @@ class _Cli:
             return
         if self.schema is not None:
             if run.stopped_reason == "final":
-                term.answer(json.dumps(run.output, ensure_ascii=False))
+                term.answer(_json_text(run.output))
         elif self.answer_on_stdout:
             term.end_answer()
         elif run.final is not None:

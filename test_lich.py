@@ -7572,6 +7572,18 @@ def test_json_lines(server, lich_model, cli, tmp_path, workspace):
     assert "stream" not in server.requests[0]["json"]
 
 
+def test_json_lines_are_utf8_whatever_the_file_names(server, lich_model, tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / os.fsdecode(b"caf\xe9.txt")).write_text("x")  # a name that is not UTF-8
+    queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("done"))
+    code, out, err = Process(LICH_PY, "--json", "--no-session", "--root", ws, "go", input=b"").wait()
+    assert (code, err) == (0, b"")
+    lines = [json.loads(line.decode("utf-8")) for line in out.splitlines()]  # strict UTF-8
+    assert lines[4]["result"]["output"] == "caf\udce9.txt"
+    assert b"caf\\udce9.txt" in out
+
+
 def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
     queue(server, Reply(400, {"error": {"message": "bad thing", "type": "invalid_request_error",
                                         "code": None}}))
