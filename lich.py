@@ -6527,13 +6527,14 @@ def _how_many(n, one, many) -> str:
     return f"{'no' if n == 0 else n} {one if n == 1 else many}"
 
 
-def _tool_outcome(call, result, elapsed):
-    """(words after the tool's mark, preview lines) for a finished tool call."""
+def _tool_outcome(call, result, elapsed, cancelled):
+    """(words after the tool's mark, preview lines) for a finished tool call; ``cancelled``:
+    it never ran."""
     name, args = call.get("name"), _call_arguments_of(call)
     output = result.output or ""
     if not result.ok:
         reason = (result.error or "failed").splitlines()[0] if result.error else "failed"
-        reason = _SKIPPED.get(reason, reason)
+        reason = _SKIPPED.get(reason, reason) if cancelled else reason
         words, preview = reason, _lines(output)
     elif name == "read_file":
         count = sum(1 for line in _lines(output) if line[:6].strip().isdigit())
@@ -6618,7 +6619,7 @@ class _Progress:
         elif kind == "tool_call_end":
             started = self._tool_started if not event["cancelled"] else None
             elapsed = time.monotonic() - started if started is not None else 0.0
-            words, preview = _tool_outcome(event["call"], event["result"], elapsed)
+            words, preview = _tool_outcome(event["call"], event["result"], elapsed, event["cancelled"])
             term.tool_line("→ " + _tool_summary(event["call"]))
             term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":

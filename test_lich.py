@@ -8662,6 +8662,21 @@ def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspa
     assert history[-2]["is_error"] is True and history[-1] == assistant("[interrupted by the user]")
 
 
+def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(server, lich_model, fake_mcp):
+    import signal as signals
+
+    command, log = fake_mcp
+    queue(server, tool_reply(("c1", "sleep", "{}"), ("c2", "first", "{}")))
+    child = Process(LICH_PY, "--no-stream", "--no-session", "--mcp", " ".join([*command, "first,sleep"]), "wait",
+                    env={"NO_COLOR": "1"})
+    eventually(lambda: log.exists() and any(m.get("method") == "tools/call" for m in received(log)), 10)
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert (code, out) == (130, ""), err
+    assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)", "→ sleep ✗ aborted",
+                                "→ first ✗ not run: interrupted", "lich: stopped: interrupted"]
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
 def test_piped_bytes_that_are_not_utf8_are_replaced(server, lich_model, encoding):
     # the process's own stdin, as PYTHONIOENCODING sets it up
