@@ -6545,6 +6545,8 @@ def _tool_outcome(call, result, elapsed, cancelled):
     elif name == "search":
         count = sum(1 for line in _lines(output) if re.match(r"[^\n]*:\d+: ", line))
         words, preview = _how_many(count, "match", "matches"), []
+        if "[... the search stopped at its time limit" in output:
+            words += "; stopped at its time limit"
     elif name == "edit_file":
         old, new = args.get("old_text") or "", args.get("new_text") or ""
         words, preview = f"+{len(_lines(new))} -{len(_lines(old))}", []

@@ -2,6 +2,7 @@
 
 import collections
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -7798,6 +7799,18 @@ def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace)
     code, out, err = cli("--yolo", "--no-stream", "--root", str(workspace), "go")
     assert (code, out) == (0, "ok\n")
     assert err.splitlines()[:2] == ["→ bash head -c 5000 /dev/zero | tr '\\0' x; echo ✓", "    " + "x" * 395 + "…"]
+
+
+def test_a_search_cut_by_its_time_limit_says_so(server, lich_model, cli, workspace, monkeypatch):
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))  # ripgrep would not backtrack at all
+    monkeypatch.setattr(lich, "coding_tools", functools.partial(lich.coding_tools, search_timeout=1))
+    (workspace / "aa.txt").write_text("aaaa\n")
+    (workspace / "z.txt").write_text("a" * 40 + "b\n")
+    queue(server, tool_reply(("c1", "search", json.dumps({"pattern": CATASTROPHIC}))), openai_reply("ok"))
+    code, out, err = cli("--no-stream", "--root", str(workspace), "go")
+    assert (code, out) == (0, "ok\n")
+    assert re.fullmatch(r"→ search \(a\+\)\+\$ ✓ 1 match; stopped at its time limit \(1\.\d s\)", err.splitlines()[0]), err
 
 
 def test_a_closed_stdout_ends_lich_quietly(server, lich_model):
