@@ -7285,11 +7285,15 @@ class _Cli:
         if rest in ("revoke all", "revoke *"):
             grants.clear()
         elif rest.startswith("revoke "):
+            number = rest.split()[1]
             try:
-                del grants[int(rest.split()[1]) - 1]
-            except (ValueError, IndexError):
-                term.error(f"no grant {rest.split()[1]}; /allow lists them")
+                index = int(number) - 1
+            except ValueError:
+                index = -1
+            if not 0 <= index < len(grants):  # 0 and -1 are no grant, not the last one
+                term.error(f"no grant {number}; /allow lists them")
                 return
+            del grants[index]
         elif rest:
             term.error("usage: /allow, /allow revoke N, /allow revoke all")
             return

@@ -8177,6 +8177,26 @@ def test_what_a_terminal_gets_drawn(server, lich_model, tmp_path, workspace, env
         assert "\x1b" not in shown and "\r" not in shown.replace("\r\n", "\n")
 
 
+def test_allow_revoke_of_no_grant_revokes_nothing(server, lich_model, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "echo A"}')),
+          tool_reply(("c2", "bash", '{"command": "echo B"}')), stream_reply("Both ran."))
+    term = chat_pty("--allow", "shell", "--root", str(workspace), tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("run them")
+    for _ in range(2):
+        term.expect("[t] always bash: ")
+        term.send("a")
+    term.expect(PROMPT)
+    granted = "1. bash: echo A\n2. bash: echo B\n› "
+    for number in ("0", "-1", "3"):  # 0 and -1 are not the last grants
+        term.send(f"/allow revoke {number}")
+        assert term.expect(PROMPT).endswith(f"lich: no grant {number}; /allow lists them\n› ")
+        term.send("/allow")
+        assert term.expect(PROMPT).endswith(granted)
+    term.send("/exit")
+    assert term.close() == 0
+
+
 # --- sessions ---
 
 
