@@ -7360,7 +7360,7 @@ class _Cli:
 def _read_tasks(path):
     """A --batch file's tasks: JSON lines, or else one prompt per line."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte order mark is not the first task's
             lines = [line for line in f.read().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise _UsageError(f"--batch: cannot read {path}: {getattr(e, 'strerror', None) or e}") \

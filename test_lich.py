@@ -8410,6 +8410,16 @@ def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, t
     assert (code, json.loads(stdout)["stopped_reason"]) == (3, "budget")
 
 
+def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model, cli, tmp_path, workspace):
+    tasks, prompts = tmp_path / "tasks.jsonl", tmp_path / "prompts.txt"
+    tasks.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n')
+    prompts.write_bytes(b"\xef\xbb\xbftwo\n")
+    for path, expected in ((tasks, ("a", "answer to one: hello")), (prompts, ("0", "answer to two: hello"))):
+        code, stdout, _ = cli("--batch", str(path), "--root", str(workspace))
+        assert (code, [(row["id"], row["final"]) for row in map(json.loads, stdout.splitlines())]) == (
+            0, [expected])
+
+
 def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server, lich_model, tmp_path, workspace):
     import signal as signals
 
