@@ -7320,7 +7320,7 @@ class _Cli:
 
     def batch(self) -> int:
         """Every task of --batch, on --workers threads; resumed from --out."""
-        tasks = _read_tasks(self.args.batch)
+        tasks, numbers = _read_tasks(self.args.batch)
         term, args = self.term, self.args
         signal = self.signal = threading.Event()
         started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
@@ -7348,7 +7348,13 @@ class _Cli:
                 system_prompt=self.system_prompt, temperature=args.temperature,
                 context_budget_tokens=args.context_budget or None, output_schema=self.schema)
 
-        results = _run_interruptibly(work, signal, self)
+        try:
+            results = _run_interruptibly(work, signal, self)
+        except (TypeError, ValueError) as e:  # a bad task: run_batch checks them before any runs
+            bad = _bad_task(e, numbers, args.batch)
+            if bad is None:
+                raise
+            raise bad from None
         term.end_status()
         if signal.is_set():
             return self.interrupts.exit_code
@@ -7358,23 +7364,36 @@ class _Cli:
 
 
 def _read_tasks(path):
-    """A --batch file's tasks: JSON lines, or else one prompt per line."""
+    """A --batch file's tasks, JSON lines or else one prompt per line, and the number of the
+    line each came from. Only a newline ends a line: a JSON string may hold U+2028."""
     try:
         with open(path, encoding="utf-8-sig") as f:  # a byte order mark is not the first task's
-            lines = [line for line in f.read().splitlines() if line.strip()]
+            lines = [(number, line) for number, line in enumerate(f.read().split("\n"), 1)
+                     if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise _UsageError(f"--batch: cannot read {path}: {getattr(e, 'strerror', None) or e}") \
             from None
-    if not lines or not lines[0].lstrip().startswith("{"):
-        return lines
+    numbers = [number for number, _ in lines]
+    if not lines or not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines], numbers
     tasks = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:
         try:
             task = json.loads(line)
         except ValueError as e:
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
         tasks.append(task)
-    return tasks
+    return tasks, numbers
+
+
+def _bad_task(error, numbers, path):
+    """run_batch's complaint about the task at a position, as a usage error naming its line
+    of the --batch file; None for any other error."""
+    found = re.match(r"task (\d+)\b", str(error))
+    if found is None or int(found[1]) >= len(numbers):
+        return None
+    return _UsageError(f"--batch: line {numbers[int(found[1])]} of {path}"
+                       f"{str(error)[found.end():]}")
 
 
 def _print_sessions(session_dir, term, *, as_json) -> int:
