@@ -8410,34 +8410,6 @@ def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, t
     assert (code, json.loads(stdout)["stopped_reason"]) == (3, "budget")
 
 
-def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model, cli, tmp_path, workspace):
-    tasks, prompts = tmp_path / "tasks.jsonl", tmp_path / "prompts.txt"
-    tasks.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n')
-    prompts.write_bytes(b"\xef\xbb\xbftwo\n")
-    for path, expected in ((tasks, ("a", "answer to one: hello")), (prompts, ("0", "answer to two: hello"))):
-        code, stdout, _ = cli("--batch", str(path), "--root", str(workspace))
-        assert (code, [(row["id"], row["final"]) for row in map(json.loads, stdout.splitlines())]) == (
-            0, [expected])
-
-
-@pytest.mark.parametrize("text, error", [
-    ('{"id": "a", "prompt": "one"}\n\n{"id": "a", "prompt": "two"}\n', "line 3 of {}: the id 'a' is used twice"),
-    ('{"id": "a b", "prompt": "one"}\n',
-     "line 1 of {}: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
-    ('{"prompt": "one"}\n{"prompt": "two", "model": "x", "tools": []}\n', "line 2 of {} has unknown keys: model, tools"),
-    ('{"prompt": "one"}\n\n\n[1]\n', "line 4 of {} must be a prompt or a dict with a 'prompt' string"),
-    ('{"prompt": "one"}\r\n\r\n{oops\n',
-     "line 3 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-    ('{"prompt": "one\u2028two"}\n{oops\n',  # U+2028 ends no line
-     "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-], ids=["duplicate-id", "bad-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
-def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
-    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
-    tasks.write_text(text, encoding="utf-8")
-    assert cli("--batch", str(tasks), "--out", str(out)) == (2, "", f"lich: --batch: {error.format(tasks)}\n")
-    assert server.requests == [] and not out.exists()
-
-
 def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server, lich_model, tmp_path, workspace):
     import signal as signals
 
@@ -8538,6 +8510,34 @@ def test_an_mcp_server_that_exits_at_once_is_reported_in_its_own_words_every_tim
     for _ in range(20):
         with pytest.raises(lich.MCPError, match="no config here"):
             lich.mcp_tools(server)
+
+
+def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model, cli, tmp_path, workspace):
+    tasks, prompts = tmp_path / "tasks.jsonl", tmp_path / "prompts.txt"
+    tasks.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n')
+    prompts.write_bytes(b"\xef\xbb\xbftwo\n")
+    for path, expected in ((tasks, ("a", "answer to one: hello")), (prompts, ("0", "answer to two: hello"))):
+        code, stdout, _ = cli("--batch", str(path), "--root", str(workspace))
+        assert (code, [(row["id"], row["final"]) for row in map(json.loads, stdout.splitlines())]) == (
+            0, [expected])
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"id": "a", "prompt": "one"}\n\n{"id": "a", "prompt": "two"}\n', "line 3 of {}: the id 'a' is used twice"),
+    ('{"id": "a b", "prompt": "one"}\n',
+     "line 1 of {}: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ('{"prompt": "one"}\n{"prompt": "two", "model": "x", "tools": []}\n', "line 2 of {} has unknown keys: model, tools"),
+    ('{"prompt": "one"}\n\n\n[1]\n', "line 4 of {} must be a prompt or a dict with a 'prompt' string"),
+    ('{"prompt": "one"}\r\n\r\n{oops\n',
+     "line 3 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"prompt": "one\u2028two"}\n{oops\n',  # U+2028 ends no line
+     "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+], ids=["duplicate-id", "bad-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
+def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    tasks.write_text(text, encoding="utf-8")
+    assert cli("--batch", str(tasks), "--out", str(out)) == (2, "", f"lich: --batch: {error.format(tasks)}\n")
+    assert server.requests == [] and not out.exists()
 
 
 # --- process ---
