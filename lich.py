@@ -7325,6 +7325,8 @@ class _Cli:
         signal = self.signal = threading.Event()
         started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
         total = len(tasks)
+        done_before = 0 if args.out is None or args.redo else _done_in(args.out, tasks)
+        begun = []  # a task's id as it begins (appended by the worker threads)
 
         def on_result(result):
             counts["done"] += 1
@@ -7334,14 +7336,18 @@ class _Cli:
                 term.json_line(asdict(result))
             elapsed = time.monotonic() - started
             rate = counts["done"] / elapsed if elapsed > 0 else 0.0
-            left = total - counts["done"]
+            done = done_before + counts["done"]
+            left = total - done
             eta = f" · ETA {left / rate:.0f} s" if rate and left else ""
-            term.status(f"{counts['done']}/{total} done · {counts['failed']} failed · "
-                        f"{min(args.workers, left)} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+            term.status(f"{done}/{total} done · {counts['failed']} failed · "
+                        f"{len(begun) - counts['done']} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+
+        def tools(task):  # made as the task begins: it runs until its result comes
+            begun.append(task["id"])
+            return self._tools(task.get("root") or self.root)
 
         def work():
-            return run_batch(tasks, chat=self.chat, tools=lambda task: self._tools(
-                task.get("root") or self.root), workers=args.workers,
+            return run_batch(tasks, chat=self.chat, tools=tools, workers=args.workers,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
@@ -7384,6 +7390,27 @@ def _read_tasks(path):
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
         tasks.append(task)
     return tasks, numbers
+
+
+def _done_in(out, tasks) -> int:
+    """How many of ``tasks`` have an ok result in the --out file: run_batch does not run
+    them again."""
+    ids = [task.get("id", str(position)) if isinstance(task, dict) else str(position)
+           for position, task in enumerate(tasks)]
+    ids = {task_id for task_id in ids if isinstance(task_id, str)}  # run_batch refuses the rest
+    done = set()
+    try:
+        with open(out, "rb") as f:
+            for line in f:
+                try:
+                    result = BatchResult(**json.loads(line))
+                except (ValueError, TypeError, RecursionError):
+                    continue  # a line cut by a kill, or not a result
+                if result.ok and isinstance(result.id, str) and result.id in ids:
+                    done.add(result.id)
+    except OSError:  # none yet; any other trouble, run_batch says
+        return 0
+    return len(done)
 
 
 def _bad_task(error, numbers, path):

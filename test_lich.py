@@ -8526,18 +8526,35 @@ def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model,
     ('{"id": "a", "prompt": "one"}\n\n{"id": "a", "prompt": "two"}\n', "line 3 of {}: the id 'a' is used twice"),
     ('{"id": "a b", "prompt": "one"}\n',
      "line 1 of {}: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ('{"id": ["a"], "prompt": "one"}\n',
+     "line 1 of {}: the id ['a'] must be 1 to 64 letters, digits, '_', '.' or '-'"),
     ('{"prompt": "one"}\n{"prompt": "two", "model": "x", "tools": []}\n', "line 2 of {} has unknown keys: model, tools"),
     ('{"prompt": "one"}\n\n\n[1]\n', "line 4 of {} must be a prompt or a dict with a 'prompt' string"),
     ('{"prompt": "one"}\r\n\r\n{oops\n',
      "line 3 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"prompt": "one\u2028two"}\n{oops\n',  # U+2028 ends no line
      "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-], ids=["duplicate-id", "bad-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
+], ids=["duplicate-id", "bad-id", "list-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
 def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
     tasks.write_text(text, encoding="utf-8")
     assert cli("--batch", str(tasks), "--out", str(out)) == (2, "", f"lich: --batch: {error.format(tasks)}\n")
     assert server.requests == [] and not out.exists()
+
+
+
+def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
+                                                                       workspace):
+    tasks, out = tmp_path / "tasks.txt", tmp_path / "out.jsonl"
+    tasks.write_text("first\nfail this\nthird\n")
+    argv = ("--batch", str(tasks), "--out", str(out), "--workers", "1", "--root", str(workspace))
+    code, _, err = cli(*argv)
+    assert (code, [line.split(" · ")[:3] for line in err.splitlines()]) == (1, [
+        ["1/3 done", "0 failed", "0 running"], ["2/3 done", "1 failed", "0 running"],
+        ["3/3 done", "1 failed", "0 running"]])  # each line is drawn as a task ends, before the next begins
+    code, _, err = cli(*argv)
+    assert (code, [line.split(" · ")[:3] for line in err.splitlines()]) == (1, [
+        ["3/3 done", "1 failed", "0 running"]])
 
 
 # --- process ---
