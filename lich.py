@@ -7436,9 +7436,9 @@ def _print_sessions(session_dir, term, *, as_json) -> int:
             term.json_line(summary)
             continue
         when = summary["when"][:16].replace("T", " ")  # UTC, as the ids
-        term.answer(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "
-                    f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
-                    f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}")
+        term.answer(_visible(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "  # piped too
+                             f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
+                             f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}"))
     if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
     return _EXIT_OK

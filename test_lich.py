@@ -8377,6 +8377,17 @@ def test_list_sessions_shows_each_sessions_folder_model_size_and_prompt(server, 
     assert TS.fullmatch(rows[0]["when"]) and rows[0]["path"] == str(sessions_in(tmp_path)[-1])
 
 
+def test_list_sessions_spells_out_control_characters(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl", run_start(0, 0, cwd=tmp_path, model="gpt\x9b1m"),
+                  msg(user("\x1b[2J\x1b]0;evil\x07 look")), msg(assistant("a")))
+    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
+    assert cli("--list-sessions") == (0, (  # stdout is not a terminal: it may be shown on one all the same
+        f"20260101T000000Z-1  2023-11-14 22:13  {os.path.realpath(tmp_path)}  gpt\\x9b1m     2 messages  "
+        f"\\x1b[2J\\x1b]0;evil\\x07 look\n"), "")
+
+
 # --- batches and MCP ---
 
 
