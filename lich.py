@@ -7353,11 +7353,15 @@ class _Cli:
         if rest in ("revoke all", "revoke *"):
             grants.clear()
         elif rest.startswith("revoke "):
+            number = rest.split()[1]
             try:
-                del grants[int(rest.split()[1]) - 1]
-            except (ValueError, IndexError):
-                term.error(f"no grant {rest.split()[1]}; /allow lists them")
+                index = int(number) - 1
+            except ValueError:
+                index = -1
+            if not 0 <= index < len(grants):  # 0 and -1 are no grant, not the last one
+                term.error(f"no grant {number}; /allow lists them")
                 return
+            del grants[index]
         elif rest:
             term.error("usage: /allow, /allow revoke N, /allow revoke all")
             return
@@ -7384,11 +7388,13 @@ class _Cli:
 
     def batch(self) -> int:
         """Every task of --batch, on --workers threads; resumed from --out."""
-        tasks = _read_tasks(self.args.batch)
+        tasks, numbers = _read_tasks(self.args.batch)
         term, args = self.term, self.args
         signal = self.signal = threading.Event()
         started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
         total = len(tasks)
+        done_before = 0 if args.out is None or args.redo else _done_in(args.out, tasks)
+        begun = []  # a task's id as it begins (appended by the worker threads)
 
         def on_result(result):
             counts["done"] += 1
@@ -7398,21 +7404,31 @@ class _Cli:
                 term.json_line(asdict(result))
             elapsed = time.monotonic() - started
             rate = counts["done"] / elapsed if elapsed > 0 else 0.0
-            left = total - counts["done"]
+            done = done_before + counts["done"]
+            left = total - done
             eta = f" · ETA {left / rate:.0f} s" if rate and left else ""
-            term.status(f"{counts['done']}/{total} done · {counts['failed']} failed · "
-                        f"{min(args.workers, left)} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+            term.status(f"{done}/{total} done · {counts['failed']} failed · "
+                        f"{len(begun) - counts['done']} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+
+        def tools(task):  # made as the task begins: it runs until its result comes
+            begun.append(task["id"])
+            return self._tools(task.get("root") or self.root)
 
         def work():
-            return run_batch(tasks, chat=self.chat, tools=lambda task: self._tools(
-                task.get("root") or self.root), workers=args.workers,
+            return run_batch(tasks, chat=self.chat, tools=tools, workers=args.workers,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
                 system_prompt=self.system_prompt, temperature=args.temperature,
                 context_budget_tokens=args.context_budget or None, output_schema=self.schema)
 
-        results = _run_interruptibly(work, signal, self)
+        try:
+            results = _run_interruptibly(work, signal, self)
+        except (TypeError, ValueError) as e:  # a bad task: run_batch checks them before any runs
+            bad = _bad_task(e, numbers, args.batch)
+            if bad is None:
+                raise
+            raise bad from None
         term.end_status()
         if signal.is_set():
             return self.interrupts.exit_code
@@ -7422,23 +7438,57 @@ class _Cli:
 
 
 def _read_tasks(path):
-    """A --batch file's tasks: JSON lines, or else one prompt per line."""
+    """A --batch file's tasks, JSON lines or else one prompt per line, and the number of the
+    line each came from. Only a newline ends a line: a JSON string may hold U+2028."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
+        with open(path, encoding="utf-8-sig") as f:  # a byte order mark is not the first task's
+            lines = [(number, line) for number, line in enumerate(f.read().split("\n"), 1)
+                     if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise _UsageError(f"--batch: cannot read {path}: {getattr(e, 'strerror', None) or e}") \
             from None
-    if not lines or not lines[0].lstrip().startswith("{"):
-        return lines
+    numbers = [number for number, _ in lines]
+    if not lines or not lines[0][1].lstrip().startswith("{"):
+        return [line for _, line in lines], numbers
     tasks = []
-    for number, line in enumerate(lines, 1):
+    for number, line in lines:
         try:
             task = json.loads(line)
         except ValueError as e:
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
         tasks.append(task)
-    return tasks
+    return tasks, numbers
+
+
+def _done_in(out, tasks) -> int:
+    """How many of ``tasks`` have an ok result in the --out file: run_batch does not run
+    them again."""
+    ids = [task.get("id", str(position)) if isinstance(task, dict) else str(position)
+           for position, task in enumerate(tasks)]
+    ids = {task_id for task_id in ids if isinstance(task_id, str)}  # run_batch refuses the rest
+    done = set()
+    try:
+        with open(out, "rb") as f:
+            for line in f:
+                try:
+                    result = BatchResult(**json.loads(line))
+                except (ValueError, TypeError, RecursionError):
+                    continue  # a line cut by a kill, or not a result
+                if result.ok and isinstance(result.id, str) and result.id in ids:
+                    done.add(result.id)
+    except OSError:  # none yet; any other trouble, run_batch says
+        return 0
+    return len(done)
+
+
+def _bad_task(error, numbers, path):
+    """run_batch's complaint about the task at a position, as a usage error naming its line
+    of the --batch file; None for any other error."""
+    found = re.match(r"task (\d+)\b", str(error))
+    if found is None or int(found[1]) >= len(numbers):
+        return None
+    return _UsageError(f"--batch: line {numbers[int(found[1])]} of {path}"
+                       f"{str(error)[found.end():]}")
 
 
 def _print_sessions(session_dir, term, *, as_json) -> int:
@@ -7454,9 +7504,9 @@ def _print_sessions(session_dir, term, *, as_json) -> int:
             term.json_line(summary)
             continue
         when = summary["when"][:16].replace("T", " ")  # UTC, as the ids
-        term.answer(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "
-                    f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
-                    f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}")
+        term.answer(_visible(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "  # piped too
+                             f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
+                             f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}"))
     if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
     return _EXIT_OK

@@ -8267,6 +8267,26 @@ def test_what_a_terminal_gets_drawn(server, lich_model, tmp_path, workspace, env
         assert "\x1b" not in shown and "\r" not in shown.replace("\r\n", "\n")
 
 
+def test_allow_revoke_of_no_grant_revokes_nothing(server, lich_model, tmp_path, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "echo A"}')),
+          tool_reply(("c2", "bash", '{"command": "echo B"}')), stream_reply("Both ran."))
+    term = chat_pty("--allow", "shell", "--root", str(workspace), tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("run them")
+    for _ in range(2):
+        term.expect("[t] always bash: ")
+        term.send("a")
+    term.expect(PROMPT)
+    granted = "1. bash: echo A\n2. bash: echo B\n› "
+    for number in ("0", "-1", "3"):  # 0 and -1 are not the last grants
+        term.send(f"/allow revoke {number}")
+        assert term.expect(PROMPT).endswith(f"lich: no grant {number}; /allow lists them\n› ")
+        term.send("/allow")
+        assert term.expect(PROMPT).endswith(granted)
+    term.send("/exit")
+    assert term.close() == 0
+
+
 # --- sessions ---
 
 
@@ -8447,6 +8467,17 @@ def test_list_sessions_shows_each_sessions_folder_model_size_and_prompt(server, 
     assert TS.fullmatch(rows[0]["when"]) and rows[0]["path"] == str(sessions_in(tmp_path)[-1])
 
 
+def test_list_sessions_spells_out_control_characters(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    write_records(d / "20260101T000000Z-1.jsonl", run_start(0, 0, cwd=tmp_path, model="gpt\x9b1m"),
+                  msg(user("\x1b[2J\x1b]0;evil\x07 look")), msg(assistant("a")))
+    os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
+    assert cli("--list-sessions") == (0, (  # stdout is not a terminal: it may be shown on one all the same
+        f"20260101T000000Z-1  2023-11-14 22:13  {os.path.realpath(tmp_path)}  gpt\\x9b1m     2 messages  "
+        f"\\x1b[2J\\x1b]0;evil\\x07 look\n"), "")
+
+
 # --- batches and MCP ---
 
 
@@ -8585,6 +8616,51 @@ def test_an_mcp_server_that_exits_at_once_is_reported_in_its_own_words_every_tim
     for _ in range(20):
         with pytest.raises(lich.MCPError, match="no config here"):
             lich.mcp_tools(server)
+
+
+def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model, cli, tmp_path, workspace):
+    tasks, prompts = tmp_path / "tasks.jsonl", tmp_path / "prompts.txt"
+    tasks.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "one"}\n')
+    prompts.write_bytes(b"\xef\xbb\xbftwo\n")
+    for path, expected in ((tasks, ("a", "answer to one: hello")), (prompts, ("0", "answer to two: hello"))):
+        code, stdout, _ = cli("--batch", str(path), "--root", str(workspace))
+        assert (code, [(row["id"], row["final"]) for row in map(json.loads, stdout.splitlines())]) == (
+            0, [expected])
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"id": "a", "prompt": "one"}\n\n{"id": "a", "prompt": "two"}\n', "line 3 of {}: the id 'a' is used twice"),
+    ('{"id": "a b", "prompt": "one"}\n',
+     "line 1 of {}: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ('{"id": ["a"], "prompt": "one"}\n',
+     "line 1 of {}: the id ['a'] must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ('{"prompt": "one"}\n{"prompt": "two", "model": "x", "tools": []}\n', "line 2 of {} has unknown keys: model, tools"),
+    ('{"prompt": "one"}\n\n\n[1]\n', "line 4 of {} must be a prompt or a dict with a 'prompt' string"),
+    ('{"prompt": "one"}\r\n\r\n{oops\n',
+     "line 3 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"prompt": "one\u2028two"}\n{oops\n',  # U+2028 ends no line
+     "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+], ids=["duplicate-id", "bad-id", "list-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
+def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
+    tasks.write_text(text, encoding="utf-8")
+    assert cli("--batch", str(tasks), "--out", str(out)) == (2, "", f"lich: --batch: {error.format(tasks)}\n")
+    assert server.requests == [] and not out.exists()
+
+
+
+def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
+                                                                       workspace):
+    tasks, out = tmp_path / "tasks.txt", tmp_path / "out.jsonl"
+    tasks.write_text("first\nfail this\nthird\n")
+    argv = ("--batch", str(tasks), "--out", str(out), "--workers", "1", "--root", str(workspace))
+    code, _, err = cli(*argv)
+    assert (code, [line.split(" · ")[:3] for line in err.splitlines()]) == (1, [
+        ["1/3 done", "0 failed", "0 running"], ["2/3 done", "1 failed", "0 running"],
+        ["3/3 done", "1 failed", "0 running"]])  # each line is drawn as a task ends, before the next begins
+    code, _, err = cli(*argv)
+    assert (code, [line.split(" · ")[:3] for line in err.splitlines()]) == (1, [
+        ["3/3 done", "1 failed", "0 running"]])
 
 
 # --- process ---
