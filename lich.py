@@ -7391,7 +7391,7 @@ class _Cli:
         tasks, numbers = _read_tasks(self.args.batch)
         term, args = self.term, self.args
         signal = self.signal = threading.Event()
-        started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
+        started, counts = time.monotonic(), {"done": 0, "failed": 0}
         total = len(tasks)
         done_before = 0 if args.out is None or args.redo else _done_in(args.out, tasks)
         begun = []  # a task's id as it begins (appended by the worker threads)
@@ -7399,7 +7399,6 @@ class _Cli:
         def on_result(result):
             counts["done"] += 1
             counts["failed"] += result.stopped_reason is None or result.stopped_reason == "aborted"
-            counts["budget"] += result.stopped_reason == "budget"
             if args.out is None:
                 term.json_line(asdict(result))
             elapsed = time.monotonic() - started
@@ -7454,7 +7453,7 @@ def _read_tasks(path):
     for number, line in lines:
         try:
             task = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
         tasks.append(task)
     return tasks, numbers

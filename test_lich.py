@@ -8640,13 +8640,15 @@ def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model,
      "line 3 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"prompt": "one\u2028two"}\n{oops\n',  # U+2028 ends no line
      "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
-], ids=["duplicate-id", "bad-id", "list-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator"])
+    ('{"prompt": "one"}\n' + '{"a": ' * 100_000 + "\n",
+     "line 2 of {} is not JSON: maximum recursion depth exceeded while decoding a JSON object from a unicode string"),
+], ids=["duplicate-id", "bad-id", "list-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator",
+        "too-deep"])
 def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
     tasks.write_text(text, encoding="utf-8")
     assert cli("--batch", str(tasks), "--out", str(out)) == (2, "", f"lich: --batch: {error.format(tasks)}\n")
     assert server.requests == [] and not out.exists()
-
 
 
 def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
