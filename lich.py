@@ -7165,6 +7165,8 @@ class _Cli:
         if run.stopped_reason == "budget":
             term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before a "
                       f"final answer; raise --max-turns or continue with -c")
+        elif run.stopped_reason == "final" and run.result.stop_reason == "length":
+            term.note("lich: the answer was cut short: the model reached its output limit")
         if run.usage_total.get("input_tokens") or run.usage_total.get("output_tokens"):
             term.note(_usage_line(run.usage_total))  # none when the provider said nothing
 

@@ -7793,6 +7793,17 @@ def test_a_slow_tool_shows_its_time_and_a_cut_output_says_so(server, lich_model,
     assert lines[3:6] == ["    1", "    2", "    3"] and re.fullmatch(r"    … \d+ more lines", lines[6])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_answer_cut_at_the_output_limit_says_so(server, lich_model, cli, stream):
+    if stream:
+        queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="The answer is"), delta_chunk(finish="length"))]))
+    else:
+        queue(server, openai_reply("The answer is", finish="length"))
+    assert cli(*([] if stream else ["--no-stream"]), "go") == (0, "The answer is\n", (
+        "lich: the answer was cut short: the model reached its output limit\n" + (
+            "" if stream else "tokens: 7 in, 3 out\n")))
+
+
 def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "bash", '{"command": "head -c 5000 /dev/zero | tr \'\\\\0\' x; echo"}')),
           openai_reply("ok"))
