@@ -7167,6 +7167,8 @@ class _Cli:
                       f"final answer; raise --max-turns or continue with -c")
         elif run.stopped_reason == "final" and run.result.stop_reason == "length":
             term.note("lich: the answer was cut short: the model reached its output limit")
+        elif run.stopped_reason == "final" and not (run.final.get("content") or "").strip():
+            term.note("lich: the model's answer was empty")
         if run.usage_total.get("input_tokens") or run.usage_total.get("output_tokens"):
             term.note(_usage_line(run.usage_total))  # none when the provider said nothing
 

@@ -7804,6 +7804,12 @@ def test_an_answer_cut_at_the_output_limit_says_so(server, lich_model, cli, stre
             "" if stream else "tokens: 7 in, 3 out\n")))
 
 
+def test_an_empty_answer_says_so(server, lich_model, cli):
+    queue(server, openai_reply(None), Reply(200, chunks=[sse((None, "[DONE]"))]))
+    assert cli("--no-stream", "go") == (0, "", "lich: the model's answer was empty\ntokens: 7 in, 3 out\n")
+    assert cli("go") == (0, "", "lich: the model's answer was empty\n")
+
+
 def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "bash", '{"command": "head -c 5000 /dev/zero | tr \'\\\\0\' x; echo"}')),
           openai_reply("ok"))
