@@ -2113,32 +2113,12 @@ class _HTTPChat:
         return self._error(f"error {where}{label}: {text}", kind)
 
     # -- what each provider defines --
-
-    _Stream = None  # a class reading one streamed answer: feed(event, payload) -> text or None
-
-    def _key_required(self):
-        raise NotImplementedError
-
-    def _wire_headers(self):
-        raise NotImplementedError
-
-    def _encode_message(self, message):
-        raise NotImplementedError
-
-    def _tools_to_wire(self, tools):
-        raise NotImplementedError
-
-    def _body_fields(self, tools, temperature, max_tokens, response_format) -> dict:
-        """The body's fields besides model and messages; bytes values are JSON already."""
-        raise NotImplementedError
-
-    def _assemble(self, encoded) -> dict:
-        """The body fields made of the messages (bytes of JSON), from their
-        (message, content, tool_calls, encoding) entries."""
-        raise NotImplementedError
-
-    def _from_wire(self, data):
-        raise NotImplementedError
+    # _Stream: a class reading one streamed answer, feed(event, payload) -> text or None;
+    # _key_required(), _wire_headers(), _encode_message(message), _tools_to_wire(tools);
+    # _body_fields(tools, temperature, max_tokens, response_format): the body's fields besides
+    # model and messages, bytes values being JSON already; _assemble(encoded): the fields made
+    # of the messages, from their (message, content, tool_calls, encoding) entries;
+    # _from_wire(data): the ChatResult of a whole answer.
 
 
 def _content_text(content):
