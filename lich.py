@@ -3344,6 +3344,9 @@ _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
 _UTF8_MAX_BYTES = 4
 _NOTED_MAX = 5                  # paths named in a note about what was not looked at
+# a folder opened beneath another (or the root) following no link
+_SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0))
 
 
 def _fs_failure(error, path):
@@ -3378,8 +3381,6 @@ def _walk_tree(top_fd, visit, *, limit=None, depth=0):
     (folder, reason) pairs of folders that could not be read. ``depth`` is the top's own,
     where the walk is part of a larger one. Closes ``top_fd``.
     """
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-        | getattr(os, "O_CLOEXEC", 0)
     skipped = []
     frames = []  # [descriptor, path from the top, depth, subfolder names still to enter]
     seen = 0
@@ -3420,7 +3421,7 @@ def _walk_tree(top_fd, visit, *, limit=None, depth=0):
                 skipped.append((rel + name, f"deeper than {_WALK_MAX_DEPTH} levels"))
                 continue
             try:
-                child = os.open(name, flags, dir_fd=fd)
+                child = os.open(name, _SUBFOLDER_FLAGS, dir_fd=fd)
             except OSError as e:
                 skipped.append((rel + name, e.strerror or str(e)))
                 continue
@@ -3552,19 +3553,17 @@ class _Root:
         rel = self.relative(folder)
         if rel == ".":
             return
-        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-            | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags)
+        fd = os.open(self.path, _SUBFOLDER_FLAGS)
         try:
             for part in rel.split("/"):
                 try:
-                    child = os.open(part, flags, dir_fd=fd)
+                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     try:
                         os.mkdir(part, dir_fd=fd)
                     except FileExistsError:
                         pass  # made meanwhile
-                    child = os.open(part, flags, dir_fd=fd)
+                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = child
         finally:
@@ -3988,8 +3987,7 @@ def _open_beneath(folder_fd, rel, flags):
     fd = folder_fd
     try:
         for part in parts[:-1]:
-            child = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-                            | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+            child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
             if fd != folder_fd:
                 os.close(fd)
             fd = child
@@ -4030,8 +4028,6 @@ def _search_units(fd, prefix, rules, check):
     called every few hundred entries."""
     units, skipped = [], []
     queue = deque([""])
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-        | getattr(os, "O_CLOEXEC", 0)
     work = 0
     for _ in range(_SEARCH_SPLIT_FOLDERS):
         if not queue:
@@ -4039,7 +4035,7 @@ def _search_units(fd, prefix, rules, check):
         check()
         sub = queue[0]
         try:
-            folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
+            folder_fd = _open_beneath(fd, sub, _SUBFOLDER_FLAGS) if sub else os.dup(fd)
             try:
                 with os.scandir(folder_fd) as listing:
                     entries = []
