@@ -4886,6 +4886,15 @@ class _SessionExpired(_Gone):
     """An HTTP server no longer knows our session: a new handshake starts another."""
 
 
+def _rpc_result(answer) -> dict:
+    """The result of a JSON-RPC answer (an empty dict when it holds none); _RPCError when
+    the answer is an error."""
+    if "error" in answer:
+        error = answer["error"] if isinstance(answer["error"], dict) else {}
+        raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
+    return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+
+
 def _mcp_content(result) -> str:
     """The text of a tools/call result: text content joined by newlines, other content one
     line each (``[image: image/png, 1234 bytes]``, ``[resource: uri]``)."""
@@ -4995,10 +5004,7 @@ class _StdioServer:
         answer = slot[1]
         if answer is None:
             raise _Gone(self._gone)
-        if "error" in answer:
-            error = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
-        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+        return _rpc_result(answer)
 
     def notify(self, method, params=None):
         message = {"jsonrpc": "2.0", "method": method}
@@ -5346,10 +5352,7 @@ class _HTTPServer:
                             f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
-        if "error" in answer:
-            error = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
-        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+        return _rpc_result(answer)
 
     def _answer(self, response, request_id, exchange):
         """The answer to ``request_id`` from a JSON body or an SSE stream."""
