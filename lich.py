@@ -5993,64 +5993,54 @@ def _build_parser():
     add = parser.add_argument
     add("prompt", nargs="?", metavar="PROMPT", help="what to do; omit for interactive chat")
     add("-i", "--interactive", action="store_true", help="stay in chat after PROMPT")
-    group = parser.add_argument_group("model")
-    group.add_argument("-m", "--model", metavar="SPEC", help="provider:model[@base_url], "
-                       "comma-separated for failover (default: $LICH_MODEL, else by the API key "
-                       "that is set)")
-    group.add_argument("--base-url", metavar="URL", help="the provider's base URL")
-    group.add_argument("-s", "--system", metavar="TEXT", help="the system prompt")
-    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
-    group.add_argument("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
-                       help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
-    group.add_argument("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
-                       metavar="TOKENS", help=f"compress history above this estimate (default "
-                       f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
-    group.add_argument("--schema", metavar="JSON|@FILE", help="answer with one JSON value "
-                       "valid under this JSON Schema (printed as one line)")
-    group = parser.add_argument_group("tools")
-    group.add_argument("--allow", action="append", choices=("write", "shell"), default=[],
-                       help="offer the file-writing or shell tools (repeatable); on a terminal "
-                       "each call asks first")
-    group.add_argument("--yolo", action="store_true", help="offer write and shell tools and "
-                       "never ask")
-    group.add_argument("--mcp", action="append", default=[], metavar="SERVER",
-                       help="offer an MCP server's tools: a command line or an http(s) URL "
-                       "(repeatable)")
-    group.add_argument("--root", default=".", metavar="DIR", help="the tools' workspace "
-                       "(default: .)")
-    group.add_argument("--no-project-instructions", action="store_true",
-                       help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
-    group = parser.add_argument_group("sessions")
-    group.add_argument("--session-dir", metavar="DIR", help="where sessions are recorded "
-                       "(default $LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
-                       "~/.local/state/lich/sessions)")
-    group.add_argument("--no-session", action="store_true", help="record nothing")
-    group.add_argument("--label", metavar="L", help="a label for the session file name")
-    group.add_argument("--resume", metavar="ID", help="continue a session: an id, a unique "
-                       "prefix or 'latest'")
-    group.add_argument("-c", "--continue", dest="continue_", action="store_true",
-                       help="continue the latest session of this folder")
-    group.add_argument("--list-sessions", action="store_true", help="list sessions, newest first")
-    group = parser.add_argument_group("batches")
-    group.add_argument("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
-                       "({\"id\", \"prompt\", ...}) or one prompt per line")
-    group.add_argument("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
-                       help=f"tasks run at once (default {_DEFAULT_WORKERS})")
-    group.add_argument("--out", metavar="PATH", help="the batch's results file (default: JSON "
-                       "lines on stdout); an existing one resumes the batch")
-    group.add_argument("--redo", action="store_true", help="run every task again")
-    group = parser.add_argument_group("output")
-    group.add_argument("--json", action="store_true", help="print every loop event as a JSON "
-                       "line on stdout")
-    group.add_argument("--no-stream", action="store_true", help="show the answer when it is "
-                       "complete")
-    group.add_argument("--otel", action="store_true", help="send OpenTelemetry spans, as the "
-                       "OTEL_* variables say")
-    group.add_argument("-q", "--quiet", action="store_true", help="no tool lines, spinner, "
-                       "notes or usage")
-    group.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks "
-                       "on stderr")
-    add("--version", action="version", version=f"lich {__version__}")
+    add = parser.add_argument_group("model").add_argument
+    add("-m", "--model", metavar="SPEC", help="provider:model[@base_url], comma-separated for "
+        "failover (default: $LICH_MODEL, else by the API key that is set)")
+    add("--base-url", metavar="URL", help="the provider's base URL")
+    add("-s", "--system", metavar="TEXT", help="the system prompt")
+    add("--temperature", type=float, metavar="T", help="sampling temperature")
+    add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
+        help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
+    add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
+        metavar="TOKENS", help=f"compress history above this estimate (default "
+                               f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+    add("--schema", metavar="JSON|@FILE", help="answer with one JSON value valid under this "
+                                               "JSON Schema (printed as one line)")
+    add = parser.add_argument_group("tools").add_argument
+    add("--allow", action="append", choices=("write", "shell"), default=[],
+        help="offer the file-writing or shell tools (repeatable); on a terminal each call "
+             "asks first")
+    add("--yolo", action="store_true", help="offer write and shell tools and never ask")
+    add("--mcp", action="append", default=[], metavar="SERVER", help="offer an MCP server's "
+        "tools: a command line or an http(s) URL (repeatable)")
+    add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
+    add("--no-project-instructions", action="store_true",
+        help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
+    add = parser.add_argument_group("sessions").add_argument
+    add("--session-dir", metavar="DIR", help="where sessions are recorded (default "
+        "$LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else ~/.local/state/lich/sessions)")
+    add("--no-session", action="store_true", help="record nothing")
+    add("--label", metavar="L", help="a label for the session file name")
+    add("--resume", metavar="ID", help="continue a session: an id, a unique prefix or 'latest'")
+    add("-c", "--continue", dest="continue_", action="store_true",
+        help="continue the latest session of this folder")
+    add("--list-sessions", action="store_true", help="list sessions, newest first")
+    add = parser.add_argument_group("batches").add_argument
+    add("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
+        "({\"id\", \"prompt\", ...}) or one prompt per line")
+    add("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
+        help=f"tasks run at once (default {_DEFAULT_WORKERS})")
+    add("--out", metavar="PATH", help="the batch's results file (default: JSON lines on "
+        "stdout); an existing one resumes the batch")
+    add("--redo", action="store_true", help="run every task again")
+    add = parser.add_argument_group("output").add_argument
+    add("--json", action="store_true", help="print every loop event as a JSON line on stdout")
+    add("--no-stream", action="store_true", help="show the answer when it is complete")
+    add("--otel", action="store_true", help="send OpenTelemetry spans, as the OTEL_* "
+        "variables say")
+    add("-q", "--quiet", action="store_true", help="no tool lines, spinner, notes or usage")
+    add("-v", "--verbose", action="store_true", help="debug logs and tracebacks on stderr")
+    parser.add_argument("--version", action="version", version=f"lich {__version__}")
     return parser
 
 
