@@ -1641,11 +1641,7 @@ class _Exchange:
                     self._shutdown()
 
     def due(self):
-        if self.signal is not None and self.signal.is_set():
-            return "aborted"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return "timeout"
-        return None
+        return _cut_reason(self.deadline, self.signal)
 
     def cut_now(self, reason):
         with self._lock:
@@ -1674,10 +1670,10 @@ class _Cut(Exception):
 
 def _cut_reason(deadline, signal):
     """"aborted" when ``signal`` (an Event or None) is set, "timeout" once the clock has
-    passed ``deadline``, else None."""
+    passed ``deadline`` (a time or None), else None."""
     if signal is not None and signal.is_set():
         return "aborted"
-    return "timeout" if time.monotonic() >= deadline else None
+    return "timeout" if deadline is not None and time.monotonic() >= deadline else None
 
 
 class _Watchdog:
