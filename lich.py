@@ -850,11 +850,8 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         grown = len(history) - 1
         calls = message.get("tool_calls")
         if not calls:
-            if output_schema is None:
-                _emit(emitter, {"type": "final", "message": message, "result": result})
-                _emit(emitter, {"type": "turn_end", "turn": turn})
-                return LoopOutcome(history, message, result, turn, "final")
-            output, error = _parse_output(message.get("content") or "", output_schema)
+            output, error = (None, None) if output_schema is None else _parse_output(
+                message.get("content") or "", output_schema)
             if error is None:
                 _emit(emitter, {"type": "final", "message": message, "result": result})
                 _emit(emitter, {"type": "turn_end", "turn": turn})
@@ -1171,8 +1168,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
             session.close()
     return AgentRunResult(outcome.messages, outcome.final, outcome.result, outcome.turns_used,
                           outcome.stopped_reason, outcome.output,
-                          session_path=getattr(session, "path", None) if session is not None
-                          else None, usage_total=recorder.usage)
+                          session_path=getattr(session, "path", None), usage_total=recorder.usage)
 
 
 # --- reading ---
@@ -2789,9 +2785,8 @@ class Limiter:
             return self._paused_until - now
         if self.max_concurrent is not None and self._in_flight >= self.max_concurrent:
             return _WATCH_SECONDS  # until a call ends (notified) or the signal is looked at
-        if self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute:
-            return self._starts[0][0] + self._WINDOW - now
-        if (self.tokens_per_minute is not None and self._starts
+        if (self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute
+                or self.tokens_per_minute is not None and self._starts
                 and self._tokens + tokens > self.tokens_per_minute):
             return self._starts[0][0] + self._WINDOW - now
         return 0.0
@@ -4499,8 +4494,7 @@ class _Workspace:
             if not number.isdigit():
                 return
             if folder:
-                rel = os.fsdecode(name)
-                rel = rel.removeprefix("./")
+                rel = os.fsdecode(name).removeprefix("./")
                 keep = checked.get(rel)
                 if keep is None:
                     keep = checked[rel] = wanted(rel, rel.rpartition("/")[2]) and not (
@@ -5827,7 +5821,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     _check_max_turns(loop_params.get("max_turns"))
     tasks = _batch_tasks(tasks)
     fd, done = _results_file(out, redo) if out is not None else (None, {})
-    results = {task_id: result for task_id, result in done.items()}
+    results = dict(done)
     pending = [task for task in tasks if task["id"] not in results]
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
@@ -6434,7 +6428,7 @@ def _tool_outcome(call, result, elapsed):
     name, args = call.get("name"), _call_arguments_of(call)
     output = result.output or ""
     if not result.ok:
-        reason = (result.error or "failed").splitlines()[0] if result.error else "failed"
+        reason = result.error.splitlines()[0] if result.error else "failed"
         reason = _SKIPPED.get(reason, reason)
         words, preview = reason, _lines(output)
     elif name == "read_file":
@@ -7017,9 +7011,7 @@ class _Cli:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
         self._show(run, session)
-        if run.stopped_reason == "budget":
-            return _EXIT_BUDGET, run.messages
-        return _EXIT_OK, run.messages
+        return (_EXIT_BUDGET if run.stopped_reason == "budget" else _EXIT_OK), run.messages
 
     def _interrupted(self, progress, session):
         """Close an interrupted turn with a note (and what was shown of its answer)."""
