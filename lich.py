@@ -6423,6 +6423,13 @@ def _how_many(n, one, many) -> str:
     return f"{'no' if n == 0 else n} {one if n == 1 else many}"
 
 
+def _first_lines(lines, n) -> list:
+    """The first ``n`` of ``lines``, and a line saying how many more there were."""
+    if len(lines) <= n:
+        return lines
+    return lines[:n] + [f"… {_how_many(len(lines) - n, 'more line', 'more lines')}"]
+
+
 def _tool_outcome(call, result, elapsed):
     """(words after the tool's mark, preview lines) for a finished tool call."""
     name, args = call.get("name"), _call_arguments_of(call)
@@ -6449,9 +6456,7 @@ def _tool_outcome(call, result, elapsed):
         words, preview = "", _lines(output)
     if name == "bash" and preview and re.fullmatch(r"\[exit code -?\d+\]", preview[-1]):
         preview = preview[:-1]
-    if len(preview) > _PREVIEW_LINES:
-        more = len(preview) - _PREVIEW_LINES
-        preview = preview[:_PREVIEW_LINES] + [f"… {_how_many(more, 'more line', 'more lines')}"]
+    preview = _first_lines(preview, _PREVIEW_LINES)
     if " omitted ...]" in output:
         words += " (output cut)"
     if elapsed >= _TOOL_ELAPSED_SECONDS:
@@ -6761,8 +6766,7 @@ def _recap(history) -> list:
         if message is not None:
             text = [line if len(line) <= _RECAP_LINE_CHARS else line[:_RECAP_LINE_CHARS - 1] + "…"
                     for line in _lines(message["content"].strip())]
-            cut = text[:_RECAP_LINES] + ([f"… {_how_many(len(text) - _RECAP_LINES, 'more line', 'more lines')}"]
-                                         if len(text) > _RECAP_LINES else [])
+            cut = _first_lines(text, _RECAP_LINES)
             lines += [f"{shown}: {cut[0]}"] + [" " * (len(shown) + 2) + line for line in cut[1:]]
     return lines
 
@@ -7323,10 +7327,9 @@ def _read_tasks(path):
     tasks = []
     for number, line in enumerate(lines, 1):
         try:
-            task = json.loads(line)
+            tasks.append(json.loads(line))
         except ValueError as e:
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
-        tasks.append(task)
     return tasks
 
 
