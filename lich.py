@@ -153,11 +153,10 @@ def _add_secret(key: str) -> None:
     it. (A key shorter than that is no secret worth the damage hiding it would do.)"""
     if key in _secrets or len(key) < _SECRET_WINDOW:
         return
-    width = _SECRET_WINDOW
-    windows = sorted({key[i:i + width] for i in range(len(key) - width + 1)}, key=len)
+    windows = {key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1)}
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
-        _secrets[key] = (width, pattern)
+        _secrets[key] = pattern
 
 
 _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
@@ -171,14 +170,14 @@ def _redact_secrets(text: str) -> str:
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
         text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
     found_any = False
-    for width, pattern in list(_secrets.values()):
+    for pattern in list(_secrets.values()):
         spans = []
         for found in pattern.finditer(text):
             start = found.start()
             if spans and start <= spans[-1][1]:
-                spans[-1][1] = start + width
+                spans[-1][1] = start + _SECRET_WINDOW
             else:
-                spans.append([start, start + width])
+                spans.append([start, start + _SECRET_WINDOW])
         for start, end in reversed(spans):
             text = text[:start] + _REDACTED + text[end:]
         found_any = found_any or bool(spans)
