@@ -3126,20 +3126,27 @@ def _plural(word, names):
     return f"{word} {quoted}" if len(names) == 1 else f"{word}s {quoted}"
 
 
+def _arguments_object(name, raw) -> dict:
+    """The arguments of a call to ``name``: the model's raw JSON text parsed (blank or None:
+    none), or an object given as it is; _ToolFailure when they are not a JSON object."""
+    if isinstance(raw, str) and raw.strip():
+        try:
+            raw = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
+                               f"send one JSON object") from None
+    elif raw is None or isinstance(raw, str):
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _ToolFailure(f"the arguments of {name} must be a JSON object, not {_json_kind(raw)}")
+    return raw
+
+
 def _call_arguments(spec, raw):
     """The keyword arguments of a call from the model's raw JSON text, checked against the
     tool's parameters schema; _ToolFailure with every problem when they do not fit."""
     name = spec["name"]
-    if isinstance(raw, str) and raw.strip():
-        try:
-            args = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
-                               f"send one JSON object") from None
-    else:
-        args = raw if raw is not None and not isinstance(raw, str) else {}
-    if not isinstance(args, dict):
-        raise _ToolFailure(f"the arguments of {name} must be a JSON object, not {_json_kind(args)}")
+    args = _arguments_object(name, raw)
     schema = spec["parameters"]
     properties = schema.get("properties") or {}
     unknown = [key for key in args if key not in properties]
@@ -5456,16 +5463,9 @@ class MCPTools:
             if not isinstance(name, str) or not name.startswith(self.prefix):
                 return ToolResult(ok=False, error=f"unknown tool {name!r} for the MCP server "
                                                   f"{self.name}")
-            raw = call.get("arguments")
-            try:
-                arguments = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
-            except (ValueError, RecursionError) as e:
-                return ToolResult(ok=False, error=f"the arguments of {name} are not valid JSON "
-                                                  f"({e}); send one JSON object")
-            if not isinstance(arguments, dict):
-                return ToolResult(ok=False, error=f"the arguments of {name} must be a JSON "
-                                                  f"object, not {_json_kind(arguments)}")
-            params = {"name": name[len(self.prefix):], "arguments": arguments}
+            raw = call.get("arguments")  # a value that is not text counts as none
+            params = {"name": name[len(self.prefix):],
+                      "arguments": _arguments_object(name, raw if isinstance(raw, str) else None)}
             try:
                 result = self._server.request("tools/call", params, self.timeout, signal)
             except _SessionExpired:
@@ -5478,6 +5478,8 @@ class MCPTools:
             return ToolResult(ok=False, error=f"{e.args[1]} (MCP error {e.args[0]})")
         except _Gone as e:
             return ToolResult(ok=False, error=str(e.args[0] if e.args else e))
+        except _ToolFailure as e:
+            return ToolResult(ok=False, error=str(e))
         except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
