@@ -153,11 +153,10 @@ def _add_secret(key: str) -> None:
     it. (A key shorter than that is no secret worth the damage hiding it would do.)"""
     if key in _secrets or len(key) < _SECRET_WINDOW:
         return
-    width = _SECRET_WINDOW
-    windows = sorted({key[i:i + width] for i in range(len(key) - width + 1)}, key=len)
+    windows = {key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1)}
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
-        _secrets[key] = (width, pattern)
+        _secrets[key] = pattern
 
 
 _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
@@ -171,14 +170,14 @@ def _redact_secrets(text: str) -> str:
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
         text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
     found_any = False
-    for width, pattern in list(_secrets.values()):
+    for pattern in list(_secrets.values()):
         spans = []
         for found in pattern.finditer(text):
             start = found.start()
             if spans and start <= spans[-1][1]:
-                spans[-1][1] = start + width
+                spans[-1][1] = start + _SECRET_WINDOW
             else:
-                spans.append([start, start + width])
+                spans.append([start, start + _SECRET_WINDOW])
         for start, end in reversed(spans):
             text = text[:start] + _REDACTED + text[end:]
         found_any = found_any or bool(spans)
@@ -890,11 +889,8 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
         grown = len(history) - 1
         calls = message.get("tool_calls")
         if not calls:
-            if output_schema is None:
-                _emit(emitter, {"type": "final", "message": message, "result": result})
-                _emit(emitter, {"type": "turn_end", "turn": turn})
-                return LoopOutcome(history, message, result, turn, "final")
-            output, error = _parse_output(message.get("content") or "", output_schema)
+            output, error = (None, None) if output_schema is None else _parse_output(
+                message.get("content") or "", output_schema)
             if error is None:
                 _emit(emitter, {"type": "final", "message": message, "result": result})
                 _emit(emitter, {"type": "turn_end", "turn": turn})
@@ -1211,8 +1207,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
             session.close()
     return AgentRunResult(outcome.messages, outcome.final, outcome.result, outcome.turns_used,
                           outcome.stopped_reason, outcome.output,
-                          session_path=getattr(session, "path", None) if session is not None
-                          else None, usage_total=recorder.usage)
+                          session_path=getattr(session, "path", None), usage_total=recorder.usage)
 
 
 # --- reading ---
@@ -1689,11 +1684,7 @@ class _Exchange:
                     self._shutdown()
 
     def due(self):
-        if self.signal is not None and self.signal.is_set():
-            return "aborted"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return "timeout"
-        return None
+        return _cut_reason(self.deadline, self.signal)
 
     def cut_now(self, reason):
         with self._lock:
@@ -1722,10 +1713,10 @@ class _Cut(Exception):
 
 def _cut_reason(deadline, signal):
     """"aborted" when ``signal`` (an Event or None) is set, "timeout" once the clock has
-    passed ``deadline``, else None."""
+    passed ``deadline`` (a time or None), else None."""
     if signal is not None and signal.is_set():
         return "aborted"
-    return "timeout" if time.monotonic() >= deadline else None
+    return "timeout" if deadline is not None and time.monotonic() >= deadline else None
 
 
 class _Watchdog:
@@ -2159,32 +2150,12 @@ class _HTTPChat:
         return self._error(f"error {where}{label}: {text}", kind)
 
     # -- what each provider defines --
-
-    _Stream = None  # a class reading one streamed answer: feed(event, payload) -> text or None
-
-    def _key_required(self):
-        raise NotImplementedError
-
-    def _wire_headers(self):
-        raise NotImplementedError
-
-    def _encode_message(self, message):
-        raise NotImplementedError
-
-    def _tools_to_wire(self, tools):
-        raise NotImplementedError
-
-    def _body_fields(self, tools, temperature, max_tokens, response_format) -> dict:
-        """The body's fields besides model and messages; bytes values are JSON already."""
-        raise NotImplementedError
-
-    def _assemble(self, encoded) -> dict:
-        """The body fields made of the messages (bytes of JSON), from their
-        (message, content, tool_calls, encoding) entries."""
-        raise NotImplementedError
-
-    def _from_wire(self, data):
-        raise NotImplementedError
+    # _Stream: a class reading one streamed answer, feed(event, payload) -> text or None;
+    # _key_required(), _wire_headers(), _encode_message(message), _tools_to_wire(tools);
+    # _body_fields(tools, temperature, max_tokens, response_format): the body's fields besides
+    # model and messages, bytes values being JSON already; _assemble(encoded): the fields made
+    # of the messages, from their (message, content, tool_calls, encoding) entries;
+    # _from_wire(data): the ChatResult of a whole answer.
 
 
 def _content_text(content):
@@ -2859,9 +2830,8 @@ class Limiter:
             return self._paused_until - now
         if self.max_concurrent is not None and self._in_flight >= self.max_concurrent:
             return _WATCH_SECONDS  # until a call ends (notified) or the signal is looked at
-        if self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute:
-            return self._starts[0][0] + self._WINDOW - now
-        if (self.tokens_per_minute is not None and self._starts
+        if (self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute
+                or self.tokens_per_minute is not None and self._starts
                 and self._tokens + tokens > self.tokens_per_minute):
             return self._starts[0][0] + self._WINDOW - now
         return 0.0
@@ -3206,20 +3176,27 @@ def _plural(word, names):
     return f"{word} {quoted}" if len(names) == 1 else f"{word}s {quoted}"
 
 
+def _arguments_object(name, raw) -> dict:
+    """The arguments of a call to ``name``: the model's raw JSON text parsed (blank or None:
+    none), or an object given as it is; _ToolFailure when they are not a JSON object."""
+    if isinstance(raw, str) and raw.strip():
+        try:
+            raw = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
+                               f"send one JSON object") from None
+    elif raw is None or isinstance(raw, str):
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _ToolFailure(f"the arguments of {name} must be a JSON object, not {_json_kind(raw)}")
+    return raw
+
+
 def _call_arguments(spec, raw):
     """The keyword arguments of a call from the model's raw JSON text, checked against the
     tool's parameters schema; _ToolFailure with every problem when they do not fit."""
     name = spec["name"]
-    if isinstance(raw, str) and raw.strip():
-        try:
-            args = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
-                               f"send one JSON object") from None
-    else:
-        args = raw if raw is not None and not isinstance(raw, str) else {}
-    if not isinstance(args, dict):
-        raise _ToolFailure(f"the arguments of {name} must be a JSON object, not {_json_kind(args)}")
+    args = _arguments_object(name, raw)
     schema = spec["parameters"]
     properties = schema.get("properties") or {}
     unknown = [key for key in args if key not in properties]
@@ -3414,6 +3391,9 @@ _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
 _UTF8_MAX_BYTES = 4
 _NOTED_MAX = 5                  # paths named in a note about what was not looked at
+# a folder opened beneath another (or the root) following no link
+_SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0))
 
 
 def _fs_failure(error, path):
@@ -3448,8 +3428,6 @@ def _walk_tree(top_fd, visit, *, limit=None, depth=0):
     (folder, reason) pairs of folders that could not be read. ``depth`` is the top's own,
     where the walk is part of a larger one. Closes ``top_fd``.
     """
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-        | getattr(os, "O_CLOEXEC", 0)
     skipped = []
     frames = []  # [descriptor, path from the top, depth, subfolder names still to enter]
     seen = 0
@@ -3490,7 +3468,7 @@ def _walk_tree(top_fd, visit, *, limit=None, depth=0):
                 skipped.append((rel + name, f"deeper than {_WALK_MAX_DEPTH} levels"))
                 continue
             try:
-                child = os.open(name, flags, dir_fd=fd)
+                child = os.open(name, _SUBFOLDER_FLAGS, dir_fd=fd)
             except OSError as e:
                 skipped.append((rel + name, e.strerror or str(e)))
                 continue
@@ -3622,19 +3600,17 @@ class _Root:
         rel = self.relative(folder)
         if rel == ".":
             return
-        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-            | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.path, flags)
+        fd = os.open(self.path, _SUBFOLDER_FLAGS)
         try:
             for part in rel.split("/"):
                 try:
-                    child = os.open(part, flags, dir_fd=fd)
+                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     try:
                         os.mkdir(part, dir_fd=fd)
                     except FileExistsError:
                         pass  # made meanwhile
-                    child = os.open(part, flags, dir_fd=fd)
+                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = child
         finally:
@@ -4058,8 +4034,7 @@ def _open_beneath(folder_fd, rel, flags):
     fd = folder_fd
     try:
         for part in parts[:-1]:
-            child = os.open(part, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-                            | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), dir_fd=fd)
+            child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
             if fd != folder_fd:
                 os.close(fd)
             fd = child
@@ -4100,8 +4075,6 @@ def _search_units(fd, prefix, rules, check):
     called every few hundred entries."""
     units, skipped = [], []
     queue = deque([""])
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) \
-        | getattr(os, "O_CLOEXEC", 0)
     work = 0
     for _ in range(_SEARCH_SPLIT_FOLDERS):
         if not queue:
@@ -4109,7 +4082,7 @@ def _search_units(fd, prefix, rules, check):
         check()
         sub = queue[0]
         try:
-            folder_fd = _open_beneath(fd, sub, flags) if sub else os.dup(fd)
+            folder_fd = _open_beneath(fd, sub, _SUBFOLDER_FLAGS) if sub else os.dup(fd)
             try:
                 with os.scandir(folder_fd) as listing:
                     entries = []
@@ -4577,8 +4550,7 @@ class _Workspace:
             if not number.isdigit():
                 return
             if folder:
-                rel = os.fsdecode(name)
-                rel = rel.removeprefix("./")
+                rel = os.fsdecode(name).removeprefix("./")
                 keep = checked.get(rel)
                 if keep is None:
                     keep = checked[rel] = wanted(rel, rel.rpartition("/")[2]) and not (
@@ -4960,6 +4932,15 @@ class _SessionExpired(_Gone):
     """An HTTP server no longer knows our session: a new handshake starts another."""
 
 
+def _rpc_result(answer) -> dict:
+    """The result of a JSON-RPC answer (an empty dict when it holds none); _RPCError when
+    the answer is an error."""
+    if "error" in answer:
+        error = answer["error"] if isinstance(answer["error"], dict) else {}
+        raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
+    return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+
+
 def _mcp_content(result) -> str:
     """The text of a tools/call result: text content joined by newlines, other content one
     line each (``[image: image/png, 1234 bytes]``, ``[resource: uri]``)."""
@@ -5069,10 +5050,7 @@ class _StdioServer:
         answer = slot[1]
         if answer is None:
             raise _Gone(self._gone)
-        if "error" in answer:
-            error = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
-        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+        return _rpc_result(answer)
 
     def notify(self, method, params=None):
         message = {"jsonrpc": "2.0", "method": method}
@@ -5419,10 +5397,7 @@ class _HTTPServer:
                             f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
-        if "error" in answer:
-            error = answer["error"] if isinstance(answer["error"], dict) else {}
-            raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
-        return answer.get("result") if isinstance(answer.get("result"), dict) else {}
+        return _rpc_result(answer)
 
     def _answer(self, response, request_id, exchange):
         """The answer to ``request_id`` from a JSON body or an SSE stream."""
@@ -5537,16 +5512,8 @@ class MCPTools:
             if not isinstance(name, str) or not name.startswith(self.prefix):
                 return ToolResult(ok=False, error=f"unknown tool {name!r} for the MCP server "
                                                   f"{self.name}")
-            raw = call.get("arguments")
-            try:
-                arguments = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
-            except (ValueError, RecursionError) as e:
-                return ToolResult(ok=False, error=f"the arguments of {name} are not valid JSON "
-                                                  f"({e}); send one JSON object")
-            if not isinstance(arguments, dict):
-                return ToolResult(ok=False, error=f"the arguments of {name} must be a JSON "
-                                                  f"object, not {_json_kind(arguments)}")
-            params = {"name": name[len(self.prefix):], "arguments": arguments}
+            params = {"name": name[len(self.prefix):],
+                      "arguments": _arguments_object(name, call.get("arguments"))}  # as Tools does
             try:
                 result = self._server.request("tools/call", params, self.timeout, signal)
             except _SessionExpired:
@@ -5559,6 +5526,8 @@ class MCPTools:
             return ToolResult(ok=False, error=f"{e.args[1]} (MCP error {e.args[0]})")
         except _Gone as e:
             return ToolResult(ok=False, error=str(e.args[0] if e.args else e))
+        except _ToolFailure as e:
+            return ToolResult(ok=False, error=str(e))
         except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
@@ -5901,7 +5870,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
     tasks = _batch_tasks(tasks)
     fd, done = _results_file(out, redo) if out is not None else (None, {})
-    results = {task_id: result for task_id, result in done.items()}
+    results = dict(done)
     pending = [task for task in tasks if task["id"] not in results]
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
@@ -6064,64 +6033,54 @@ def _build_parser():
     add = parser.add_argument
     add("prompt", nargs="?", metavar="PROMPT", help="what to do; omit for interactive chat")
     add("-i", "--interactive", action="store_true", help="stay in chat after PROMPT")
-    group = parser.add_argument_group("model")
-    group.add_argument("-m", "--model", metavar="SPEC", help="provider:model[@base_url], "
-                       "comma-separated for failover (default: $LICH_MODEL, else by the API key "
-                       "that is set)")
-    group.add_argument("--base-url", metavar="URL", help="the provider's base URL")
-    group.add_argument("-s", "--system", metavar="TEXT", help="the system prompt")
-    group.add_argument("--temperature", type=float, metavar="T", help="sampling temperature")
-    group.add_argument("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
-                       help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
-    group.add_argument("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
-                       metavar="TOKENS", help=f"compress history above this estimate (default "
-                       f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
-    group.add_argument("--schema", metavar="JSON|@FILE", help="answer with one JSON value "
-                       "valid under this JSON Schema (printed as one line)")
-    group = parser.add_argument_group("tools")
-    group.add_argument("--allow", action="append", choices=("write", "shell"), default=[],
-                       help="offer the file-writing or shell tools (repeatable); on a terminal "
-                       "each call asks first")
-    group.add_argument("--yolo", action="store_true", help="offer write and shell tools and "
-                       "never ask")
-    group.add_argument("--mcp", action="append", default=[], metavar="SERVER",
-                       help="offer an MCP server's tools: a command line or an http(s) URL "
-                       "(repeatable)")
-    group.add_argument("--root", default=".", metavar="DIR", help="the tools' workspace "
-                       "(default: .)")
-    group.add_argument("--no-project-instructions", action="store_true",
-                       help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
-    group = parser.add_argument_group("sessions")
-    group.add_argument("--session-dir", metavar="DIR", help="where sessions are recorded "
-                       "(default $LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else "
-                       "~/.local/state/lich/sessions)")
-    group.add_argument("--no-session", action="store_true", help="record nothing")
-    group.add_argument("--label", metavar="L", help="a label for the session file name")
-    group.add_argument("--resume", metavar="ID", help="continue a session: an id, a unique "
-                       "prefix or 'latest'")
-    group.add_argument("-c", "--continue", dest="continue_", action="store_true",
-                       help="continue the latest session of this folder")
-    group.add_argument("--list-sessions", action="store_true", help="list sessions, newest first")
-    group = parser.add_argument_group("batches")
-    group.add_argument("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
-                       "({\"id\", \"prompt\", ...}) or one prompt per line")
-    group.add_argument("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
-                       help=f"tasks run at once (default {_DEFAULT_WORKERS})")
-    group.add_argument("--out", metavar="PATH", help="the batch's results file (default: JSON "
-                       "lines on stdout); an existing one resumes the batch")
-    group.add_argument("--redo", action="store_true", help="run every task again")
-    group = parser.add_argument_group("output")
-    group.add_argument("--json", action="store_true", help="print every loop event as a JSON "
-                       "line on stdout")
-    group.add_argument("--no-stream", action="store_true", help="show the answer when it is "
-                       "complete")
-    group.add_argument("--otel", action="store_true", help="send OpenTelemetry spans, as the "
-                       "OTEL_* variables say")
-    group.add_argument("-q", "--quiet", action="store_true", help="no tool lines, spinner, "
-                       "notes or usage")
-    group.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks "
-                       "on stderr")
-    add("--version", action="version", version=f"lich {__version__}")
+    add = parser.add_argument_group("model").add_argument
+    add("-m", "--model", metavar="SPEC", help="provider:model[@base_url], comma-separated for "
+        "failover (default: $LICH_MODEL, else by the API key that is set)")
+    add("--base-url", metavar="URL", help="the provider's base URL")
+    add("-s", "--system", metavar="TEXT", help="the system prompt")
+    add("--temperature", type=float, metavar="T", help="sampling temperature")
+    add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
+        help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
+    add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
+        metavar="TOKENS", help=f"compress history above this estimate (default "
+                               f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+    add("--schema", metavar="JSON|@FILE", help="answer with one JSON value valid under this "
+                                               "JSON Schema (printed as one line)")
+    add = parser.add_argument_group("tools").add_argument
+    add("--allow", action="append", choices=("write", "shell"), default=[],
+        help="offer the file-writing or shell tools (repeatable); on a terminal each call "
+             "asks first")
+    add("--yolo", action="store_true", help="offer write and shell tools and never ask")
+    add("--mcp", action="append", default=[], metavar="SERVER", help="offer an MCP server's "
+        "tools: a command line or an http(s) URL (repeatable)")
+    add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
+    add("--no-project-instructions", action="store_true",
+        help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
+    add = parser.add_argument_group("sessions").add_argument
+    add("--session-dir", metavar="DIR", help="where sessions are recorded (default "
+        "$LICH_SESSION_DIR, else $XDG_STATE_HOME/lich/sessions, else ~/.local/state/lich/sessions)")
+    add("--no-session", action="store_true", help="record nothing")
+    add("--label", metavar="L", help="a label for the session file name")
+    add("--resume", metavar="ID", help="continue a session: an id, a unique prefix or 'latest'")
+    add("-c", "--continue", dest="continue_", action="store_true",
+        help="continue the latest session of this folder")
+    add("--list-sessions", action="store_true", help="list sessions, newest first")
+    add = parser.add_argument_group("batches").add_argument
+    add("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
+        "({\"id\", \"prompt\", ...}) or one prompt per line")
+    add("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
+        help=f"tasks run at once (default {_DEFAULT_WORKERS})")
+    add("--out", metavar="PATH", help="the batch's results file (default: JSON lines on "
+        "stdout); an existing one resumes the batch")
+    add("--redo", action="store_true", help="run every task again")
+    add = parser.add_argument_group("output").add_argument
+    add("--json", action="store_true", help="print every loop event as a JSON line on stdout")
+    add("--no-stream", action="store_true", help="show the answer when it is complete")
+    add("--otel", action="store_true", help="send OpenTelemetry spans, as the OTEL_* "
+        "variables say")
+    add("-q", "--quiet", action="store_true", help="no tool lines, spinner, notes or usage")
+    add("-v", "--verbose", action="store_true", help="debug logs and tracebacks on stderr")
+    parser.add_argument("--version", action="version", version=f"lich {__version__}")
     return parser
 
 
@@ -6527,13 +6486,20 @@ def _how_many(n, one, many) -> str:
     return f"{'no' if n == 0 else n} {one if n == 1 else many}"
 
 
+def _first_lines(lines, n) -> list:
+    """The first ``n`` of ``lines``, and a line saying how many more there were."""
+    if len(lines) <= n:
+        return lines
+    return lines[:n] + [f"… {_how_many(len(lines) - n, 'more line', 'more lines')}"]
+
+
 def _tool_outcome(call, result, elapsed, cancelled):
     """(words after the tool's mark, preview lines) for a finished tool call; ``cancelled``:
     it never ran."""
     name, args = call.get("name"), _call_arguments_of(call)
     output = result.output or ""
     if not result.ok:
-        reason = (result.error or "failed").splitlines()[0] if result.error else "failed"
+        reason = result.error.splitlines()[0] if result.error else "failed"
         reason = _SKIPPED.get(reason, reason) if cancelled else reason
         words, preview = reason, _lines(output)
     elif name == "read_file":
@@ -6556,9 +6522,7 @@ def _tool_outcome(call, result, elapsed, cancelled):
         words, preview = "", _lines(output)
     if name == "bash" and preview and re.fullmatch(r"\[exit code -?\d+\]", preview[-1]):
         preview = preview[:-1]
-    if len(preview) > _PREVIEW_LINES:
-        more = len(preview) - _PREVIEW_LINES
-        preview = preview[:_PREVIEW_LINES] + [f"… {_how_many(more, 'more line', 'more lines')}"]
+    preview = _first_lines(preview, _PREVIEW_LINES)
     if " omitted ...]" in output:
         words += " (output cut)"
     if elapsed >= _TOOL_ELAPSED_SECONDS:
@@ -6868,8 +6832,7 @@ def _recap(history) -> list:
         if message is not None:
             text = [line if len(line) <= _RECAP_LINE_CHARS else line[:_RECAP_LINE_CHARS - 1] + "…"
                     for line in _lines(message["content"].strip())]
-            cut = text[:_RECAP_LINES] + ([f"… {_how_many(len(text) - _RECAP_LINES, 'more line', 'more lines')}"]
-                                         if len(text) > _RECAP_LINES else [])
+            cut = _first_lines(text, _RECAP_LINES)
             lines += [f"{shown}: {cut[0]}"] + [" " * (len(shown) + 2) + line for line in cut[1:]]
     return lines
 
@@ -7120,9 +7083,7 @@ class _Cli:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
         self._show(run, session)
-        if run.stopped_reason == "budget":
-            return _EXIT_BUDGET, run.messages
-        return _EXIT_OK, run.messages
+        return (_EXIT_BUDGET if run.stopped_reason == "budget" else _EXIT_OK), run.messages
 
     def _interrupted(self, progress, session):
         """Close an interrupted turn with a note (and what was shown of its answer)."""
@@ -7456,10 +7417,9 @@ def _read_tasks(path):
     tasks = []
     for number, line in lines:
         try:
-            task = json.loads(line)
+            tasks.append(json.loads(line))
         except (ValueError, RecursionError) as e:
             raise _UsageError(f"--batch: line {number} of {path} is not JSON: {e}") from None
-        tasks.append(task)
     return tasks, numbers
 
 

@@ -6623,6 +6623,16 @@ def test_an_mcp_server_that_dies_mid_call_is_a_failed_result_not_a_hang(fake_mcp
         assert finishes(lambda: tools.run(tool_call("first"))) == result  # and stays failed, quickly
 
 
+def test_mcp_arguments_given_as_an_object_are_sent_as_tools_takes_them(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        tools.run({"id": "c1", "name": "small", "arguments": {"x": 1}})
+        assert tools.run({"id": "c2", "name": "small", "arguments": [1]}) == lich.ToolResult(
+            ok=False, error="the arguments of small must be a JSON object, not an array")
+    assert [m["params"] for m in received(log) if m.get("method") == "tools/call"] == [
+        {"name": "small", "arguments": {"x": 1}}]
+
+
 def test_mcp_results_are_cut_as_a_tools_output_is(fake_mcp):
     command, _ = fake_mcp
     pieces = ["".join(f"{i:05d}\n" for i in range(n, n + 5000)) for n in (0, 5000)]
