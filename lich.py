@@ -6855,6 +6855,27 @@ class _Interrupts:
         self.last = now
 
 
+def _hold_interrupts():
+    """Make Ctrl-C, SIGTERM and SIGHUP do nothing in the main thread (while lich closes what
+    it started: raised anywhere there, they would leave a server running); returns the
+    function that gives them back."""
+    import signal as signals
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    held = {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        number = getattr(signals, name, None)
+        if number is not None:
+            held[number] = signals.signal(number, lambda signum, frame: None)
+
+    def give_back():
+        for number, previous in held.items():
+            signals.signal(number, previous)
+
+    return give_back
+
+
 def _run_interruptibly(work, signal, cli):
     """``work()`` in a worker thread; Ctrl-C sets ``signal`` (the run stops at its next
     boundary, an HTTP exchange at once), a second Ctrl-C soon after quits. Returns work's
@@ -6950,16 +6971,17 @@ class _Cli:
             finally:
                 done.set()
 
-        closing = [threading.Event() for _ in self.closers]
-        for close, done in zip(self.closers, closing):
-            threading.Thread(target=close_one, args=(close, done), name="lich-close", daemon=True).start()
-        deadline = time.monotonic() + _CLOSE_SECONDS  # a tracer's exporter may wait 30 s
-        for done in closing:
-            while not done.is_set() and time.monotonic() < deadline:
-                try:  # an Event, not Thread.join: a join cut by Ctrl-C can misreport
-                    done.wait(_POLL_SECONDS)
-                except KeyboardInterrupt:
-                    continue
+        give_back = _hold_interrupts()
+        try:
+            closing = [threading.Event() for _ in self.closers]
+            for close, done in zip(self.closers, closing):
+                threading.Thread(target=close_one, args=(close, done), name="lich-close",
+                                 daemon=True).start()
+            deadline = time.monotonic() + _CLOSE_SECONDS  # a tracer's exporter may wait 30 s
+            for done in closing:
+                done.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            give_back()
 
     def _start_mcp(self, server):
         try:
