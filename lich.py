@@ -6297,7 +6297,7 @@ class _Terminal:
             else:
                 return False
             if self._open_line:
-                sys.stderr.write("\n")
+                self._stderr("\n")
                 self._open_line = False
             self._write(out, _visible(text) if _isatty(out) else text)
             self._answer_open = not text.endswith("\n")
