@@ -1860,7 +1860,8 @@ class _HTTPChat:
         _add_url_secrets(self.base_url)
         self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN, self._api_key)
         self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
-        self._url = self.base_url + self._path
+        base, question, query = self.base_url.partition("?")  # Azure's ?api-version=...
+        self._url = base.rstrip("/") + self._path + question + query
         self._shown_url = _redact_url(self._url)
         self._timeouts = _timeouts(self.timeout)
         self._headers = self._wire_headers()

@@ -4371,6 +4371,16 @@ def test_chat_from_spec_passes_each_option_where_it_applies():
         lich.AnthropicChat, "b", 123, deltas.append)
 
 
+def test_a_base_urls_query_stays_after_the_endpoint(server):
+    queue(server, openai_reply("azure"), anthropic_reply(text_block("gateway")))
+    assert lich.OpenAIChat("gpt", base_url=f"{server.url}/openai/deployments/gpt/?api-version=2024-06-01")(
+        USER).message == answer("azure")
+    assert lich.AnthropicChat("c", api_key=KEY, base_url=f"{server.url}/gw?team=a&x=1")(USER).message == answer(
+        "gateway")
+    assert [r["path"] for r in server.requests] == [
+        "/openai/deployments/gpt/chat/completions?api-version=2024-06-01", "/gw/v1/messages?team=a&x=1"]
+
+
 def test_chat_from_spec_talks_to_a_local_server_without_a_key(server):
     server.reply(200, openai_reply("local"))
     assert lich.chat_from_spec(f"openai:llama@{server.url}/v1")(USER).message == answer("local")
