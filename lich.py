@@ -1190,16 +1190,18 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
             fresh = owned or _first_history_in(session)
             for message in seeded if fresh else _seeding_additions(previous, seeded):
                 recorder.message(message)
-        emitter = emitter if emitter is not None else AgentEmitter()
-        unsubscribe = emitter.on_any(recorder.on_event)
+        # The run's own emitter: the recorder hears this run only, also when the caller's
+        # emitter is shared by runs in other threads (whose handlers it hears first).
+        heard = AgentEmitter()
+        if emitter is not None:
+            heard.on_any(emitter.emit)
+        heard.on_any(recorder.on_event)
         try:
-            outcome = run_conversation(chat, tools, seeded, emitter=emitter, **loop_params)
+            outcome = run_conversation(chat, tools, seeded, emitter=heard, **loop_params)
         except BaseException as exc:
             recorder.meta({"event": "run_error",
                            "error": _redact_secrets(f"{type(exc).__name__}: {exc}")})
             raise
-        finally:
-            unsubscribe()
         recorder.meta({"event": "run_end", "stopped_reason": outcome.stopped_reason,
                        "usage": recorder.usage})
     finally:

@@ -1760,12 +1760,32 @@ def test_run_agent_without_a_session_records_nothing(tmp_path):
     assert (run.session_path, run.usage_total, list(tmp_path.iterdir())) == (None, USAGE, [])
 
 
-def test_run_agent_shares_the_callers_emitter_and_unsubscribes(tmp_path):
-    emitter, events = recorder_emitter()
-    lich.run_agent("hi", chat=ScriptedChat(assistant("a")), max_turns=1, emitter=emitter,
-                   session_dir=tmp_path)
-    assert types(events) == ["turn_start", "llm_start", "llm_end", "final", "turn_end"]
-    assert len(emitter._handlers) == 1
+def test_runs_sharing_the_callers_emitter_each_record_only_their_own(tmp_path):
+    emitter, events = recorder_emitter()  # one for the whole app, as for logging or metrics
+    both_asked = threading.Barrier(2)
+
+    def chat(messages, **kwargs):
+        both_asked.wait(5)  # the two runs' calls overlap
+        return lich.ChatResult(assistant("answer to " + messages[-1]["content"]),
+                               usage={"input_tokens": 100, "output_tokens": 10})
+
+    runs = {}
+
+    def request(name):
+        runs[name] = lich.run_agent(name, chat=chat, max_turns=1, emitter=emitter, session_dir=tmp_path)
+
+    threads = [threading.Thread(target=request, args=(name,)) for name in ("alice", "bob")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for name, run in runs.items():
+        assert run.usage_total == {"input_tokens": 100, "output_tokens": 10}
+        assert lich.read_session_messages(run.session_path) == [user(name), assistant("answer to " + name)]
+    assert sorted(types(events)) == sorted(["turn_start", "llm_start", "llm_end", "final", "turn_end"] * 2)
+    events.clear()
+    lich.run_agent("hi", chat=ScriptedChat(assistant("a")), max_turns=1, session_dir=tmp_path)
+    assert events == []  # a run without the emitter is not heard there
 
 
 def test_run_agent_requires_max_turns():
