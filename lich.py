@@ -157,6 +157,29 @@ def _add_secret(key: str) -> None:
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
         _secrets[key] = pattern
+    import logging
+
+    logger = logging.getLogger("lich")
+    if _redact_log_record not in logger.filters:  # from the first key on, logs are redacted too
+        logger.addFilter(_redact_log_record)
+
+
+def _redact_log_record(record) -> bool:
+    """The ``lich`` logger's filter: a record's message and traceback with keys redacted (the
+    traceback then travels as its text)."""
+    try:
+        message = record.getMessage()
+    except Exception:  # a bad format: logging reports it as it would
+        return True
+    redacted = _redact_secrets(message)
+    if redacted is not message:
+        record.msg, record.args = redacted, ()
+    if record.exc_info and record.exc_info[0] is not None:
+        import traceback
+
+        record.exc_text = _redact_secrets("".join(traceback.format_exception(*record.exc_info)).rstrip())
+        record.exc_info = None
+    return True
 
 
 _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
@@ -5278,7 +5301,7 @@ class _StdioServer:
 
     def _read_stderr(self):
         for line in iter(self.proc.stderr.readline, b""):
-            text = line.decode("utf-8", "replace").rstrip()
+            text = _redact_secrets(line.decode("utf-8", "replace").rstrip())
             _log.debug("mcp %s: %s", self.name, text)
             with self._lock:
                 self._stderr.append(text)
@@ -7511,10 +7534,9 @@ class _LogHandler:
             def emit(self, record):
                 try:
                     text = record.getMessage()
-                    if record.exc_info and self.level <= logging.DEBUG:
-                        import traceback
-
-                        text += "\n" + "".join(traceback.format_exception(*record.exc_info)).rstrip()
+                    if self.level <= logging.DEBUG and (record.exc_text or record.exc_info):
+                        text += "\n" + (record.exc_text or logging.Formatter().formatException(
+                            record.exc_info))
                     kind = "warning: " if record.levelno >= logging.WARNING else "debug: "
                     term.line("lich: " + kind + text)
                 except Exception:

@@ -840,6 +840,23 @@ def test_provider_error_explicit_retryable_wins():
     assert (err.retryable, err.retry_after) == (False, 2.5)
 
 
+def test_a_key_in_use_is_redacted_in_lichs_logs_message_and_traceback(caplog):
+    lich.OpenAIChat("m", api_key=SECRET, base_url="http://127.0.0.1:9/v1")  # the key is now in use
+    tools = lich.Tools()
+
+    @tools.tool
+    def leak() -> str:
+        """Fail, saying the key."""
+        raise ValueError(f"the key was {SECRET}")
+
+    with caplog.at_level("DEBUG", logger="lich"):
+        assert not tools.run(tool_call("leak")).ok  # the loop redacts what the model sees
+    [record] = [r for r in caplog.records if r.name == "lich"]
+    shown = caplog.text
+    assert SECRET not in shown and "[redacted]" in shown and "Traceback (most recent call last)" in shown
+    assert record.exc_text.endswith("ValueError: the key was [redacted]")
+
+
 def test_session_not_found_is_a_lookup_error():
     assert issubclass(lich.SessionNotFound, LookupError)
     assert str(lich.SessionNotFound("session not found: x")) == "session not found: x"
@@ -6787,6 +6804,15 @@ def test_an_mcp_server_that_does_not_start_is_an_mcp_error_in_its_own_words(comm
     with pytest.raises(lich.MCPError) as info:
         lich.mcp_tools(command, timeout=1)
     assert error in str(info.value) and time.monotonic() - started < 5
+
+
+def test_an_mcp_servers_stderr_shows_no_key_in_use(caplog):
+    lich.OpenAIChat("m", api_key=SECRET, base_url="http://127.0.0.1:9/v1")  # the key is now in use
+    command = [sys.executable, "-c", f"import sys; sys.stderr.write('bad key {SECRET}'); sys.exit(3)"]
+    with caplog.at_level("DEBUG", logger="lich"), pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(command)
+    assert str(info.value).endswith("exited (code 3): bad key [redacted]")
+    assert SECRET not in caplog.text and "bad key [redacted]" in caplog.text
 
 
 def test_combining_mcp_tools_with_a_clash_names_it(fake_mcp, monkeypatch, ws):
