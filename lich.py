@@ -2386,6 +2386,20 @@ class OpenAIChat(_HTTPChat):
 
 # --- Anthropic ---
 
+_ANTHROPIC_TOOL_ID = re.compile(r"[A-Za-z0-9_-]+\Z")
+
+
+def _anthropic_tool_id(call_id):
+    """A call's id as Anthropic accepts it (letters, digits, '_', '-'): another provider's
+    ``functions.add:0`` made ``functions_add_0_`` and a digest of the original, the same
+    for the call and its result."""
+    if not isinstance(call_id, str) or _ANTHROPIC_TOOL_ID.match(call_id):
+        return call_id
+    import hashlib
+
+    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", call_id) + "_" + digest
+
 
 def _tool_input(arguments):
     """Anthropic's ``input`` object for a ToolCall's raw arguments text."""
@@ -2569,12 +2583,12 @@ class AnthropicChat(_HTTPChat):
             return role, content, None
         if role == "tool":
             role = "user"
-            blocks = [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+            blocks = [{"type": "tool_result", "tool_use_id": _anthropic_tool_id(m["tool_call_id"]),
                        "content": content, "is_error": bool(m.get("is_error"))}]
         else:
             blocks = [{"type": "text", "text": content}] if content else []
             for call in m.get("tool_calls") or () if role == "assistant" else ():
-                blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"],
+                blocks.append({"type": "tool_use", "id": _anthropic_tool_id(call["id"]), "name": call["name"],
                                "input": _tool_input(call.get("arguments"))})
         as_text = _wire_json(content) if len(blocks) == 1 and blocks[0]["type"] == "text" else None
         return role, [(block, _wire_json(block)) for block in blocks], as_text

@@ -3615,6 +3615,19 @@ def test_a_key_given_to_the_constructor_travels_in_the_pickle(server):
 # --- Anthropic ---
 
 
+def test_anthropic_gets_other_providers_call_ids_in_its_own_alphabet(server):
+    import hashlib
+
+    queue(server, anthropic_reply(text_block("4")))
+    history = [user("add"), assistant("", ("functions.add:0", "add", "{}"), ("call_ok-1", "add", "{}")),
+               tool_msg("functions.add:0", "4"), tool_msg("call_ok-1", "4")]
+    lich.AnthropicChat("c", api_key=KEY, base_url=server.url)(history)
+    made = "functions_add_0_" + hashlib.sha256(b"functions.add:0").hexdigest()[:8]
+    used, answered = server.requests[0]["json"]["messages"][1:]
+    assert [b["id"] for b in used["content"]] == [made, "call_ok-1"]
+    assert [b["tool_use_id"] for b in answered["content"]] == [made, "call_ok-1"]
+
+
 def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
     server.reply(200, anthropic_reply(text_block("ok")))
     anthropic_at(server, api_key=KEY, cache=False)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC],
