@@ -5497,6 +5497,7 @@ class MCPTools:
         self.protocol = None
         self.instructions = None
         self._tools = None  # the server's tool specs, or None to list them again
+        self._names = {}  # a name offered to the model -> the server's name, where they differ
 
     def __repr__(self):
         return f"MCPTools({self.name!r})"
@@ -5541,18 +5542,32 @@ class MCPTools:
                 if not cursor:
                     break
             self._tools = tools
-        return [{"name": self.prefix + t["name"], "description": t.get("description") or "",
+        offered = [(self._offered_name(t["name"]), t) for t in tools]
+        self._names = {name: t["name"] for name, t in offered if name != self.prefix + t["name"]}
+        return [{"name": name, "description": t.get("description") or "",
                  "parameters": t.get("inputSchema") or {"type": "object", "properties": {}}}
-                for t in tools]
+                for name, t in offered]
+
+    def _offered_name(self, name):
+        """``prefix + name``, or where a provider would refuse it (MCP allows '.', '/' and any
+        length) its letters outside [A-Za-z0-9_-] made '_', cut, and a digest of it added."""
+        offered = self.prefix + name
+        if re.match(_TOOL_NAME_RE, offered):
+            return offered
+        import hashlib
+
+        digest = hashlib.sha256(offered.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        return re.sub(r"[^A-Za-z0-9_-]", "_", offered)[:55] + "_" + digest
 
     def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult:
         """Call the tool on the server; never raises."""
         try:
             name = call.get("name") if isinstance(call, dict) else None
-            if not isinstance(name, str) or not name.startswith(self.prefix):
+            real = self._names.get(name) if isinstance(name, str) else None
+            if real is None and (not isinstance(name, str) or not name.startswith(self.prefix)):
                 return ToolResult(ok=False, error=f"unknown tool {name!r} for the MCP server "
                                                   f"{self.name}")
-            params = {"name": name[len(self.prefix):],
+            params = {"name": real if real is not None else name[len(self.prefix):],
                       "arguments": _arguments_object(name, call.get("arguments"))}  # as Tools does
             try:
                 result = self._server.request("tools/call", params, self.timeout, signal)

@@ -361,6 +361,13 @@ def user(text):
     return {"role": "user", "content": text}
 
 
+def digest8(text):
+    """The first 8 hex digits of text's SHA-256: how lich makes a refused name or id unique."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 def tool_msg(call_id, content="ok", name="echo", is_error=False):
     return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content,
             "is_error": is_error}
@@ -3616,13 +3623,11 @@ def test_a_key_given_to_the_constructor_travels_in_the_pickle(server):
 
 
 def test_anthropic_gets_other_providers_call_ids_in_its_own_alphabet(server):
-    import hashlib
-
     queue(server, anthropic_reply(text_block("4")))
     history = [user("add"), assistant("", ("functions.add:0", "add", "{}"), ("call_ok-1", "add", "{}")),
                tool_msg("functions.add:0", "4"), tool_msg("call_ok-1", "4")]
     lich.AnthropicChat("c", api_key=KEY, base_url=server.url)(history)
-    made = "functions_add_0_" + hashlib.sha256(b"functions.add:0").hexdigest()[:8]
+    made = "functions_add_0_" + digest8("functions.add:0")
     used, answered = server.requests[0]["json"]["messages"][1:]
     assert [b["id"] for b in used["content"]] == [made, "call_ok-1"]
     assert [b["tool_use_id"] for b in answered["content"]] == [made, "call_ok-1"]
@@ -6691,6 +6696,21 @@ def test_mcp_arguments_given_as_an_object_are_sent_as_tools_takes_them(fake_mcp)
             ok=False, error="the arguments of small must be a JSON object, not an array")
     assert [m["params"] for m in received(log) if m.get("method") == "tools/call"] == [
         {"name": "small", "arguments": {"x": 1}}]
+
+
+@pytest.mark.parametrize("name, prefix, offered", [
+    ("a.b", "", ["first", "a_b_" + digest8("a.b")]),
+    ("t" * 70, "", ["first", "t" * 55 + "_" + digest8("t" * 70)]),
+    ("x", "my.", ["my_first_" + digest8("my.first"), "my_x_" + digest8("my.x")]),
+], ids=["dot", "long", "prefix"])
+def test_mcp_tool_names_a_provider_would_refuse_are_offered_changed_and_called_as_they_are(
+        fake_mcp, name, prefix, offered):
+    command, log = fake_mcp
+    with lich.mcp_tools([*command, "first," + name], prefix=prefix) as tools:
+        assert [spec["name"] for spec in tools.specs()] == offered
+        assert tools.run({"id": "c1", "name": offered[1], "arguments": "{}"}) == lich.ToolResult(
+            ok=False, error=f"Unknown tool: {name} (MCP error -32602)")
+    assert [m["params"]["name"] for m in received(log) if m.get("method") == "tools/call"] == [name]
 
 
 def test_mcp_results_are_cut_as_a_tools_output_is(fake_mcp):
