@@ -145,18 +145,29 @@ class MCPError(Exception):
 _REDACTED = "[redacted]"
 _SECRET_WINDOW = 8  # no run of this many characters of a key may be shown anywhere
 _secrets = {}  # API key in use -> a regex finding any _SECRET_WINDOW of its characters
+_secret_users = {}  # API key in use -> how many live objects use it (math.inf: for good)
 _secrets_lock = threading.Lock()
 
 
-def _add_secret(key: str) -> None:
-    """Remember ``key`` as in use: tool results and what providers say never show a piece of
-    it. (A key shorter than that is no secret worth the damage hiding it would do.)"""
-    if key in _secrets or len(key) < _SECRET_WINDOW:
+def _add_secret(key: str, user=None) -> None:
+    """Remember ``key`` as in use, while ``user`` lives (for good without one): tool results
+    and what providers say never show a piece of it. (A key shorter than that is no secret
+    worth the damage hiding it would do.) A server making a chat per request, each with its
+    user's key, so keeps only the keys of live chats to look for."""
+    if len(key) < _SECRET_WINDOW:
+        return
+    with _secrets_lock:
+        known = key in _secrets
+        _secret_users[key] = _secret_users.get(key, 0) + (1 if user is not None else math.inf)
+    if user is not None:
+        weakref.finalize(user, _forget_secret, key)
+    if known:
         return
     windows = {key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1)}
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
-        _secrets[key] = pattern
+        if key in _secret_users:  # its users may all be gone already
+            _secrets[key] = pattern
     import logging
 
     logger = logging.getLogger("lich")
@@ -164,9 +175,21 @@ def _add_secret(key: str) -> None:
         logger.addFilter(_redact_log_record)
 
 
+def _forget_secret(key: str) -> None:
+    """One user of ``key`` is gone; with the last, the key is no longer looked for."""
+    with _secrets_lock:
+        left = _secret_users.get(key, 0) - 1
+        if left > 0:
+            _secret_users[key] = left
+        else:
+            _secret_users.pop(key, None)
+            _secrets.pop(key, None)
+
+
 def _redact_log_record(record) -> bool:
-    """The ``lich`` logger's filter: a record's message and traceback with keys redacted (the
-    traceback then travels as its text)."""
+    """The ``lich`` logger's filter: a record's message and traceback with keys redacted.
+    The traceback's text is set (logging's formatters print it rather than make their own);
+    ``exc_info`` stays for handlers that want the exception itself."""
     try:
         message = record.getMessage()
     except Exception:  # a bad format: logging reports it as it would
@@ -178,7 +201,6 @@ def _redact_log_record(record) -> bool:
         import traceback
 
         record.exc_text = _redact_secrets("".join(traceback.format_exception(*record.exc_info)).rstrip())
-        record.exc_info = None
     return True
 
 
@@ -192,28 +214,34 @@ def _redact_secrets(text: str) -> str:
     original = text
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
         text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
-    found_any = False
-    for pattern in list(_secrets.values()):
-        spans = []
-        for found in pattern.finditer(text):
-            start = found.start()
-            if spans and start <= spans[-1][1]:
-                spans[-1][1] = start + _SECRET_WINDOW
-            else:
-                spans.append([start, start + _SECRET_WINDOW])
-        for start, end in reversed(spans):
-            text = text[:start] + _REDACTED + text[end:]
-        found_any = found_any or bool(spans)
-    return text if found_any else original  # text without a key is given back as it was
+    # Where any key shows, found in the same text for every key: keys that share characters
+    # (sk-...-0123456789-...) are each found whole, and the runs found are joined.
+    starts = sorted(found.start() for pattern in list(_secrets.values())
+                    for found in pattern.finditer(text))
+    if not starts:
+        return original  # text without a key is given back as it was
+    runs = []  # [start, end] of the text hidden
+    for start in starts:
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], start + _SECRET_WINDOW)
+        else:
+            runs.append([start, start + _SECRET_WINDOW])
+    pieces, shown_from = [], 0
+    for start, end in runs:
+        pieces += [text[shown_from:start], _REDACTED]
+        shown_from = end
+    pieces.append(text[shown_from:])
+    return "".join(pieces)
 
 
 # The names of query parameters and headers whose values are credentials.
 _CREDENTIAL_NAME = re.compile(r"(?i)key|token|secret|passw|auth|sig|credential|session")
 
 
-def _add_url_secrets(url: str) -> None:
+def _add_url_secrets(url: str, user=None) -> None:
     """Remember the user-info of ``url`` and its credential query values (``?api_key=...``)
-    as secrets; other query values (``?api-version=2024-06-01``) are no secret."""
+    as secrets while ``user`` lives; other query values (``?api-version=2024-06-01``) are no
+    secret."""
     from urllib.parse import parse_qsl, urlsplit
 
     try:
@@ -223,7 +251,7 @@ def _add_url_secrets(url: str) -> None:
     except ValueError:
         return
     for secret in secrets:
-        _add_secret(secret)
+        _add_secret(secret, user)
 
 
 def _redact_url(url: str) -> str:
@@ -1881,8 +1909,8 @@ class _HTTPChat:
         key = (self._api_key if self._key_given else os.environ.get(self.key_env)) or ""
         self._api_key = key.strip() or None
         if self._api_key:
-            _add_secret(self._api_key)
-        _add_url_secrets(self.base_url)
+            _add_secret(self._api_key, self)
+        _add_url_secrets(self.base_url, self)
         self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN, self._api_key)
         self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
         base, question, query = self.base_url.partition("?")  # Azure's ?api-version=...
@@ -5370,10 +5398,10 @@ class _HTTPServer:
         self.url = url
         self.name = _redact_url(url)
         self.headers = dict(headers or {})
-        _add_url_secrets(url)
+        _add_url_secrets(url, self)
         for name, value in self.headers.items():  # "Bearer <token>": the token is the secret
             if _CREDENTIAL_NAME.search(name):
-                _add_secret(str(value).rpartition(" ")[2])
+                _add_secret(str(value).rpartition(" ")[2], self)
         self.on_list_changed = on_list_changed
         self.session_id = None
         self.protocol = None

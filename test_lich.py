@@ -361,6 +361,14 @@ def user(text):
     return {"role": "user", "content": text}
 
 
+KEPT_IN_USE = []
+
+
+def keep_in_use(**options):
+    """A chat kept alive for the rest of the tests: its key (or its URL's secrets) in use."""
+    KEPT_IN_USE.append(lich.OpenAIChat("m", **options))  # made, never called
+
+
 def digest8(text):
     """The first 8 hex digits of text's SHA-256: how lich makes a refused name or id unique."""
     import hashlib
@@ -848,7 +856,7 @@ def test_provider_error_explicit_retryable_wins():
 
 
 def test_a_key_in_use_is_redacted_in_lichs_logs_message_and_traceback(caplog):
-    lich.OpenAIChat("m", api_key=SECRET, base_url="http://127.0.0.1:9/v1")  # the key is now in use
+    keep_in_use(api_key=SECRET)
     tools = lich.Tools()
 
     @tools.tool
@@ -1460,7 +1468,7 @@ def test_an_answer_asking_for_too_many_calls_runs_only_the_first_128():
 
 
 def test_a_tool_result_holding_a_key_in_use_is_redacted_before_anything_sees_it(server):
-    lich.OpenAIChat("m", api_key=KEY, base_url=server.url + "/v1")  # the key is now in use
+    keep_in_use(api_key=KEY)
     leaky = lich.Tools()
 
     @leaky.tool
@@ -1557,8 +1565,31 @@ def test_no_response_format_reaches_a_chat_when_no_schema_is_asked_for():
     assert lich.run_conversation(strict_chat, None, [user("x")], max_turns=1).stopped_reason == "final"
 
 
+def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_chat_lives():
+    import gc
+
+    first, second = "zq-live-QWERTYUIOP-aaaaaaaa", "zq-test-QWERTYUIOP-bbbbbbbb"  # no other test's
+    said = lich.Tools()
+
+    @said.tool
+    def say() -> str:
+        """Say both keys."""
+        return f"1={first} 2={second}"
+
+    def shown():
+        outcome, _, _ = run_loop(assistant("", ("c1", "say", "{}")), assistant("done"), tools=said)
+        return outcome.messages[2]["content"]
+
+    chats = [lich.OpenAIChat("m", api_key=first), lich.OpenAIChat("m", api_key=second)]
+    assert shown() == "1=[redacted] 2=[redacted]"
+    chats.pop()
+    gc.collect()
+    # a key no live chat holds is not looked for: only what it shares with the first is hidden
+    assert shown() == "1=[redacted] 2=zq-test[redacted]bbbbbbbb"
+
+
 def test_redaction_leaves_text_without_a_key_exactly_as_it_was(server):
-    lich.OpenAIChat("m", api_key=KEY, base_url=server.url + "/v1")  # the key is now in use
+    keep_in_use(api_key=KEY)
     source = 'print("caf\\u00e9")  # \\ud83d and \\\\u00e9 stay as written\n'
     shower = lich.Tools()
 
@@ -6449,7 +6480,7 @@ def test_credentials_in_a_base_url_never_reach_a_tool_or_its_output(ws, monkeypa
     url = "http://lich:Pa55w0rd-Zq8Wm3@127.0.0.1:9/v1?api-version=2024-06-01&api-key=Kx7Rt9Ln5Vb2"
     monkeypatch.setenv("OPENAI_BASE_URL", url)
     monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")  # no credentials: it stays
-    lich.OpenAIChat("m")  # the URL is now in use
+    keep_in_use()  # its URL
     command = json.dumps({"command": "env | grep _BASE_URL; echo Pa55w0rd-Zq8Wm3 Kx7Rt9Ln5Vb2 2024-06-01"})
     outcome, _, _ = run_loop(assistant("", ("c1", "bash", command)), assistant("done"),
                              tools=lich.coding_tools(ws, allow_shell=True))
@@ -6840,7 +6871,7 @@ def test_an_mcp_server_that_does_not_start_is_an_mcp_error_in_its_own_words(comm
 
 
 def test_an_mcp_servers_stderr_shows_no_key_in_use(caplog):
-    lich.OpenAIChat("m", api_key=SECRET, base_url="http://127.0.0.1:9/v1")  # the key is now in use
+    keep_in_use(api_key=SECRET)
     command = [sys.executable, "-c", f"import sys; sys.stderr.write('bad key {SECRET}'); sys.exit(3)"]
     with caplog.at_level("DEBUG", logger="lich"), pytest.raises(lich.MCPError) as info:
         lich.mcp_tools(command)
