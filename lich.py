@@ -5862,7 +5862,9 @@ _BATCH_RETRIES = 8  # a batch's spec chats retry more than one run's: many worke
 
 
 def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
-    """One task of a batch, in whatever thread or process runs it; never raises."""
+    """One task of a batch, in whatever thread or process runs it; never raises. A task that
+    fails still reports what its calls used."""
+    used = _zero_usage()
     try:
         if isinstance(chat, str):
             chats = getattr(_batch_chats, "chats", None)
@@ -5882,16 +5884,17 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
         if "system_prompt" in task:
             params["system_prompt"] = task["system_prompt"]
         emitter = AgentEmitter()
+        emitter.on("llm_end", lambda event: _add_usage(used, event["result"].usage))
         if trace:
             trace_otel(emitter, tracer=None if trace is True else trace, **_chat_identity(chat))
         run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
                         session_dir=session_dir, label=task["id"], emitter=emitter, **params)
     except AbortError:  # stopped by the signal inside a chat call: at its boundary
-        return BatchResult(task["id"], False, "aborted", None)
+        return BatchResult(task["id"], False, "aborted", None, usage=used)
     except BaseException as exc:  # failures are data: the batch goes on
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        return BatchResult(task["id"], False, None, None, error=_error_text(exc))
+        return BatchResult(task["id"], False, None, None, error=_error_text(exc), usage=used)
     final = run.final.get("content") if run.final else None
     return BatchResult(task["id"], run.stopped_reason == "final", run.stopped_reason, final,
                        output=run.output, usage=run.usage_total, session_path=run.session_path)

@@ -7341,6 +7341,15 @@ def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
     assert server.requests == []
 
 
+def test_a_failed_task_reports_what_its_calls_used():
+    overflow = lich.ProviderError("openai: the context window is exceeded", "overflow")
+    chat = ScriptedChat(lich.ChatResult(assistant("", ("c1", "echo", "{}")),
+                                        usage={"input_tokens": 90_000, "output_tokens": 12}), overflow)
+    [result] = lich.run_batch(["x"], chat=chat, tools=EchoTools(), max_turns=3)
+    assert result == lich.BatchResult("0", False, None, None, error=(
+        "overflow: openai: the context window is exceeded"), usage={"input_tokens": 90_000, "output_tokens": 12})
+
+
 def test_run_batch_on_a_process_pool_gives_what_threads_give(batch_server, workspace, tmp_path):
     import concurrent.futures
     import multiprocessing
