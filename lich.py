@@ -3187,7 +3187,10 @@ def _function_tool(fn, name, description):
     except (TypeError, ValueError) as e:
         raise TypeError(f"cannot register {name}: {e}") from e
     hints = _type_hints(fn, name)
-    doc_description, arg_docs = _parse_docstring(inspect.getdoc(fn))
+    wrapped = fn
+    while isinstance(wrapped, functools.partial):  # its docstring is partial's own
+        wrapped = wrapped.func
+    doc_description, arg_docs = _parse_docstring(inspect.getdoc(wrapped))
     properties, required = {}, []
     signal_param = call_param = None
     for param in signature.parameters.values():

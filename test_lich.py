@@ -5014,6 +5014,16 @@ def test_tools_spec_from_docstring(fn, options, description, parameters):
                               "parameters": parameters}]
 
 
+def test_a_partial_tool_is_described_by_its_functions_docstring():
+    tools = lich.Tools()
+    tools.register(functools.partial(functools.partial(_doc_google, verbose=True), limit=5), name="read")
+    assert tools.specs() == [{"name": "read", "description": "Read a file.", "parameters": obj_schema({
+        "path": {"type": "string", "description": "The file, relative to the root."},
+        "offset": {"type": "integer", "description": "First line.", "default": 1},
+        "limit": {"type": "integer", "description": "How many lines.", "default": 5},
+        "verbose": {"type": "boolean", "default": True}}, ["path"])}]
+
+
 def _bad_set(x: set): pass
 def _bad_tuple(x: tuple): pass
 def _bad_class(x: lich.ToolResult): pass
