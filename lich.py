@@ -7706,6 +7706,12 @@ def _quiet_stdout():
 
 def _run_cli(cli) -> int:
     args = cli.args
+    if args.batch is not None and (args.prompt is not None or args.interactive or args.resume
+                                   or args.continue_):
+        raise _UsageError("--batch runs the tasks of its file: it takes no PROMPT, -i, --resume "
+                          "or -c")
+    if args.resume is not None and args.continue_:
+        raise _UsageError("--resume and -c both choose the session to go on with: give one")
     if args.json and args.prompt is None and _isatty(sys.stdin) and args.batch is None:
         raise _UsageError("--json needs a PROMPT or piped stdin")
     if args.batch is not None:

@@ -8817,6 +8817,19 @@ def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, l
     assert server.requests == [] and not out.exists()
 
 
+@pytest.mark.parametrize("argv, error", [
+    (["--batch", "{tasks}", "a prompt"], "--batch runs the tasks of its file: it takes no PROMPT, -i, --resume or -c"),
+    (["--batch", "{tasks}", "-i"], "--batch runs the tasks of its file: it takes no PROMPT, -i, --resume or -c"),
+    (["--batch", "{tasks}", "-c"], "--batch runs the tasks of its file: it takes no PROMPT, -i, --resume or -c"),
+    (["--resume", "latest", "-c", "go"], "--resume and -c both choose the session to go on with: give one"),
+], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue"])
+def test_options_that_contradict_each_other_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\n")
+    assert cli(*[a.format(tasks=tasks) for a in argv]) == (2, "", f"lich: {error}\n")
+    assert server.requests == []
+
+
 def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
                                                                        workspace):
     tasks, out = tmp_path / "tasks.txt", tmp_path / "out.jsonl"
