@@ -145,39 +145,41 @@ class MCPError(Exception):
 _REDACTED = "[redacted]"
 _SECRET_WINDOW = 8  # no run of this many characters of a key may be shown anywhere
 _secrets = {}  # API key in use -> a regex finding any _SECRET_WINDOW of its characters
-_secret_users = {}  # API key in use -> how many live objects use it (math.inf: for good)
+_secret_users = {}  # API key in use -> how many live objects hold it
+# A key for each holder gone: finalizers only append (the collector may run them in a thread
+# that holds _secrets_lock), and the counts are brought down under the lock.
+_secret_holders_gone = deque()
 _secrets_lock = threading.Lock()
 
 
-def _add_secret(key: str, user=None) -> None:
-    """Remember ``key`` as in use, while ``user`` lives (for good without one): tool results
+def _add_secret(key: str, holder) -> None:
+    """Remember ``key`` as in use while ``holder`` (a chat, an MCP server) lives: tool results
     and what providers say never show a piece of it. (A key shorter than that is no secret
-    worth the damage hiding it would do.) A server making a chat per request, each with its
-    user's key, so keeps only the keys of live chats to look for."""
+    worth the damage hiding it would do.) So a server that makes a chat per request, with
+    its user's key, looks for the keys of live chats only."""
     if len(key) < _SECRET_WINDOW:
         return
     with _secrets_lock:
+        _count_secret_holders_gone()
         known = key in _secrets
-        _secret_users[key] = _secret_users.get(key, 0) + (1 if user is not None else math.inf)
-    if user is not None:
-        weakref.finalize(user, _forget_secret, key)
+        _secret_users[key] = _secret_users.get(key, 0) + 1
+    weakref.finalize(holder, _secret_holders_gone.append, key)
     if known:
         return
     windows = {key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1)}
     pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
     with _secrets_lock:
-        if key in _secret_users:  # its users may all be gone already
+        if key in _secret_users:  # its holders may all be gone already
             _secrets[key] = pattern
-    import logging
-
-    logger = logging.getLogger("lich")
-    if _redact_log_record not in logger.filters:  # from the first key on, logs are redacted too
-        logger.addFilter(_redact_log_record)
+    if _redact_log_record not in _log.filters:  # from the first key on, logs are redacted too
+        _log.addFilter(_redact_log_record)
 
 
-def _forget_secret(key: str) -> None:
-    """One user of ``key`` is gone; with the last, the key is no longer looked for."""
-    with _secrets_lock:
+def _count_secret_holders_gone() -> None:
+    """Bring the counts of holders down (``_secrets_lock`` held); a key none holds any more
+    is no longer looked for."""
+    while _secret_holders_gone:
+        key = _secret_holders_gone.popleft()
         left = _secret_users.get(key, 0) - 1
         if left > 0:
             _secret_users[key] = left
@@ -209,6 +211,9 @@ _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
 
 def _redact_secrets(text: str) -> str:
     """``text`` with every run of 8 characters of a key in use (also \\u-escaped) redacted."""
+    if _secret_holders_gone:
+        with _secrets_lock:
+            _count_secret_holders_gone()
     if not _secrets or not text:
         return text
     original = text
@@ -238,10 +243,10 @@ def _redact_secrets(text: str) -> str:
 _CREDENTIAL_NAME = re.compile(r"(?i)key|token|secret|passw|auth|sig|credential|session")
 
 
-def _add_url_secrets(url: str, user=None) -> None:
+def _add_url_secrets(url: str, holder) -> None:
     """Remember the user-info of ``url`` and its credential query values (``?api_key=...``)
-    as secrets while ``user`` lives; other query values (``?api-version=2024-06-01``) are no
-    secret."""
+    as secrets while ``holder`` lives; other query values (``?api-version=2024-06-01``) are
+    no secret."""
     from urllib.parse import parse_qsl, urlsplit
 
     try:
@@ -251,7 +256,7 @@ def _add_url_secrets(url: str, user=None) -> None:
     except ValueError:
         return
     for secret in secrets:
-        _add_secret(secret, user)
+        _add_secret(secret, holder)
 
 
 def _redact_url(url: str) -> str:

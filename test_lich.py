@@ -1588,6 +1588,25 @@ def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_ch
     assert shown() == "1=[redacted] 2=zq-test[redacted]bbbbbbbb"
 
 
+def test_a_chat_the_collector_frees_while_a_key_is_being_added_hangs_nothing():
+    import gc
+
+    class Handler:  # a chat per request whose on_delta is its holder's: a reference cycle
+        def __init__(self, key):
+            self.chat = lich.OpenAIChat("m", api_key=key, on_delta=self.show)
+
+        def show(self, text):
+            pass
+
+    Handler("zq-cycle-" + "x" * 20)  # garbage, freed by the collector only
+
+    def collect_where_python_may():  # Python 3.12 can collect inside _add_secret's lock
+        with lich._secrets_lock:
+            return gc.collect()
+
+    assert finishes(collect_where_python_may) > 0
+
+
 def test_redaction_leaves_text_without_a_key_exactly_as_it_was(server):
     keep_in_use(api_key=KEY)
     source = 'print("caf\\u00e9")  # \\ud83d and \\\\u00e9 stay as written\n'
