@@ -491,7 +491,10 @@ def _schema_problem(schema, where):
     inner = [(f'{where}["properties"][{json.dumps(key, ensure_ascii=False)}]', value)
              for key, value in (schema.get("properties") or {}).items()]
     inner += [(f'{where}["{keyword}"]', schema[keyword])
-              for keyword in ("items", "additionalProperties") if keyword in schema]
+              for keyword in ("items", "additionalProperties") if keyword in schema
+              and not (keyword == "items" and isinstance(schema["items"], list))]
+    if isinstance(schema.get("items"), list):  # draft-04 to 2019-09: a schema per position
+        inner += [(f'{where}["items"][{i}]', item) for i, item in enumerate(schema["items"])]
     for path, value in inner:
         problem = _schema_problem(value, path)
         if problem:
@@ -865,9 +868,12 @@ def _check_run_options(max_turns, output_schema):
     if max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
     if output_schema is not None:
-        problem = (_schema_problem(output_schema, "output_schema")
-                   if isinstance(output_schema, dict) else
-                   f"output_schema must be an object, not {_json_kind(output_schema)}")
+        try:
+            problem = (_schema_problem(output_schema, "output_schema")
+                       if isinstance(output_schema, dict) else
+                       f"output_schema must be an object, not {_json_kind(output_schema)}")
+        except RecursionError:
+            problem = "output_schema is nested too deeply"
         if problem:
             raise ValueError(problem)
 
@@ -1248,12 +1254,12 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
                 recorder.message(message)
         # The run's own emitter: the recorder hears this run only, also when the caller's
         # emitter is shared by runs in other threads (whose handlers it hears first).
-        heard = AgentEmitter()
+        run_emitter = AgentEmitter()
         if emitter is not None:
-            heard.on_any(emitter.emit)
-        heard.on_any(recorder.on_event)
+            run_emitter.on_any(emitter.emit)
+        run_emitter.on_any(recorder.on_event)
         try:
-            outcome = run_conversation(chat, tools, seeded, emitter=heard, **loop_params)
+            outcome = run_conversation(chat, tools, seeded, emitter=run_emitter, **loop_params)
         except BaseException as exc:
             recorder.meta({"event": "run_error",
                            "error": _redact_secrets(f"{type(exc).__name__}: {exc}")})
@@ -2228,6 +2234,22 @@ def _content_text(content):
     raise TypeError(f"message content is {_json_kind(content)}")
 
 
+_NAME_ALPHABET = re.compile(r"[A-Za-z0-9_-]+\Z")
+
+
+def _in_name_alphabet(text, max_chars=None):
+    """``text`` as providers take a tool's name or a call's id (only ``[A-Za-z0-9_-]``, at
+    most ``max_chars``): as it is when it fits, else its other characters made '_', cut,
+    and a digest of the whole added, so that two texts never become one."""
+    if _NAME_ALPHABET.match(text) and (max_chars is None or len(text) <= max_chars):
+        return text
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    kept = re.sub(r"[^A-Za-z0-9_-]", "_", text)
+    return (kept if max_chars is None else kept[:max_chars - len(digest) - 1]) + "_" + digest
+
+
 # --- OpenAI ---
 
 
@@ -2419,19 +2441,10 @@ class OpenAIChat(_HTTPChat):
 
 # --- Anthropic ---
 
-_ANTHROPIC_TOOL_ID = re.compile(r"[A-Za-z0-9_-]+\Z")
-
-
 def _anthropic_tool_id(call_id):
-    """A call's id as Anthropic accepts it (letters, digits, '_', '-'): another provider's
-    ``functions.add:0`` made ``functions_add_0_`` and a digest of the original, the same
-    for the call and its result."""
-    if not isinstance(call_id, str) or _ANTHROPIC_TOOL_ID.match(call_id):
-        return call_id
-    import hashlib
-
-    digest = hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    return re.sub(r"[^A-Za-z0-9_-]", "_", call_id) + "_" + digest
+    """A call's id as Anthropic accepts it: another provider's ``functions.add:0`` becomes
+    ``functions_add_0_`` and a digest, the same for the call and its result."""
+    return _in_name_alphabet(call_id) if isinstance(call_id, str) else call_id
 
 
 def _tool_input(arguments):
@@ -2994,8 +3007,9 @@ def chat_from_spec(spec, **options):
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
         after = model.rpartition("@")[2] if "@" in model else ""
         if "/" in after or ":" in after:  # a version such as "claude-x@20250929" has neither
-            raise ValueError(f"invalid model spec {part!r}: the base URL after '@' must begin with "
-                             f"http:// or https://")
+            shown = f"{provider}:{model.partition('@')[0]}@..."  # the URL may hold a key
+            raise ValueError(f"invalid model spec {shown!r}: the base URL after '@' must begin "
+                             f"with http:// or https://")
         cls = _PROVIDERS.get(provider)
         if cls is None:
             raise ValueError(f"unknown provider {provider!r} in {part!r}; known providers: "
@@ -3017,7 +3031,8 @@ def chat_from_spec(spec, **options):
 # ============================================================================
 
 DEFAULT_MAX_OUTPUT_CHARS = 50_000
-_TOOL_NAME_RE = r"[A-Za-z0-9_-]{1,64}\Z"
+_TOOL_NAME_MAX_CHARS = 64  # what providers take, of the alphabet _in_name_alphabet keeps
+_TOOL_NAME_RE = rf"[A-Za-z0-9_-]{{1,{_TOOL_NAME_MAX_CHARS}}}\Z"
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:", "params:", "keyword args:",
                  "keyword arguments:")
 _DOC_SECTIONS = _ARGS_HEADERS + ("returns:", "return:", "yields:", "raises:", "example:",
@@ -5585,15 +5600,8 @@ class MCPTools:
                 for name, t in offered]
 
     def _offered_name(self, name):
-        """``prefix + name``, or where a provider would refuse it (MCP allows '.', '/' and any
-        length) its letters outside [A-Za-z0-9_-] made '_', cut, and a digest of it added."""
-        offered = self.prefix + name
-        if re.match(_TOOL_NAME_RE, offered):
-            return offered
-        import hashlib
-
-        digest = hashlib.sha256(offered.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-        return re.sub(r"[^A-Za-z0-9_-]", "_", offered)[:55] + "_" + digest
+        """``prefix + name`` as providers take it (MCP allows '.', '/' and any length)."""
+        return _in_name_alphabet(self.prefix + name, _TOOL_NAME_MAX_CHARS)
 
     def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult:
         """Call the tool on the server; never raises."""
@@ -6964,8 +6972,8 @@ def _hold_interrupts():
             held[number] = signals.signal(number, lambda signum, frame: None)
 
     def give_back():
-        for number, previous in held.items():
-            signals.signal(number, previous)
+        for number, previous in held.items():  # None: a handler Python did not install
+            signals.signal(number, previous if previous is not None else signals.SIG_DFL)
 
     return give_back
 
@@ -6998,6 +7006,13 @@ def _run_interruptibly(work, signal, cli):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _schema_refusal(exc):
+    """The usage error of --schema for a run's refusal of its ``output_schema``, or None."""
+    if isinstance(exc, ValueError) and str(exc).startswith("output_schema"):
+        return _UsageError("--schema" + str(exc)[len("output_schema"):])
+    return None
 
 
 def _describe_error(exc) -> str:
@@ -7183,6 +7198,8 @@ class _Cli:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
         except Exception as exc:
+            if _schema_refusal(exc) is not None:  # refused before any call: the chat cannot go on
+                raise _schema_refusal(exc) from None
             _cli_log().debug("the run failed", exc_info=True)
             if isinstance(session, _LazySession):
                 session.forget_unwritten()
@@ -7683,6 +7700,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return interrupts.exit_code
     except Exception as exc:
+        if _schema_refusal(exc) is not None:  # a batch's: refused before any call
+            term.error(str(_schema_refusal(exc)))
+            return _EXIT_USAGE
         logger.debug("the run failed", exc_info=True)
         term.error(_describe_error(exc))
         return _EXIT_ERROR

@@ -1540,7 +1540,10 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
     ({"items": {"additionalProperties": {"type": ["string", {}]}}},
      f'output_schema["items"]["additionalProperties"]["type"] must be {TYPE_NAMES}, not ["string", {{}}]'),
     ({"items": "string"}, 'output_schema["items"] must be an object, not a string'),
-], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items"])
+    ({"items": [{"type": "integer"}, {"enum": 1}]}, 'output_schema["items"][1]["enum"] must be an array, not 1'),
+    (functools.reduce(lambda inner, _: {"items": inner}, range(5000), {}), "output_schema is nested too deeply"),
+], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
+        "items-by-position", "too-deep"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
@@ -1552,7 +1555,8 @@ def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema
         assert str(info.value) == problem
     assert chat.calls == [] and not (tmp_path / "sessions").exists()
     fine = {"type": ["object", "null"], "properties": {"a": True, "b": {"enum": [1, None]}},
-            "additionalProperties": False, "items": {}, "required": ["a"], "description": "any"}
+            "additionalProperties": False, "items": [{}, {"type": "string"}], "required": ["a"],
+            "description": "any", "$ref": "#/$defs/x"}  # keywords lich does not check are let be
     answer = ScriptedChat(assistant('{"a": [1, "x"]}'))
     assert lich.run_conversation(answer, None, [user("x")], max_turns=1, output_schema=fine).output == {
         "a": [1, "x"]}
@@ -1857,9 +1861,9 @@ def test_runs_sharing_the_callers_emitter_each_record_only_their_own(tmp_path):
         assert run.usage_total == {"input_tokens": 100, "output_tokens": 10}
         assert lich.read_session_messages(run.session_path) == [user(name), assistant("answer to " + name)]
     assert sorted(types(events)) == sorted(["turn_start", "llm_start", "llm_end", "final", "turn_end"] * 2)
-    events.clear()
-    lich.run_agent("hi", chat=ScriptedChat(assistant("a")), max_turns=1, session_dir=tmp_path)
-    assert events == []  # a run without the emitter is not heard there
+    emitter.emit({"type": "llm_end", "result": lich.ChatResult(assistant("stray"))})  # no run hears it now
+    for name, run in runs.items():
+        assert lich.read_session_messages(run.session_path) == [user(name), assistant("answer to " + name)]
 
 
 def test_run_agent_requires_max_turns():
@@ -4513,14 +4517,15 @@ def test_chat_from_spec_refuses_malformed_specs(spec):
         lich.chat_from_spec(spec)
 
 
-@pytest.mark.parametrize("spec, url", [("openai:llama3.2@localhost:11434/v1", "localhost:11434/v1"),
-                                       ("anthropic:c@127.0.0.1:8080", "127.0.0.1:8080"),
-                                       ("openai:m@ftp://host/v1", "ftp://host/v1")])
-def test_chat_from_spec_refuses_a_base_url_without_http(spec, url):
+@pytest.mark.parametrize("spec, shown", [("openai:llama3.2@localhost:11434/v1", "openai:llama3.2@..."),
+                                         ("anthropic:c@127.0.0.1:8080", "anthropic:c@..."),
+                                         ("openai:m@ftp://host/v1", "openai:m@..."),
+                                         (f"openai:m@me:{SECRET}@localhost:8080/v1", "openai:m@...")])
+def test_chat_from_spec_refuses_a_base_url_without_http(spec, shown):
     # not a model name to send to the provider's public URL with the user's key
     with pytest.raises(ValueError) as info:
         lich.chat_from_spec(spec)
-    assert str(info.value) == (f"invalid model spec {spec!r}: the base URL after '@' must begin "
+    assert str(info.value) == (f"invalid model spec {shown!r}: the base URL after '@' must begin "
                                "with http:// or https://")
 
 
@@ -7559,6 +7564,16 @@ def test_help_ends_with_examples_exit_codes_and_the_environment():
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name"]}
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["one-shot", "batch"])
+def test_a_schema_of_the_wrong_shape_is_a_usage_error_before_any_call(server, lich_model, cli, tmp_path, batch):
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\n")
+    argv = ["--batch", str(tasks)] if batch else ["go"]
+    assert cli("--schema", '{"type": "object", "required": "a"}', *argv) == (
+        2, "", 'lich: --schema["required"] must be an array of strings, not "a"\n')
+    assert server.requests == [] and sessions_in(tmp_path) == []
 
 
 def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_path):
