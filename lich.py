@@ -211,9 +211,11 @@ _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
 
 def _redact_secrets(text: str) -> str:
     """``text`` with every run of 8 characters of a key in use (also \\u-escaped) redacted."""
-    if _secret_holders_gone:
-        with _secrets_lock:
+    if _secret_holders_gone and _secrets_lock.acquire(blocking=False):  # never waits: a
+        try:  # finalizer that logs may run here while this thread holds the lock
             _count_secret_holders_gone()
+        finally:
+            _secrets_lock.release()
     if not _secrets or not text:
         return text
     original = text
