@@ -2443,6 +2443,7 @@ class OpenAIChat(_HTTPChat):
 
 # --- Anthropic ---
 
+
 def _anthropic_tool_id(call_id):
     """A call's id as Anthropic accepts it: another provider's ``functions.add:0`` becomes
     ``functions_add_0_`` and a digest, the same for the call and its result."""
@@ -2636,8 +2637,8 @@ class AnthropicChat(_HTTPChat):
         else:
             blocks = [{"type": "text", "text": content}] if content else []
             for call in m.get("tool_calls") or () if role == "assistant" else ():
-                blocks.append({"type": "tool_use", "id": _anthropic_tool_id(call["id"]), "name": call["name"],
-                               "input": _tool_input(call.get("arguments"))})
+                blocks.append({"type": "tool_use", "id": _anthropic_tool_id(call["id"]),
+                               "name": call["name"], "input": _tool_input(call.get("arguments"))})
         as_text = _wire_json(content) if len(blocks) == 1 and blocks[0]["type"] == "text" else None
         return role, [(block, _wire_json(block)) for block in blocks], as_text
 
