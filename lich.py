@@ -4789,10 +4789,23 @@ class _Workspace:
         crlf = "\r\n" in text
         if crlf:
             new_text = new_text.replace("\r\n", "\n").replace("\n", "\r\n")
-        spans = [(m.start(), m.end()) for m in re.finditer(re.escape(old_text), text)]
+
+        def places(pattern):  # overlapping ones too: "end\nend" is twice in "end\nend\nend"
+            found, spans = re.compile(pattern), []
+            match = found.search(text)
+            while match:
+                spans.append(match.span())
+                match = found.search(text, match.start() + 1)
+            return spans
+
+        spans = places(re.escape(old_text))
         if not spans and crlf and "\n" in old_text:
             loose = re.escape(old_text.replace("\r\n", "\n")).replace("\\\n", "\n")
-            spans = [(m.start(), m.end()) for m in re.finditer(loose.replace("\n", "\r?\n"), text)]
+            spans = places(loose.replace("\n", "\r?\n"))
+        if not spans and _has_undecodable(text):
+            raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "
+                               f"the bytes read_file shows as \ufffd cannot be matched; use "
+                               f"bash or write_file")
         if not spans:
             raise _ToolFailure(f"old_text was not found in {path}; read the file and copy the "
                                f"text exactly, whitespace included")
@@ -4808,6 +4821,11 @@ class _Workspace:
     def _approve(self, call):
         if self.approve is not None and not self.approve(call):
             raise _ToolFailure("the user declined this call")
+
+
+def _has_undecodable(text) -> bool:
+    """Whether ``text``, decoded with surrogateescape, held bytes that are not UTF-8."""
+    return re.search("[\udc80-\udcff]", text) is not None
 
 
 def _rg_path_ignored(rules, prefix, rel):

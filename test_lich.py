@@ -5922,6 +5922,24 @@ def test_edit_file_needs_exactly_one_match(ws, old_text, error):
     assert approve.asked == []
 
 
+def test_edit_file_counts_overlapping_matches(ws):
+    (ws / "code.rb").write_text("x = 1\n  end\nend\nend\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="code.rb", old_text="end\nend", new_text="END") == lich.ToolResult(
+        ok=False, error=("old_text occurs 2 times in code.rb; include more of the surrounding text so that it "
+                         "occurs exactly once"))
+    assert (ws / "code.rb").read_text() == "x = 1\n  end\nend\nend\n"
+
+
+def test_edit_file_says_why_text_shown_as_a_replacement_character_is_not_found(ws):
+    (ws / "latin.py").write_bytes(b"caf\xe9 = 1\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "read_file", path="latin.py").output == "     1\tcaf\ufffd = 1"
+    assert run_tool(tools, "edit_file", path="latin.py", old_text="caf\ufffd = 1", new_text="cafe = 1") == (
+        lich.ToolResult(ok=False, error=("old_text was not found in latin.py, which is not valid UTF-8: the bytes "
+                                         "read_file shows as \ufffd cannot be matched; use bash or write_file")))
+
+
 def test_edit_file_refusals(ws, tmp_path):
     _make_links(ws, tmp_path)
     (ws / "bin.dat").write_bytes(b"a\x00b")
