@@ -4842,6 +4842,8 @@ def _rg_path_ignored(rules, prefix, rel):
 _SHELL_KEEP_BYTES = 20_000      # bash keeps this much of the head and of the tail of its output
 _SHELL_READ_BYTES = 65_536      # one read from the shell's pipe
 _SHELL_DRAIN_SECONDS = 0.2      # output still read after the shell exits, before the kill
+_SHELL_LEFT_SECONDS = 0.2       # how long a shell's group may take to empty before it is killed
+_SHELL_GROUP_POLL_SECONDS = 0.002
 # The shell that runs a command. A watcher waits on fd 3, a pipe whose other end only lich
 # holds: a line from lich means the call ended; end of file means lich died (even by
 # SIGKILL), and the watcher kills the whole process group. Then the command replaces this
@@ -4855,6 +4857,55 @@ def _tool_environment():
     that hold credentials (`env` would show them to the model)."""
     return {k: v for k, v in os.environ.items() if k not in _PROVIDER_KEY_ENVS
             and not (k in _PROVIDER_URL_ENVS and _redact_url(v) != v)}
+
+
+def _group_lives_on(pgid, seconds):
+    """Whether a live process of the group ``pgid`` is still there after ``seconds`` (its
+    leader reaped; the shell's watcher leaves at once when told)."""
+    deadline = time.monotonic() + seconds
+    while _group_has_a_live_process(pgid):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(_SHELL_GROUP_POLL_SECONDS)
+    return False
+
+
+def _group_has_a_live_process(pgid) -> bool:
+    """Whether the group ``pgid`` has a process that is not a zombie. An exited watcher whose
+    new parent (a container's init) does not reap it stays a zombie in the group: Linux's
+    /proc tells them apart; elsewhere any process counts."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()  # after "pid (command)"
+            except OSError:
+                continue
+            if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+                return True
+    return False
+
+
+def _output_held(fd, seconds):
+    """Whether the pipe ``fd`` is still held open by a writer after ``seconds`` (what comes
+    meanwhile is dropped)."""
+    import selectors
+
+    deadline = time.monotonic() + seconds
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(deadline - time.monotonic()) and not os.read(fd, _SHELL_READ_BYTES):
+                return False
+    return True
 
 
 def _kill_group(pgid):
@@ -4922,6 +4973,7 @@ def _run_shell(command, cwd, timeout, signal):
     sink = _HeadTail(_SHELL_KEEP_BYTES)
     stopped = None
     held = False  # the shell exited while others still held its output: they were killed
+    ended = False  # the shell exited by itself
     try:
         deadline = time.monotonic() + timeout
         drain_until = None
@@ -4952,13 +5004,18 @@ def _run_shell(command, cwd, timeout, signal):
                 stopped = "timeout"
             elif signal.wait(min(_PROCESS_POLL_SECONDS, deadline - now)):
                 stopped = "aborted"
+        ended = stopped is None  # the shell exited by itself
     finally:
         try:
             os.write(watch_write, b"\n")  # the call is over: the watcher may go
         except OSError:
             pass
         os.close(watch_write)
+        if ended and not held:  # a process started in the background, its output elsewhere?
+            proc.wait()
+            held = _group_lives_on(proc.pid, _SHELL_LEFT_SECONDS)
         _kill_group(proc.pid)
+        escaped = held and _output_held(fd, _SHELL_DRAIN_SECONDS)  # left the group: setsid
         proc.stdout.close()
         proc.wait()
     text = sink.text()
@@ -4967,7 +5024,10 @@ def _run_shell(command, cwd, timeout, signal):
                                                        f"seconds and was killed")
     if stopped == "aborted":
         return ToolResult(ok=False, output=text, error="the command was aborted and killed")
-    if held:
+    if escaped:
+        text = _with_newline(text) + ("[a background process that left the command's process "
+                                      "group still runs]\n")
+    elif held:
         text = _with_newline(text) + "[background processes left running were killed]\n"
     code = proc.returncode
     text = _with_newline(text) + f"[exit code {code}]"
