@@ -6746,6 +6746,7 @@ class _Progress:
             for key, value in event["result"].usage.items():
                 self.usage[key] = self.usage.get(key, 0) + value
             self.history.append(event["result"].message)
+            self.received = []  # that text is in the history now: a later stop does not repeat it
         elif kind == "tool_call_end":
             self.history.append(tool_message_from_result(event["call"], event["result"]))
         elif kind == "output_invalid":

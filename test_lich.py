@@ -9000,6 +9000,23 @@ def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspa
     assert history[-2]["is_error"] is True and history[-1] == assistant("[interrupted by the user]")
 
 
+def test_ctrl_c_during_a_tool_does_not_repeat_what_the_model_said_before_it(server, lich_model, tmp_path, workspace):
+    import signal as signals
+
+    command = json.dumps({"command": "echo $$ > pid; sleep 30 & wait"})
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="Running it."),
+                                                delta_chunk(tool_calls=[call_delta(0, command, id="c1", name="bash")]),
+                                                delta_chunk(finish="tool_calls"))]))
+    child = Process(LICH_PY, "--yolo", "--root", workspace, "run it")  # streamed
+    eventually(lambda: (workspace / "pid").exists() and (workspace / "pid").read_text().strip(), 10)
+    child.popen.send_signal(signals.SIGINT)
+    assert child.wait(timeout=10)[0] == 130
+    [path] = sessions_in(tmp_path)
+    history = lich.read_session_messages(path)
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "tool", "assistant"]
+    assert (history[2]["content"], history[-1]) == ("Running it.", assistant("[interrupted by the user]"))
+
+
 def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(server, lich_model, fake_mcp):
     import signal as signals
 
