@@ -7501,7 +7501,7 @@ class _Cli:
                       else "compression stopped" if signal.is_set() else "nothing to compress")
             return compressed, session
         elif command == "/sessions":
-            _print_sessions(self.sessions_home, term, as_json=False)
+            _print_sessions(self.sessions_home, term, as_json=False, in_chat=True)
         elif command == "/clear":
             if session is not None:
                 session.close()
@@ -7669,7 +7669,9 @@ def _bad_task(error, numbers, path):
                        f"{str(error)[found.end():]}")
 
 
-def _print_sessions(session_dir, term, *, as_json) -> int:
+def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
+    """--list-sessions on stdout, or the chat's /sessions on stderr, with /help and /cost."""
+    show = term.line if in_chat else term.answer
     paths = list_sessions(session_dir)
     if not paths:
         term.note("no sessions yet")
@@ -7682,9 +7684,9 @@ def _print_sessions(session_dir, term, *, as_json) -> int:
             term.json_line(summary)
             continue
         when = summary["when"][:16].replace("T", " ")  # UTC, as the ids
-        term.answer(_visible(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "  # piped too
-                             f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
-                             f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}"))
+        show(_visible(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "  # piped too
+                      f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
+                      f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}"))
     if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
     return _EXIT_OK

@@ -752,17 +752,19 @@ class Process:
 
 
 class Pty:
-    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout and stderr are the terminal.
+    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout (unless given a file) and
+    stderr are the terminal.
 
     ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
     """
 
-    def __init__(self, *args, env=None):
+    def __init__(self, *args, env=None, stdout=None):
         import pty
 
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave, stdout=slave,
-                                     stderr=slave, env={**os.environ, **(env or {})}, close_fds=True)
+        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave,
+                                     stdout=slave if stdout is None else stdout, stderr=slave,
+                                     env={**os.environ, **(env or {})}, close_fds=True)
         os.close(slave)
         self.output = ""
         self.transcript = ""
@@ -8332,6 +8334,18 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     term.send("/exit")
     assert term.close() == 0
     assert [r["json"]["model"] for r in server.requests] == ["first", "second"]
+
+
+def test_the_chats_session_list_is_shown_on_the_terminal_not_in_the_answer(server, lich_model, tmp_path):
+    make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
+    with open(tmp_path / "answers.txt", "w") as answers:  # lich > answers.txt
+        term = Pty(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")}, stdout=answers)
+        term.expect(PROMPT)
+        term.send("/sessions")
+        assert "20260101T000000Z-1  " in term.expect(PROMPT)
+        term.send("/exit")
+        assert term.close() == 0
+    assert (tmp_path / "answers.txt").read_text() == ""
 
 
 def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(server, lich_model, tmp_path):
