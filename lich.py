@@ -7491,14 +7491,21 @@ class _Cli:
             term.line(_usage_line(self.usage) + " in this chat")
         elif command == "/compact":
             signal = self.signal = threading.Event()
+            asked = []  # whether there was anything to summarise
+
+            def summarise(messages, **options):
+                asked.append(True)
+                return self.chat(messages, **options)
+
             term.start_spinner("compressing")
             try:
                 compressed, chars = _run_interruptibly(
-                    lambda: compress_messages(self.chat, history, signal=signal), signal, self)
+                    lambda: compress_messages(summarise, history, signal=signal), signal, self)
             finally:
                 term.stop_spinner()
-            term.note(f"(history compressed: {chars} characters of summary)" if chars
-                      else "compression stopped" if signal.is_set() else "nothing to compress")
+            if chars or signal.is_set() or not asked:  # else its failure was shown as a warning
+                term.note(f"(history compressed: {chars} characters of summary)" if chars
+                          else "compression stopped" if signal.is_set() else "nothing to compress")
             return compressed, session
         elif command == "/sessions":
             _print_sessions(self.sessions_home, term, as_json=False, in_chat=True)

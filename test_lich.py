@@ -8366,6 +8366,24 @@ def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(serve
     assert sent[0] == "[context summary of earlier turns]\nthe summary\n[end summary]" and sent[-1] == "next"
 
 
+def test_compact_says_whether_there_was_nothing_to_compress_or_it_failed(server, lich_model, tmp_path):
+    queue(server, *[stream_reply(f"answer {i}") for i in range(5)], Reply(400, openai_error("no summaries today")))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("/compact")
+    assert term.expect(PROMPT).endswith("\nnothing to compress\n› ")
+    for i in range(5):
+        term.send(f"question {i}")
+        term.expect(PROMPT)
+    term.send("/compact")
+    shown = term.expect(PROMPT)
+    assert shown.endswith("lich: warning: history compression failed, keeping the full history: ProviderError: "
+                          "openai: HTTP 400 (invalid_request_error): no summaries today\n› ")
+    assert "nothing to compress" not in shown
+    term.send("/exit")
+    assert term.close() == 0
+
+
 def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lich_model, tmp_path):
     import signal as signals
 
