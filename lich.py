@@ -7567,6 +7567,8 @@ class _Cli:
             history = read_session_messages(path)
         except FileNotFoundError:
             raise SessionNotFound(f"session not found: {ref}") from None
+        except OSError as e:  # unreadable: as unusable as a missing one
+            raise SessionNotFound(f"cannot read the session {ref}: {e.strerror or e}") from None
         shown = os.path.splitext(os.path.basename(path))[0]
         self.term.note(f"resumed {shown}: {len(history)} messages")
         for line in _recap(history):

@@ -8603,6 +8603,14 @@ def test_resume_of_an_unknown_or_hostile_session_exits_2(server, lich_model, cli
     assert server.requests == [] and len(sessions_in(tmp_path)) == 1
 
 
+def test_resume_of_a_session_that_cannot_be_read_exits_2(server, lich_model, cli, tmp_path):
+    (tmp_path / "sessions").mkdir()  # a file that fails to be read, as mode 000 does (but not for root)
+    (tmp_path / "sessions" / "20260101T000000Z-1.jsonl").symlink_to("/proc/self/mem")
+    assert cli("--resume", "20260101T000000Z-1", "hi") == (
+        2, "", "lich: cannot read the session 20260101T000000Z-1: Input/output error\n")
+    assert server.requests == []
+
+
 def test_list_sessions_newest_first(lich_model, cli, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
