@@ -6404,9 +6404,12 @@ def _otel_provider():
 
 # --- the terminal ---
 
-# Control characters but newline and tab, and the bidirectional controls (which can show
-# a command reversed in a terminal that orders bidirectional text).
-_CONTROL = "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]"
+# Control characters but newline and tab, the bidirectional controls (which can show a
+# command reversed in a terminal that orders bidirectional text), and the invisible zero
+# width space, word joiner and BOM (which make one name look like another). The joiners
+# of emoji and of Persian words stay.
+_CONTROL = ("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b\u200e\u200f\u202a-\u202e\u2060"
+            "\u2066-\u2069\ufeff]")
 
 
 def _visible(text) -> str:

@@ -8072,11 +8072,12 @@ def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
 
 
 def test_escape_sequences_from_the_model_or_a_server_reach_no_terminal(server, lich_model, cli, workspace):
-    queue(server, Reply(200, openai_reply("\x1b]0;pwned\x07Looking\u202e.", ("c1", "list_files", "{}"),
-                                          finish="tool_calls")),
+    queue(server, Reply(200, openai_reply("\x1b]0;pwned\x07Looking\u202e at fi\u200ble\ufeff.txt 👨\u200d👩",
+                                          ("c1", "list_files", "{}"), finish="tool_calls")),
           openai_reply("done"), Reply(400, openai_error("bad \x1b[2J request")))
     code, out, err = cli("--no-stream", "--root", str(workspace), "look")
-    assert (code, out) == (0, "done\n") and err.startswith("\\x1b]0;pwned\\x07Looking\\u202e.\n→ list_files")
+    assert (code, out) == (0, "done\n") and err.startswith(
+        "\\x1b]0;pwned\\x07Looking\\u202e at fi\\u200ble\\ufeff.txt 👨\u200d👩\n→ list_files")
     code, out, err = cli("--no-stream", "--root", str(workspace), "again")
     assert (code, out, err) == (1, "", "lich: error: bad_request: openai: HTTP 400 (invalid_request_error): bad \\x1b[2J request\n")
 
