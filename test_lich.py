@@ -2461,6 +2461,12 @@ def test_a_recorded_run_resumes(tmp_path):
     assert lich.read_session_messages(lich.resolve_session(tmp_path, ref)) == run.messages
 
 
+def test_a_session_file_an_editor_saved_with_a_byte_order_mark_keeps_its_first_record(tmp_path):
+    path = write_records(tmp_path / "edited.jsonl", b"\xef\xbb\xbf" + json.dumps(msg(user("q"))).encode(),
+                         msg(assistant("a")))
+    assert lich.read_session_messages(path) == [user("q"), assistant("a")]
+
+
 def test_repeated_and_empty_ids_in_an_old_session_file_are_renamed_on_reading(tmp_path):
     path = write_records(
         tmp_path / "old.jsonl", msg(user("q")), msg(assistant("", ("", "echo", "{}"), ("a", "echo", "{}"))),
