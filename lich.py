@@ -2473,7 +2473,7 @@ def _closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     closed = {k: _closed_objects(v) if k in ("properties", "items", "anyOf", "allOf", "$defs",
-                                             "definitions") else v
+                                             "definitions", "additionalProperties") else v
               for k, v in schema.items()}
     if isinstance(closed.get("properties"), dict):
         closed["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
@@ -2482,6 +2482,21 @@ def _closed_objects(schema):
             and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
+
+
+def _lists_its_properties(schema) -> bool:
+    """Whether every object of ``schema`` that does not say what else it allows lists its
+    properties: closed as Anthropic's structured output requires, one listing none could
+    only be ``{}``, so such a schema goes in the system prompt instead."""
+    if isinstance(schema, list):
+        return all(map(_lists_its_properties, schema))
+    if not isinstance(schema, dict):
+        return True
+    kinds = schema.get("type")
+    if ((kinds == "object" or (isinstance(kinds, list) and "object" in kinds))
+            and not schema.get("properties") and "additionalProperties" not in schema):
+        return False
+    return all(map(_lists_its_properties, schema.values()))
 
 
 def _anthropic_usage(usage, into):
@@ -2605,7 +2620,7 @@ class AnthropicChat(_HTTPChat):
     def __call__(self, messages, *, response_format=None, **options):
         if response_format is None:
             return super().__call__(messages, **options)
-        if not self._format_refused:
+        if not self._format_refused and _lists_its_properties(response_format["schema"]):
             try:
                 return super().__call__(messages, response_format=response_format, **options)
             except ProviderError as e:

@@ -3939,7 +3939,9 @@ def test_anthropic_caches_the_tools_the_system_prompt_and_the_newest_message(ser
 
 def test_anthropic_asks_for_structured_output_with_objects_closed(server):
     schema = {"type": "object", "properties": {"city": {"type": "object", "properties": {
-        "name": {"type": "string"}}}, "tags": {"type": "array", "items": {"type": "object"}}},
+        "name": {"type": "string"}}}, "tags": {"type": "array", "items": {"type": "object", "properties": {
+            "t": {"type": "string"}}}}, "notes": {"type": "object", "additionalProperties": {
+                "type": "object", "properties": {"by": {"type": "string"}}}}},
               "required": ["city"]}
     server.reply(200, anthropic_reply(text_block('{"city": {"name": "Lima"}, "tags": []}')))
     anthropic_at(server, cache=False, extra_body={"top_k": 5})(
@@ -3951,8 +3953,28 @@ def test_anthropic_asks_for_structured_output_with_objects_closed(server):
             "type": "object", "required": ["city"], "additionalProperties": False, "properties": {
                 "city": {"type": "object", "additionalProperties": False,
                          "properties": {"name": {"type": "string"}}},
-                "tags": {"type": "array", "items": {"type": "object", "additionalProperties": False}}}}}}}
+                "tags": {"type": "array", "items": {"type": "object", "additionalProperties": False,
+                                                    "properties": {"t": {"type": "string"}}}},
+                "notes": {"type": "object", "additionalProperties": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"by": {"type": "string"}}}}}}}}}
     assert schema["properties"]["city"] == {"type": "object", "properties": {"name": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "array", "items": {"type": ["object", "null"]}}],
+                         ids=["object", "array-of-objects"])
+def test_anthropic_gets_a_schema_with_an_object_listing_no_properties_in_the_system_prompt(server, schema):
+    # closed, as Anthropic's structured output wants objects, such an object could only be {}
+    queue(server, anthropic_reply(text_block("{}")), anthropic_reply(text_block('{"n": 1}')))
+    chat = anthropic_at(server, cache=False)
+    chat(USER, response_format={"name": "output", "schema": schema})
+    listed = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    chat(USER, response_format={"name": "output", "schema": listed})  # this one can be closed
+    first, second = (r["json"] for r in server.requests)
+    assert "output_config" not in first and first["system"] == (
+        "Answer with one JSON value and nothing else (no prose, no code fence), valid under this JSON "
+        "Schema: " + json.dumps(schema))
+    assert second["output_config"]["format"]["schema"] == {**listed, "additionalProperties": False}
 
 
 def test_anthropic_without_structured_output_gets_the_schema_in_the_system_prompt(server):
