@@ -7306,6 +7306,9 @@ class _Cli:
                 session.forget_unwritten()
             self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
+            if not self.args.json and (progress.usage.get("input_tokens")
+                                       or progress.usage.get("output_tokens")):
+                term.note(_usage_line(progress.usage))  # what the calls before it used
             history = progress.history
             while history and history[-1].get("role") == "user":
                 history = history[:-1]  # as a resume reads it: no unanswered request

@@ -8051,6 +8051,13 @@ def test_an_answer_cut_at_the_output_limit_says_so(server, lich_model, cli, stre
             "" if stream else "tokens: 7 in, 3 out\n")))
 
 
+def test_a_run_that_fails_after_some_calls_still_shows_what_they_used(server, lich_model, cli, workspace):
+    queue(server, tool_reply(("c1", "list_files", "{}")), Reply(400, openai_error("too long now")))
+    assert cli("--no-stream", "--root", str(workspace), "go") == (1, "", (
+        "→ list_files ✓ 1 file\nlich: error: bad_request: openai: HTTP 400 (invalid_request_error): too long now\n"
+        "tokens: 7 in, 3 out\n"))
+
+
 def test_an_empty_answer_says_so(server, lich_model, cli):
     queue(server, openai_reply(None), Reply(200, chunks=[sse((None, "[DONE]"))]))
     assert cli("--no-stream", "go") == (0, "", "lich: the model's answer was empty\ntokens: 7 in, 3 out\n")
