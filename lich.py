@@ -780,7 +780,7 @@ def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature
         if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
             raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                             f"holding a message dict")
-    except Exception as exc:
+    except BaseException as exc:  # Ctrl-C in a notebook too: a tracer's spans end
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
@@ -5846,6 +5846,8 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
 
     def on_event(event):
         kind = event["type"]
+        if kind == "turn_start" and event.get("turn") == 1 and state["agent"] is not None:
+            end_run("interrupted")  # the run before ended without its last events (Ctrl-C)
         if kind == "turn_start" and state["agent"] is None:
             state["agent"] = tracer.start_span(
                 "invoke_agent", context=otel_context.get_current(), kind=kinds.INTERNAL,

@@ -7203,6 +7203,28 @@ def test_a_chat_that_raises_ends_its_span_and_the_run_with_the_error(spans):
         ("invoke_agent", None, "rate_limit", "ERROR", "too many")]
 
 
+def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()  # one for the notebook's runs
+    lich.trace_otel(emitter, tracer=tracer, model="m-1")
+
+    class Interrupted(EchoTools):
+        def run(self, call, signal=None):
+            raise KeyboardInterrupt  # Ctrl-C while a tool runs
+
+    with pytest.raises(KeyboardInterrupt):
+        lich.run_conversation(ScriptedChat(assistant("", ("c1", "echo", "{}"))), Interrupted(), [user("go")],
+                              max_turns=3, emitter=emitter)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the model answers: ended at once
+        lich.run_conversation(ScriptedChat(KeyboardInterrupt()), None, [user("go")], max_turns=3, emitter=emitter)
+    lich.run_conversation(ScriptedChat(assistant("done")), None, [user("go")], max_turns=3, emitter=emitter)
+    assert [(s[0], s[3].get("error.type"), s[4]) for s in finished()] == [
+        ("chat m-1", None, "UNSET"),
+        ("execute_tool echo", "interrupted", "ERROR"), ("invoke_agent", "interrupted", "ERROR"),  # at the next run
+        ("chat m-1", "KeyboardInterrupt", "ERROR"), ("invoke_agent", "KeyboardInterrupt", "ERROR"),
+        ("chat m-1", None, "UNSET"), ("invoke_agent", None, "UNSET")]
+
+
 def test_an_aborted_run_and_a_budget_end_are_traced(spans):
     tracer, finished = spans
     signal = threading.Event()
