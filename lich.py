@@ -5129,6 +5129,17 @@ def _rpc_result(answer) -> dict:
     return answer.get("result") if isinstance(answer.get("result"), dict) else {}
 
 
+def _mcp_reply(request) -> dict:
+    """lich's answer to a request from a server: a ping is answered, the rest refused (lich
+    offers no sampling, elicitation or roots)."""
+    answer = {"jsonrpc": "2.0", "id": request["id"]}
+    if request.get("method") == "ping":
+        answer["result"] = {}
+    else:
+        answer["error"] = {"code": -32601, "message": f"lich does not offer {request.get('method')}"}
+    return answer
+
+
 def _mcp_content(result) -> str:
     """The text of a tools/call result: text content joined by newlines, other content one
     line each (``[image: image/png, 1234 bytes]``, ``[resource: uri]``)."""
@@ -5451,13 +5462,8 @@ class _StdioServer:
             if slot is not None:
                 slot[1] = message
                 slot[0].set()
-        elif "id" in message:  # the server asks: a ping is answered, the rest refused
-            answer = {"jsonrpc": "2.0", "id": message["id"]}
-            if method == "ping":
-                answer["result"] = {}
-            else:
-                answer["error"] = {"code": -32601, "message": f"lich does not offer {method}"}
-            self._send_later(answer)
+        elif "id" in message:  # the server asks
+            self._send_later(_mcp_reply(message))
         elif method == "notifications/tools/list_changed":
             self.on_list_changed()
 
@@ -5589,10 +5595,20 @@ class _HTTPServer:
 
     def _answer(self, response, request_id, exchange):
         """The answer to ``request_id`` from a JSON body or an SSE stream."""
+        def parsed(text):  # None for what is not JSON: skipped, as over stdio
+            try:
+                return json.loads(text)
+            except (ValueError, RecursionError):
+                return None
+
         if response.headers.get("content-type", "").startswith("application/json"):
-            messages = [json.loads(response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True))]
+            body = response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True)
+            messages = [parsed(body)]
+            if messages[0] is None:
+                raise _Gone(f"the MCP server {self.name} answered with a body that is not JSON: "
+                            f"{_snippet(body)}")
         else:
-            messages = (json.loads(data) for _, data in
+            messages = (parsed(data) for _, data in
                         _sse_events(response.iter_content(None), exchange.check) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
@@ -5600,8 +5616,8 @@ class _HTTPServer:
                     continue
                 if each.get("method") is None and each.get("id") == request_id:
                     return each
-                if each.get("method") == "ping" and "id" in each:
-                    self._deliver({"jsonrpc": "2.0", "id": each["id"], "result": {}})
+                if each.get("method") is not None and "id" in each:  # the server asks
+                    self._deliver(_mcp_reply(each))
                 elif each.get("method") == "notifications/tools/list_changed":
                     self.on_list_changed()
         exchange.check()
@@ -5678,9 +5694,8 @@ class MCPTools:
             tools, cursor = [], None
             for _ in range(_MCP_MAX_PAGES):
                 try:
-                    page = self._server.request("tools/list", {"cursor": cursor} if cursor else {},
-                                                self.timeout, None)
-                except (_RPCError, _Gone, _Cut) as e:
+                    page = self._request("tools/list", {"cursor": cursor} if cursor else {}, None)
+                except (_RPCError, _Gone, _Cut, MCPError) as e:
                     _log.warning("cannot list the tools of the MCP server %s: %s", self.name,
                                  e.args[-1] if e.args else e)
                     return []
@@ -5696,6 +5711,14 @@ class MCPTools:
                  "parameters": t.get("inputSchema") or {"type": "object", "properties": {}}}
                 for name, t in offered]
 
+    def _request(self, method, params, signal):
+        """The server's result; a session that an HTTP server forgot gets a new handshake."""
+        try:
+            return self._server.request(method, params, self.timeout, signal)
+        except _SessionExpired:
+            self._handshake()
+            return self._server.request(method, params, self.timeout, signal)
+
     def _offered_name(self, name):
         """``prefix + name`` as providers take it (MCP allows '.', '/' and any length)."""
         return _in_name_alphabet(self.prefix + name, _TOOL_NAME_MAX_CHARS)
@@ -5710,11 +5733,7 @@ class MCPTools:
                                                   f"{self.name}")
             params = {"name": real if real is not None else name[len(self.prefix):],
                       "arguments": _arguments_object(name, call.get("arguments"))}  # as Tools does
-            try:
-                result = self._server.request("tools/call", params, self.timeout, signal)
-            except _SessionExpired:
-                self._handshake()
-                result = self._server.request("tools/call", params, self.timeout, signal)
+            result = self._request("tools/call", params, signal)
         except _Cut as cut:
             return ToolResult(ok=False, error="aborted" if cut.args[0] == "aborted"
                               else f"timed out after {self.timeout:g} s")

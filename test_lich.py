@@ -7085,6 +7085,79 @@ net.Server.prototype.listen = function (...args) {
 """
 
 
+def mcp_over_http(server, *, html_handshake=False):
+    """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
+    answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
+    makes the next request find its session gone. Returns what it saw: {"sessions": n}."""
+    seen = {"sessions": 0, "expired": False}
+
+    def answer(body, result):
+        return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
+
+    def respond(request):
+        body = request["json"] or {}
+        method = body.get("method")
+        if method == "initialize":
+            if html_handshake:
+                return Reply(200, "<html>a login page</html>", content_type="application/json")
+            seen["sessions"] += 1
+            reply = answer(body, {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                                  "serverInfo": {"name": "fake", "version": "1"}})
+            reply.headers["Mcp-Session-Id"] = f"s{seen['sessions']}"
+            return reply
+        if method is None or "id" not in body:  # a notification, or lich's answer to a request
+            return Reply(202, "")
+        if seen["expired"]:
+            seen["expired"] = False
+            return Reply(404, "no such session")
+        if method == "tools/list":
+            return answer(body, {"tools": [{"name": name} for name in ("html", "ask", "expire")]})
+        name = body["params"]["name"]
+        if name == "html":
+            return Reply(200, "<html>oops</html>", content_type="application/json")
+        if name == "ask":
+            return Reply(200, chunks=[sse((None, {"jsonrpc": "2.0", "id": "srv-1", "method": "sampling/createMessage",
+                                                  "params": {}}),
+                                          (None, {"jsonrpc": "2.0", "id": body["id"],
+                                                  "result": {"content": [{"type": "text", "text": "asked"}]}}))],
+                         content_type="text/event-stream")
+        seen["expired"] = True
+        return answer(body, {"content": [{"type": "text", "text": "expiring"}]})
+
+    server.responder = respond
+    return seen
+
+
+def test_mcp_over_http_refuses_a_servers_requests_and_names_a_body_that_is_not_json(server):
+    mcp_over_http(server)
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("html")) == lich.ToolResult(
+            ok=False, error=f"the MCP server {url} answered with a body that is not JSON: <html>oops</html>")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
+    assert {"jsonrpc": "2.0", "id": "srv-1", "error": {
+        "code": -32601, "message": "lich does not offer sampling/createMessage"}} in [r["json"] for r in server.requests]
+
+
+def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
+    mcp_over_http(server, html_handshake=True)
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(server.url + "/mcp")
+    assert str(info.value) == (f"the MCP server {server.url}/mcp answered with a body that is not JSON: "
+                                "<html>a login page</html>")
+
+
+def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_too(server):
+    seen = mcp_over_http(server)
+    with lich.mcp_tools(server.url + "/mcp") as tools:
+        assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
+        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire"]
+        assert seen["sessions"] == 2
+        assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
+        assert seen["sessions"] == 3
+
+
 def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
     preload = tmp_path / "loopback.cjs"
     preload.write_text(FORCE_LOOPBACK)
