@@ -5534,6 +5534,7 @@ class _HTTPServer:
         self._local = threading.local()
         self._next_id = 1
         self._lock = threading.Lock()
+        self._closed = False  # close() was called: calls fail, as over stdio
 
     def _http(self):
         session = getattr(self._local, "session", None)
@@ -5573,6 +5574,8 @@ class _HTTPServer:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
+        if self._closed:
+            raise _Gone(f"the MCP server {self.name} was closed")
         message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
         with _Exchange(signal, seconds) as exchange:
             try:
@@ -5638,6 +5641,7 @@ class _HTTPServer:
         return ""
 
     def close(self):
+        self._closed = True  # a call under way runs to its end or its limit
         if self.session_id:
             try:
                 self._http().delete(self.url, headers=self._headers(), timeout=_CONNECT_TIMEOUT)

@@ -7156,6 +7156,9 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
         assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
         assert seen["sessions"] == 3
+    asked = len(server.requests)
+    assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {server.url}/mcp was closed")
+    assert len(server.requests) == asked  # nothing more was sent
 
 
 def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
@@ -7183,9 +7186,9 @@ def test_the_real_everything_server_over_streamable_http_on_loopback(everything,
         assert tools.run(tool_call("trigger-long-running-operation", {"duration": 10, "steps": 5}), signal) == \
             lich.ToolResult(ok=False, error="aborted")
         assert time.monotonic() - started < 1.5
-        tools.close()  # DELETE ends the session: the server no longer knows it
-        after = tools.run(tool_call("echo", {"message": "gone"}))
-        assert not after.ok and "HTTP 400" in after.error
+        tools.close()  # DELETE ends the session; calls fail from then on, as over stdio
+        assert tools.run(tool_call("echo", {"message": "gone"})) == lich.ToolResult(
+            ok=False, error=f"the MCP server {url} was closed")
     finally:
         os.killpg(server.pid, 9)
         server.wait()
