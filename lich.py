@@ -3498,6 +3498,7 @@ _LIST_MAX_FILES = 500           # list_files names at most this many files
 _WALK_MAX_ENTRIES = 100_000     # list_files stops scanning after this many entries
 _WALK_MAX_DEPTH = 128           # folders deeper than this are not entered (one descriptor each)
 _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
+_EDIT_COUNT_MAX = 1000          # places of old_text counted before "more than" that
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
 _UTF8_MAX_BYTES = 4
 _NOTED_MAX = 5                  # paths named in a note about what was not looked at
@@ -4806,18 +4807,18 @@ class _Workspace:
         if crlf:
             new_text = new_text.replace("\r\n", "\n").replace("\n", "\r\n")
 
-        def places(pattern):  # overlapping ones too: "end\nend" is twice in "end\nend\nend"
-            found, spans = re.compile(pattern), []
+        def places(pattern):  # overlapping ones too ("end\nend" is twice in "end\nend\nend"),
+            found, spans = re.compile(pattern), []  # counted up to a bound
             match = found.search(text)
-            while match:
+            while match and len(spans) <= _EDIT_COUNT_MAX:
                 spans.append(match.span())
                 match = found.search(text, match.start() + 1)
             return spans
 
         spans = places(re.escape(old_text))
-        if not spans and crlf and "\n" in old_text:
+        if not spans and crlf and "\n" in old_text:  # a line end matches \r\n once, or a lone \n
             loose = re.escape(old_text.replace("\r\n", "\n")).replace("\\\n", "\n")
-            spans = places(loose.replace("\n", "\r?\n"))
+            spans = places(loose.replace("\n", "(?:\r\n|(?<!\r)\n)"))
         if not spans and _has_undecodable(text):
             raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "
                                f"the bytes read_file shows as \ufffd cannot be matched; use "
@@ -4826,7 +4827,8 @@ class _Workspace:
             raise _ToolFailure(f"old_text was not found in {path}; read the file and copy the "
                                f"text exactly, whitespace included")
         if len(spans) > 1:
-            raise _ToolFailure(f"old_text occurs {len(spans)} times in {path}; include more of "
+            times = f"more than {_EDIT_COUNT_MAX}" if len(spans) > _EDIT_COUNT_MAX else len(spans)
+            raise _ToolFailure(f"old_text occurs {times} times in {path}; include more of "
                                f"the surrounding text so that it occurs exactly once")
         start, end = spans[0]
         try:
@@ -5027,13 +5029,18 @@ def _run_shell(command, cwd, timeout, signal):
         except OSError:
             pass
         os.close(watch_write)
-        if ended and not held:  # a process started in the background, its output elsewhere?
-            proc.wait()
-            held = _group_lives_on(proc.pid, _SHELL_LEFT_SECONDS)
-        _kill_group(proc.pid)
-        escaped = held and _output_held(fd, _SHELL_DRAIN_SECONDS)  # left the group: setsid
-        proc.stdout.close()
-        proc.wait()
+        escaped = False
+        try:
+            if ended and not held:  # a process started in the background, its output elsewhere?
+                proc.wait()
+                held = _group_lives_on(proc.pid, _SHELL_LEFT_SECONDS)
+        finally:  # the watcher is gone: whatever cuts this short, the group is killed here
+            _kill_group(proc.pid)
+            try:
+                escaped = held and _output_held(fd, _SHELL_DRAIN_SECONDS)  # left the group: setsid
+            finally:
+                proc.stdout.close()
+                proc.wait()
     text = sink.text()
     if stopped == "timeout":
         return ToolResult(ok=False, output=text, error=f"the command timed out after {timeout:g} "
@@ -5553,6 +5560,7 @@ class _HTTPServer:
 
     def _post(self, message, exchange):
         requests = _requests()
+        sent_in = self.session_id
         try:
             response = self._http().post(self.url, data=_wire_json(message),
                                          headers=self._headers(), timeout=(_CONNECT_TIMEOUT, None),
@@ -5560,9 +5568,11 @@ class _HTTPServer:
         except requests.RequestException as e:
             exchange.check()
             raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
-        if response.status_code == 404 and self.session_id:
+        if response.status_code == 404 and sent_in:
             response.close()
-            self.session_id = None
+            with self._lock:  # not a session another thread has begun meanwhile
+                if self.session_id == sent_in:
+                    self.session_id = None
             raise _SessionExpired(f"the MCP server {self.name} ended the session")
         if response.status_code >= 300:
             text = _snippet(response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True))
@@ -5666,6 +5676,7 @@ class MCPTools:
         self.instructions = None
         self._tools = None  # the server's tool specs, or None to list them again
         self._names = {}  # a name offered to the model -> the server's name, where they differ
+        self._handshaking = threading.Lock()
 
     def __repr__(self):
         return f"MCPTools({self.name!r})"
@@ -5716,11 +5727,14 @@ class MCPTools:
                 for name, t in offered]
 
     def _request(self, method, params, signal):
-        """The server's result; a session that an HTTP server forgot gets a new handshake."""
+        """The server's result; a session that an HTTP server forgot gets a new handshake
+        (one, when several calls find it gone at once)."""
         try:
             return self._server.request(method, params, self.timeout, signal)
         except _SessionExpired:
-            self._handshake()
+            with self._handshaking:
+                if self._server.session_id is None:
+                    self._handshake()
             return self._server.request(method, params, self.timeout, signal)
 
     def _offered_name(self, name):
@@ -5842,7 +5856,8 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
     kinds = trace.SpanKind
     common = {"gen_ai.provider.name": provider, "gen_ai.request.model": model}
     common = {k: v for k, v in common.items() if v is not None}
-    state = {"agent": None, "context": None, "chat": None, "tools": {}, "usage": _zero_usage()}
+    state = {"agent": None, "context": None, "chat": None, "tools": {}, "usage": _zero_usage(),
+             "thread": None}
 
     def fail(span, exc_or_type, description=None):
         kind = exc_or_type if isinstance(exc_or_type, str) else (
@@ -5869,9 +5884,11 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
 
     def on_event(event):
         kind = event["type"]
-        if kind == "turn_start" and event.get("turn") == 1 and state["agent"] is not None:
-            end_run("interrupted")  # the run before ended without its last events (Ctrl-C)
+        if (kind == "turn_start" and event.get("turn") == 1 and state["agent"] is not None
+                and state["thread"] == threading.get_ident()):
+            end_run("interrupted")  # this thread's run before ended without its last events (Ctrl-C)
         if kind == "turn_start" and state["agent"] is None:
+            state["thread"] = threading.get_ident()
             state["agent"] = tracer.start_span(
                 "invoke_agent", context=otel_context.get_current(), kind=kinds.INTERNAL,
                 attributes={"gen_ai.operation.name": "invoke_agent", **common})

@@ -5961,6 +5961,18 @@ def test_edit_file_counts_overlapping_matches(ws):
     assert (ws / "code.rb").read_text() == "x = 1\n  end\nend\nend\n"
 
 
+def test_edit_file_matches_a_crlf_line_end_once_and_counts_up_to_a_bound(ws):
+    (ws / "a.py").write_bytes(b"class A:\r\n    def foo(self):\r\n        pass\r\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="a.py", old_text="\n    def foo(self):\n        pass",
+                    new_text="\n    def bar(self):\n        pass").ok  # from a line's end: at its \r, not also at its \n
+    assert (ws / "a.py").read_bytes() == b"class A:\r\n    def bar(self):\r\n        pass\r\n"
+    (ws / "many.txt").write_text("a" * 5000)
+    assert run_tool(tools, "edit_file", path="many.txt", old_text="aa", new_text="b") == lich.ToolResult(
+        ok=False, error=("old_text occurs more than 1000 times in many.txt; include more of the surrounding text "
+                         "so that it occurs exactly once"))
+
+
 def test_edit_file_says_why_text_shown_as_a_replacement_character_is_not_found(ws):
     (ws / "latin.py").write_bytes(b"caf\xe9 = 1\n")
     tools = lich.coding_tools(ws, allow_write=True)
