@@ -4900,6 +4900,7 @@ def _group_has_a_live_process(pgid) -> bool:
         names = os.listdir("/proc")
     except OSError:
         return True
+    group = str(pgid).encode()
     for name in names:
         if name.isdigit():
             try:
@@ -4907,7 +4908,7 @@ def _group_has_a_live_process(pgid) -> bool:
                     fields = f.read().rpartition(b")")[2].split()  # after "pid (command)"
             except OSError:
                 continue
-            if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            if len(fields) > 2 and fields[2] == group and fields[0] != b"Z":
                 return True
     return False
 
@@ -7341,8 +7342,9 @@ class _Cli:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
         except Exception as exc:
-            if _schema_refusal(exc) is not None:  # refused before any call: the chat cannot go on
-                raise _schema_refusal(exc) from None
+            refusal = _schema_refusal(exc)
+            if refusal is not None:  # refused before any call: the chat cannot go on
+                raise refusal from None
             _cli_log().debug("the run failed", exc_info=True)
             if isinstance(session, _LazySession):
                 session.forget_unwritten()
@@ -7857,8 +7859,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return interrupts.exit_code
     except Exception as exc:
-        if _schema_refusal(exc) is not None:  # a batch's: refused before any call
-            term.error(str(_schema_refusal(exc)))
+        refusal = _schema_refusal(exc)
+        if refusal is not None:  # a batch's: refused before any call
+            term.error(str(refusal))
             return _EXIT_USAGE
         logger.debug("the run failed", exc_info=True)
         term.error(_describe_error(exc))

@@ -686,6 +686,12 @@ def workspace(tmp_path):
     return root
 
 
+def hide_ripgrep(monkeypatch):
+    """PATH without the folders that hold ``rg``: lich's own search runs instead."""
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "rg"))]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
+
+
 def finishes(fn, timeout=5.0):
     """fn() run in a daemon thread; its result, or an AssertionError if it hangs."""
     box = []
@@ -5764,9 +5770,7 @@ def engine(request, monkeypatch):
         if shutil.which("rg") is None:
             pytest.skip("ripgrep is not on PATH (pip install -e '.[test]' brings it)")
     else:
-        path = [d for d in os.environ.get("PATH", "").split(os.pathsep)
-                if d and not os.path.exists(os.path.join(d, "rg"))]
-        monkeypatch.setenv("PATH", os.pathsep.join(path))
+        hide_ripgrep(monkeypatch)
     return request.param
 
 
@@ -6015,24 +6019,28 @@ def test_a_catastrophic_regex_stops_at_the_signal_within_a_second(ws, engine):
     assert result == expected
 
 
-def test_where_no_search_process_can_start_the_calling_thread_searches(ws, monkeypatch):
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))
-    monkeypatch.setattr(sys, "executable", "/opt/host/bin/embedding-host")  # not a Python to start
+def deep_tree(ws):
+    """``top.txt`` and, 130 folders down, ``deep.txt`` (both "hit"); returns the path of the
+    first folder too deep for the walk (128 levels)."""
     folder = ws
     for _ in range(130):
         folder = folder / "d"
         folder.mkdir()
     (folder / "deep.txt").write_text("hit\n")
     (ws / "top.txt").write_text("hit\n")
-    deep = "/".join(["d"] * 129)
+    return "/".join(["d"] * 129)
+
+
+def test_where_no_search_process_can_start_the_calling_thread_searches(ws, monkeypatch):
+    hide_ripgrep(monkeypatch)
+    monkeypatch.setattr(sys, "executable", "/opt/host/bin/embedding-host")  # not a Python to start
+    deep = deep_tree(ws)
     assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
         ok=True, output=f"top.txt:1: hit\n[... not searched: {deep} (deeper than 128 levels)]")
 
 
 def test_a_search_ends_at_its_time_limit_saying_so_with_what_it_found(ws, monkeypatch):
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))  # ripgrep would not backtrack at all
+    hide_ripgrep(monkeypatch)  # ripgrep would not backtrack at all
     (ws / "a.txt").write_text("aaaa\n")
     (ws / "z.txt").write_text("a" * 40 + "b\n")
     started = time.monotonic()
@@ -6085,8 +6093,7 @@ def test_both_search_engines_give_the_same_answers(ws, monkeypatch):
     cases = [{"pattern": r"def \w+"}, {"pattern": "return", "glob": "*.py"}, {"pattern": r"^\s+return"},
              {"pattern": "crlf\\(\\):$"}, {"pattern": "caf."}, {"pattern": "x", "path": "src/c.py"}]
     with_rg = [run_tool(lich.coding_tools(ws), "search", **case) for case in cases]
-    path = [d for d in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    hide_ripgrep(monkeypatch)
     assert [run_tool(lich.coding_tools(ws), "search", **case) for case in cases] == with_rg
     assert with_rg[3] == lich.ToolResult(ok=True, output="crlf.txt:1: def crlf():")
 
@@ -6098,13 +6105,7 @@ def test_a_python_only_pattern_still_searches_where_ripgrep_refuses_it(ws, engin
 
 
 def test_a_tree_deeper_than_the_walk_goes_says_what_was_not_looked_at(ws, engine):
-    folder = ws
-    for _ in range(130):
-        folder = folder / "d"
-        folder.mkdir()
-    (folder / "deep.txt").write_text("hit\n")
-    (ws / "top.txt").write_text("hit\n")
-    deep = "/".join(["d"] * 129)
+    deep = deep_tree(ws)
     assert run_tool(lich.coding_tools(ws), "list_files") == lich.ToolResult(
         ok=True, output=f"top.txt\n[... not listed: {deep} (deeper than 128 levels)]")
     if engine == "worker":  # ripgrep walks it all
@@ -6274,8 +6275,7 @@ def test_reads_never_see_outside_while_a_folder_flips_to_a_link(ws, tmp_path):
 
 
 def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_path, monkeypatch):
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "rg"))]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))
+    hide_ripgrep(monkeypatch)
     marker = tmp_path / "imported"
     for name in ("json.py", "re.py", "typing.py", "inspect.py"):
         (ws / name).write_text(f"open({str(marker)!r}, 'a').write({name!r})\nraise SystemExit\n")
@@ -8183,8 +8183,7 @@ def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace)
 
 
 def test_a_search_cut_by_its_time_limit_says_so(server, lich_model, cli, workspace, monkeypatch):
-    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not os.path.exists(os.path.join(d, "rg"))]
-    monkeypatch.setenv("PATH", os.pathsep.join(path))  # ripgrep would not backtrack at all
+    hide_ripgrep(monkeypatch)  # ripgrep would not backtrack at all
     monkeypatch.setattr(lich, "coding_tools", functools.partial(lich.coding_tools, search_timeout=1))
     (workspace / "aa.txt").write_text("aaaa\n")
     (workspace / "z.txt").write_text("a" * 40 + "b\n")
