@@ -663,7 +663,9 @@ INTERRUPTED = '{"ok": false, "output": "", "error": "interrupted"}'
 
 def sessions_in(tmp_path):
     d = tmp_path / "sessions"
-    return sorted(d.iterdir(), key=lambda p: p.stat().st_mtime_ns) if d.is_dir() else []
+    # by time, then by name (an id begins with its time): two files written within one tick
+    # of a coarse clock keep the order they were made in
+    return sorted(d.iterdir(), key=lambda p: (p.stat().st_mtime_ns, p.name)) if d.is_dir() else []
 
 
 @pytest.fixture
