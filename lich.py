@@ -3992,7 +3992,7 @@ _SEARCH_LINE_CHARS = 500        # search cuts the lines it shows to this
 _SEARCH_SECONDS = 30            # a search stops after this long, saying so
 _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of about this size
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
-_PROCESS_LINE_MAX_BYTES = 16 << 10  # of a line a search process prints, what is kept
+_PROCESS_LINE_MAX_BYTES = 256 << 10  # of a line a search process prints, what is kept
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
 _SEARCH_PARTS_MAX = 4           # workers that share a folder's search, one per CPU up to this
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
@@ -4039,9 +4039,9 @@ def _is_binary(f):
 
 
 def _search_text(regex, text, number, found):
-    """``found(line number, line)`` for each line of ``text`` (its first line numbered
-    ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over the whole
-    text, the line only looked at again when a match spans lines."""
+    """``found(line number, line, column of the match)`` for each line of ``text`` (its first
+    line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
+    the whole text, the line only looked at again when a match spans lines."""
     end = len(text) - 1 if text.endswith("\n") else len(text)  # no line after a last newline
     pos = counted = 0
     while pos <= end:
@@ -4054,13 +4054,17 @@ def _search_text(regex, text, number, found):
         number += text.count("\n", counted, line_start)
         counted = line_start
         line = text[line_start:line_end]
-        if match.end() <= line_end or regex.search(line):
-            found(number, line)
+        if match.end() <= line_end:
+            found(number, line, match.start() - line_start)
+        else:
+            within = regex.search(line)
+            if within is not None:
+                found(number, line, within.start())
         pos = line_end + 1
 
 
 def _search_file(regex, fd, size, found, check):
-    """``found(line number, line)`` per matching line of the file open as ``fd`` (``size``
+    """``found(line number, line, column)`` per matching line of the file open as ``fd`` (``size``
     bytes long, by its fstat), read in blocks of whole lines; ``check()`` between blocks. A
     file with a NUL byte near its start is skipped."""
     number, carry, first, offset = 1, b"", True, 0
@@ -4095,7 +4099,7 @@ def _search_file(regex, fd, size, found, check):
 
 def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, base="",
                  recursive=True):
-    """Search the folder (or file) open as ``fd``: ``emit("m", path, number, line)`` per
+    """Search the folder (or file) open as ``fd``: ``emit("m", path, number, line, column)`` per
     match and ``emit("x", path, reason)`` per folder not searched. Paths are ``prefix`` plus
     the path from the folder; links are not followed; ``rules`` are the root's .gitignore.
     Where the folder is part of a larger search, ``base`` is its path from the searched
@@ -4104,7 +4108,7 @@ def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, ba
     if not is_folder:
         try:
             _search_file(regex, fd, os.fstat(fd).st_size,
-                         lambda n, line: emit("m", prefix, n, line), check)
+                         lambda n, line, column: emit("m", prefix, n, line, column), check)
         finally:
             os.close(fd)
         return
@@ -4127,7 +4131,7 @@ def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, ba
                 status = os.fstat(file_fd)
                 if stat.S_ISREG(status.st_mode):
                     _search_file(regex, file_fd, status.st_size,
-                                 lambda n, line: emit("m", path, n, line), check)
+                                 lambda n, line, column: emit("m", path, n, line, column), check)
             except OSError:
                 pass  # unreadable meanwhile
             finally:
@@ -4249,7 +4253,7 @@ def _search_worker():
 
     def emit(*record):
         if record[0] == "m":  # only what is shown travels: a line stays well under the pipe's cut
-            record = (*record[:3], record[3][:_SEARCH_LINE_CHARS])
+            record = (*record[:3], _shown_line(record[3], record[4]))
         out.write(json.dumps(record) + "\n")
 
     for line in sys.stdin:
@@ -4428,6 +4432,19 @@ class _SearchWorkers:
         self._finalizers.pop(worker.pid).detach()
 
 
+def _shown_line(line, column):
+    """A matching line as search shows it: whole, or when longer than _SEARCH_LINE_CHARS,
+    that many characters around the match at ``column`` with "…" where text was left out."""
+    if len(line) <= _SEARCH_LINE_CHARS:
+        return line
+    width = _SEARCH_LINE_CHARS - 2  # room for both marks: a shown line is never cut again
+    if column >= len(line):  # the match lies past what a search process's line kept
+        column = 0
+    start = max(0, min(column - width // 5, len(line) - width))
+    end = start + width
+    return ("…" if start else "") + line[start:end] + ("…" if end < len(line) else "")
+
+
 class _Matches:
     """The first matches in (path, line) order, however they arrive, and how many there were."""
 
@@ -4436,9 +4453,9 @@ class _Matches:
         self.total = 0
         self.skipped = []
 
-    def add(self, path, number, line):
+    def add(self, path, number, line, column=0):
         self.total += 1
-        self.kept.append((path, number, line[:_SEARCH_LINE_CHARS]))
+        self.kept.append((path, number, _shown_line(line, column)))
         if len(self.kept) >= 2 * _SEARCH_MAX_MATCHES:
             self.kept.sort()
             del self.kept[_SEARCH_MAX_MATCHES:]
@@ -4597,6 +4614,8 @@ class _Workspace:
             fd = self.root.open_dir(real, path)
         elif stat.S_ISREG(mode):
             with self.root.open_file(real, path) as f:
+                if _is_binary(f):  # a folder's binary files are passed over; one named is refused
+                    raise _ToolFailure(f"path is a binary file, not text: {path}")
                 fd = os.dup(f.fileno())
         else:
             raise _ToolFailure(f"path is not a regular file or a directory: {path}")
@@ -4645,7 +4664,8 @@ class _Workspace:
         rg = shutil.which("rg")
         if rg is None:
             return None
-        argv = [rg, "--no-config", "--line-number", "--with-filename", "--no-heading", "--null",
+        argv = [rg, "--no-config", "--line-number", "--column", "--with-filename", "--no-heading",
+                "--null",
                 "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
@@ -4657,8 +4677,9 @@ class _Workspace:
 
         def on_line(line):
             name, _, rest = line.partition(b"\0")
-            number, _, text = rest.partition(b":")
-            if not number.isdigit():
+            number, _, rest = rest.partition(b":")
+            column, _, text = rest.partition(b":")
+            if not (number.isdigit() and column.isdigit()):
                 return
             if folder:
                 rel = os.fsdecode(name).removeprefix("./")
@@ -4671,7 +4692,8 @@ class _Workspace:
                 path = prefix + rel
             else:
                 path = prefix
-            matches.add(path, int(number), text.rstrip(b"\r").decode("utf-8", "replace"))
+            before = text[:max(0, int(column) - 1)].decode("utf-8", "replace")  # ripgrep counts bytes
+            matches.add(path, int(number), text.rstrip(b"\r").decode("utf-8", "replace"), len(before))
 
         cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
         if folder and cwd is None:

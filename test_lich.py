@@ -5883,7 +5883,7 @@ def test_search_caps_matches_and_cuts_lines(ws, engine):
     lines = run_tool(tools, "search", pattern="hit", glob="many.txt").output.split("\n")
     assert lines == [f"many.txt:{i}: hit" for i in range(1, 201)] + ["... 5 more matches"]
     assert run_tool(tools, "search", pattern="hit", path="wide.txt") == lich.ToolResult(
-        ok=True, output="wide.txt:1: hit " + "w" * 496)
+        ok=True, output="wide.txt:1: hit " + "w" * 494 + "…")
 
 
 def test_search_refusals(ws, tmp_path, engine):
@@ -6066,10 +6066,26 @@ def test_the_signal_stops_a_search_inside_one_huge_file(ws, engine):
                       lich.ToolResult(ok=True, output="no matches"))  # ripgrep may be that fast
 
 
-def test_a_match_past_column_two_thousand_is_found_and_shown_cut(ws, engine):
+def test_a_match_past_column_two_thousand_is_found_and_shown_cut_around_it(ws, engine):
     (ws / "wide.txt").write_text("x" * 3000 + " needle " + "y" * 10 + "\n")
     result = run_tool(lich.coding_tools(ws), "search", pattern="needle")
-    assert result == lich.ToolResult(ok=True, output="wide.txt:1: " + "x" * 500)
+    assert result == lich.ToolResult(ok=True, output="wide.txt:1: …" + "x" * 480 + " needle " + "y" * 10)
+
+
+def test_a_match_past_what_ripgreps_line_keeps_shows_the_lines_head(ws, engine):
+    (ws / "big.txt").write_text("x" * 400_000 + "needle\n")  # ripgrep's lines are kept to 256 KiB
+    shown = "x" * 498 + "…" if engine == "rg" else "…" + "x" * 492 + "needle"
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle") == lich.ToolResult(
+        ok=True, output="big.txt:1: " + shown)
+
+
+def test_a_binary_file_searched_by_name_is_refused_as_read_file_refuses_it(ws, engine):
+    (ws / "blob.bin").write_bytes(b"PK\0\0 needle\n")
+    (ws / "a.txt").write_text("needle\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern="needle", path="blob.bin") == lich.ToolResult(
+        ok=False, error="path is a binary file, not text: blob.bin")
+    assert run_tool(tools, "search", pattern="needle") == lich.ToolResult(ok=True, output="a.txt:1: needle")
 
 
 def test_search_honours_the_roots_gitignore(ws, engine):
@@ -6290,12 +6306,17 @@ def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_pat
     assert not marker.exists()
 
 
-def test_a_worker_search_in_a_long_minified_line_shows_its_head(ws, engine):
-    (ws / "app.min.js").write_text("var a=1;" * 5000 + "needle" + ";b=2" * 5000 + "\n")
+def test_a_search_in_a_long_minified_line_shows_the_match_with_what_is_around_it(ws, engine):
+    (ws / "app.min.js").write_text("var a=1;" * 5000 + "needlé" + ";b=2" * 5000 + "\n")
+    (ws / "short.js").write_text("x" * 60 + "needlé\n")  # 60 bytes before, then a 2-byte character
     tools = lich.coding_tools(ws)
+    shown = "…" + ("var a=1;" * 5000)[-99:] + "needlé" + (";b=2" * 5000)[:393] + "…"
     for _ in range(3):
-        found = run_tool(tools, "search", pattern="needle")
-        assert found.ok and found.output == "app.min.js:1: " + ("var a=1;" * 5000)[:500]
+        found = run_tool(tools, "search", pattern="needlé")
+        assert found == lich.ToolResult(ok=True, output=f"app.min.js:1: {shown}\nshort.js:1: {'x' * 60}needlé")
+    (ws / "app.min.js").write_text("é" * 700 + "needlé" + "\n")  # ripgrep's column counts bytes
+    found = run_tool(tools, "search", pattern="needl", path="app.min.js")
+    assert found == lich.ToolResult(ok=True, output="app.min.js:1: …" + "é" * 492 + "needlé")
 
 
 @pytest.mark.parametrize("size", [0, 16 << 20], ids=["empty", "lines-ending-at-a-block-boundary"])
