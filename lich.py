@@ -4815,7 +4815,8 @@ class _Workspace:
         """The bytes of the file with its one ``old_text`` replaced; _ToolFailure otherwise.
 
         In a file with CRLF line ends, ``old_text`` matches across them as across LF (what
-        read_file shows), and ``new_text`` is written with the file's own line ends.
+        read_file shows), and ``new_text`` is written with the line ends of the text it
+        replaces, or of most of the file's lines where that text has none.
         """
         with self.root.open_file(real, path) as f:
             data = f.read(_EDIT_MAX_BYTES + 1)
@@ -4826,8 +4827,6 @@ class _Workspace:
             raise _ToolFailure(f"path is a binary file, not text: {path}")
         text = data.decode("utf-8", "surrogateescape")
         crlf = "\r\n" in text
-        if crlf:
-            new_text = new_text.replace("\r\n", "\n").replace("\n", "\r\n")
 
         def places(pattern):  # overlapping ones too ("end\nend" is twice in "end\nend\nend"),
             found, spans = re.compile(pattern), []  # counted up to a bound
@@ -4853,6 +4852,15 @@ class _Workspace:
             raise _ToolFailure(f"old_text occurs {times} times in {path}; include more of "
                                f"the surrounding text so that it occurs exactly once")
         start, end = spans[0]
+        if crlf and "\n" in new_text:
+            new_text = new_text.replace("\r\n", "\n")
+            replaced = text[start:end]
+            if "\n" in replaced:
+                crlf = "\r\n" in replaced
+            else:  # most lines end in CRLF
+                crlf = 2 * text.count("\r\n") >= text.count("\n")
+            if crlf:
+                new_text = new_text.replace("\n", "\r\n")
         try:
             return (text[:start] + new_text + text[end:]).encode("utf-8", "surrogateescape")
         except UnicodeEncodeError as e:

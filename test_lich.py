@@ -6151,6 +6151,20 @@ def test_edit_file_matches_across_crlf_and_keeps_the_files_line_ends(ws):
     assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\n2.5\r\n3\r\n4\r\n"
 
 
+def test_edit_file_in_a_file_of_mixed_line_ends_keeps_those_of_the_text_it_replaces(ws):
+    (ws / "m.txt").write_bytes(b"a\nb\nc\nd\r\ne\n")  # one CRLF line among LF ones
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="m.txt", old_text="a\nb", new_text="A\r\nB\nB2").ok
+    assert (ws / "m.txt").read_bytes() == b"A\nB\nB2\nc\nd\r\ne\n"
+    assert run_tool(tools, "edit_file", path="m.txt", old_text="d\ne", new_text="D\nE").ok
+    assert (ws / "m.txt").read_bytes() == b"A\nB\nB2\nc\nD\r\nE\n"
+    assert run_tool(tools, "edit_file", path="m.txt", old_text="c", new_text="c\nc2").ok  # no line end: most lines'
+    assert (ws / "m.txt").read_bytes() == b"A\nB\nB2\nc\nc2\nD\r\nE\n"
+    (ws / "w.txt").write_bytes(b"x\r\ny\r\nz\n")
+    assert run_tool(tools, "edit_file", path="w.txt", old_text="y", new_text="y\ny2").ok
+    assert (ws / "w.txt").read_bytes() == b"x\r\ny\r\ny2\r\nz\n"
+
+
 def test_writes_keep_the_files_mode_and_leave_no_temporary_file(ws):
     target = ws / "run.sh"
     target.write_text("echo one\n")
