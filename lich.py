@@ -7024,8 +7024,13 @@ class _LazySession:
             try:
                 self.handle = open_session(self.session_dir, self.label)
             except OSError as e:
+                if isinstance(e, NotADirectoryError) or (isinstance(e, FileExistsError)
+                                                         and not os.path.isdir(self.session_dir)):
+                    reason = "a file stands where a folder must be"
+                else:
+                    reason = e.strerror or e
                 self.term.error(f"warning: session recording is off: cannot create a session "
-                                f"file: {e.strerror or e}")
+                                f"file in {self.session_dir}: {reason}")
                 self.waiting = None
                 return
         waiting, self.waiting = self.waiting, []

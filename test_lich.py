@@ -8860,8 +8860,19 @@ def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server,
     else:
         code, out, err = cli("--no-stream", "hi")
     assert (code, out, err) == (0, "answer\n", ("lich: warning: session recording is off: cannot create a "
-                                                "session file: Permission denied\n" + USAGE_LINE))
+                                                f"session file in {sessions}: Permission denied\n" + USAGE_LINE))
     assert list(sessions.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["the-file", "the-file/sessions"], ids=["a-file", "below-a-file"])
+def test_a_session_dir_that_is_a_file_is_said_to_be_one(server, lich_model, cli, tmp_path, where):
+    (tmp_path / "the-file").write_text("notes\n")
+    queue(server, openai_reply("answer"))
+    code, out, err = cli("--no-stream", "--session-dir", str(tmp_path / where), "hi")
+    assert (code, out, err) == (0, "answer\n", (
+        f"lich: warning: session recording is off: cannot create a session file in {tmp_path / where}: "
+        "a file stands where a folder must be\n" + USAGE_LINE))
+    assert (tmp_path / "the-file").read_text() == "notes\n"
 
 
 def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, lich_model, tmp_path, workspace):
