@@ -1717,7 +1717,7 @@ class _Exchange:
     """One HTTP exchange, which the watchdog cuts when its signal is set or its time is up.
 
     Cutting shuts the socket down, so a thread blocked waiting for headers or body bytes
-    wakes at once; ``cut`` then says why ("aborted" or "timeout").
+    wakes at once; ``cut`` then says why ("aborted", "timeout", or what ``cut_now`` was given).
     """
 
     def __init__(self, signal, seconds):
@@ -1775,7 +1775,7 @@ class _Exchange:
 
 
 class _Cut(Exception):
-    """The exchange was cut: ``args[0]`` is "aborted" or "timeout"."""
+    """The exchange was cut: ``args[0]`` is "aborted", "timeout" or another ``cut_now`` reason."""
 
 
 def _cut_reason(deadline, signal):
@@ -5573,6 +5573,7 @@ class _HTTPServer:
         self._next_id = 1
         self._lock = threading.Lock()
         self._closed = False  # close() was called: calls fail, as over stdio
+        self._exchanges = set()  # the calls under way, which close() cuts
 
     def _http(self):
         session = getattr(self._local, "session", None)
@@ -5612,30 +5613,41 @@ class _HTTPServer:
         return response
 
     def request(self, method, params, seconds, signal):
-        with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
-        if self._closed:
-            raise _Gone(f"the MCP server {self.name} was closed")
-        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
         with _Exchange(signal, seconds) as exchange:
+            with self._lock:
+                if self._closed:
+                    raise _Gone(f"the MCP server {self.name} was closed")
+                request_id = self._next_id
+                self._next_id += 1
+                self._exchanges.add(exchange)
+            message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
             try:
-                response = self._post(message, exchange)
-                try:
-                    answer = self._answer(response, request_id, exchange)
-                finally:
-                    response.close()
+                response, answer = self._post_and_read(message, exchange)
             except _Cut as cut:
+                if cut.args[0] == "closed":
+                    raise _Gone(f"the MCP server {self.name} was closed") from None
                 self.notify("notifications/cancelled",
                             {"requestId": request_id, "reason": f"the client {cut.args[0]}"})
                 raise
-            except _requests().RequestException as e:
-                exchange.check()
-                raise _Gone(f"the MCP server {self.name} broke off: "
-                            f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
+            finally:
+                with self._lock:
+                    self._exchanges.discard(exchange)
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
         return _rpc_result(answer)
+
+    def _post_and_read(self, message, exchange):
+        """The response to ``message`` and the answer in it; _Cut when the exchange is cut."""
+        try:
+            response = self._post(message, exchange)
+            try:
+                return response, self._answer(response, message["id"], exchange)
+            finally:
+                response.close()
+        except _requests().RequestException as e:
+            exchange.check()
+            raise _Gone(f"the MCP server {self.name} broke off: "
+                        f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
 
     def _answer(self, response, request_id, exchange):
         """The answer to ``request_id`` from a JSON body or an SSE stream."""
@@ -5682,7 +5694,11 @@ class _HTTPServer:
         return ""
 
     def close(self):
-        self._closed = True  # a call under way runs to its end or its limit
+        with self._lock:
+            self._closed = True
+            under_way = list(self._exchanges)
+        for exchange in under_way:  # each fails at once, as over stdio
+            exchange.cut_now("closed")
         if self.session_id:
             try:
                 self._http().delete(self.url, headers=self._headers(), timeout=_CONNECT_TIMEOUT)

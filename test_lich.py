@@ -132,7 +132,7 @@ class LoopbackServer:
             def do_POST(self):
                 server._handle(self)
 
-            do_GET = do_POST
+            do_GET = do_DELETE = do_POST
 
         self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -7137,8 +7137,9 @@ net.Server.prototype.listen = function (...args) {
 def mcp_over_http(server, *, html_handshake=False):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
-    makes the next request find its session gone. Returns what it saw: {"sessions": n}."""
-    seen = {"sessions": 0, "expired": False}
+    makes the next request find its session gone, ``slow`` answers once ``seen["release"]`` is
+    set. Returns what it saw: {"sessions": n, ...}."""
+    seen = {"sessions": 0, "expired": False, "release": threading.Event()}
 
     def answer(body, result):
         return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
@@ -7160,10 +7161,13 @@ def mcp_over_http(server, *, html_handshake=False):
             seen["expired"] = False
             return Reply(404, "no such session")
         if method == "tools/list":
-            return answer(body, {"tools": [{"name": name} for name in ("html", "ask", "expire")]})
+            return answer(body, {"tools": [{"name": name} for name in ("html", "ask", "expire", "slow")]})
         name = body["params"]["name"]
         if name == "html":
             return Reply(200, "<html>oops</html>", content_type="application/json")
+        if name == "slow":
+            return Reply(200, chunks=[": working\n\n", sse((None, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "content": [{"type": "text", "text": "late"}]}}))], hold=seen["release"])
         if name == "ask":
             return Reply(200, chunks=[sse((None, {"jsonrpc": "2.0", "id": "srv-1", "method": "sampling/createMessage",
                                                   "params": {}}),
@@ -7200,7 +7204,7 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
     seen = mcp_over_http(server)
     with lich.mcp_tools(server.url + "/mcp") as tools:
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
-        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire"]
+        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow"]
         assert seen["sessions"] == 2
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
         assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
@@ -7208,6 +7212,31 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
     asked = len(server.requests)
     assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {server.url}/mcp was closed")
     assert len(server.requests) == asked  # nothing more was sent
+
+
+def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_once(server):
+    seen = mcp_over_http(server)
+    url = server.url + "/mcp"
+    tools = lich.mcp_tools(url, timeout=30)
+    signal = threading.Event()
+    threading.Timer(0.2, signal.set).start()
+    assert tools.run(tool_call("slow"), signal) == lich.ToolResult(ok=False, error="aborted")
+    [asked] = [r["json"]["id"] for r in server.requests if (r["json"] or {}).get("params", {}).get("name") == "slow"]
+    cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+              "params": {"requestId": asked, "reason": "the client aborted"}}
+    assert cancel in [r["json"] for r in server.requests]  # the cut surfaced as a broken read: still cancelled
+    results = []
+    caller = threading.Thread(target=lambda: results.append(tools.run(tool_call("slow"))))
+    caller.start()
+    eventually(lambda: [(r["json"] or {}).get("params", {}).get("name") for r in server.requests].count("slow") == 2)
+    started = time.monotonic()
+    tools.close()
+    caller.join(5)
+    took = time.monotonic() - started
+    seen["release"].set()
+    assert results == [lich.ToolResult(ok=False, error=f"the MCP server {url} was closed")] and took < 2
+    assert [r["method"] for r in server.requests][-1] == "DELETE"
+    assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
 
 
 def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
