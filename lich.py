@@ -1473,7 +1473,8 @@ _OVERFLOW_TEXT = (
     r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
     r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
     r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
-    r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)")
+    r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
+    r"|exceeds? (?:the )?context limit")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
 _HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
@@ -1880,10 +1881,14 @@ def _new_http_session(url):
     return session
 
 
-def _assistant_message(text, tool_calls):
+def _assistant_message(text, tool_calls, reasoning=None):
+    """The assistant message; with tool calls, the provider's ``reasoning`` ({key: value})
+    too, which the provider wants back with them on the next turn."""
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
+        if reasoning:
+            message.update(reasoning)
     return message
 
 
@@ -2073,7 +2078,7 @@ class _HTTPChat:
         raw = response.raw
         if not getattr(raw, "chunked", False) and hasattr(raw, "read1"):
             # without chunked encoding, read() waits for a whole buffer: show what has come
-            chunks = iter(functools.partial(raw.read1, _BODY_READ_BYTES), b"")
+            chunks = iter(functools.partial(raw.read1, _BODY_READ_BYTES, decode_content=True), b"")
         else:
             chunks = response.iter_content(None if getattr(raw, "chunked", False)
                                            else _BODY_READ_BYTES)
@@ -2142,7 +2147,8 @@ class _HTTPChat:
         if not state.complete():
             raise self._error(f"invalid response: stream ended before {state.end_marker}",
                               "invalid_response")
-        return ChatResult(message=_assistant_message("".join(parts), state.calls()),
+        return ChatResult(message=_assistant_message("".join(parts), state.calls(),
+                                                     state.reasoning()),
                           usage=state.usage, model=state.model or self.model,
                           stop_reason=_normalise_stop(state.stop))
 
@@ -2170,8 +2176,12 @@ class _HTTPChat:
             parts.append(entry)
         local.encoded = parts
         fields = {"model": self.model, **self._assemble(parts),
-                  **self._body_fields(tools, temperature, max_tokens, response_format),
-                  **(self.extra_body or {})}
+                  **self._body_fields(tools, temperature, max_tokens, response_format)}
+        for key, value in (self.extra_body or {}).items():  # None takes a field away
+            if value is None:
+                fields.pop(key, None)
+            else:
+                fields[key] = value
         return b"{" + b",".join(_wire_json(k) + b":" + (v if isinstance(v, bytes) else _wire_json(v))
                                 for k, v in fields.items()) + b"}"
 
@@ -2279,6 +2289,9 @@ class _OpenAIStream:
         self.model = self.stop = None
         self.usage = _zero_usage()
         self.slots = {}  # index (or id for index-less calls) -> [id, name, [argument fragments]]
+        self.moved = {}  # index -> the key of its newest slot, when a new call reused the index
+        self.thoughts = []  # reasoning_content pieces
+
 
     def feed(self, event, chunk):
         if event == b"error" or chunk.get("error"):
@@ -2292,6 +2305,12 @@ class _OpenAIStream:
             delta = choice.get("delta")
             if delta:
                 text = _content_text(delta.get("content"))
+                refusal = delta.get("refusal")
+                if not text and isinstance(refusal, str):  # what the model said, as unstreamed
+                    text = refusal
+                thought = delta.get("reasoning_content")
+                if isinstance(thought, str):
+                    self.thoughts.append(thought)
                 if delta.get("tool_calls"):
                     self._add_calls(delta["tool_calls"])
             if choice.get("finish_reason"):
@@ -2313,7 +2332,12 @@ class _OpenAIStream:
             key = call.get("index")
             if key is None:  # Mistral sends whole calls without an index
                 key = ("id", call["id"]) if call.get("id") else ("position", len(self.slots))
+            key = self.moved.get(key, key)
             slot = self.slots.get(key)
+            if slot is not None and call.get("id") and slot[0] and call["id"] != slot[0]:
+                # Ollama numbers every call 0: a new id at an index in use begins a new call
+                key = self.moved[call.get("index")] = ("again", len(self.slots))
+                slot = None
             if slot is None:
                 if not (call.get("id") or function.get("name")):
                     raise ValueError(f"a tool-call delta for index {key!r} that was never opened")
@@ -2327,6 +2351,10 @@ class _OpenAIStream:
                 if not isinstance(arguments, str):
                     arguments = json.dumps(arguments, ensure_ascii=False)
                 slot[2].append(arguments)
+
+    def reasoning(self):
+        thought = "".join(self.thoughts)
+        return {"reasoning_content": thought} if thought else None
 
     def calls(self):
         calls = []
@@ -2379,6 +2407,8 @@ class OpenAIChat(_HTTPChat):
                                     "function": {"name": c["name"],
                                                  "arguments": c.get("arguments") or "{}"}}
                                    for c in m["tool_calls"]]}
+            if isinstance(m.get("reasoning_content"), str):  # DeepSeek's thinking wants it back
+                wire["reasoning_content"] = m["reasoning_content"]
         else:
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
@@ -2435,8 +2465,10 @@ class OpenAIChat(_HTTPChat):
             call_id = call.get("id")
             calls.append({"id": call_id if isinstance(call_id, str) and call_id else f"call_{i}",
                           "name": name, "arguments": arguments or "{}"})
+        thought = message.get("reasoning_content")
         usage = data.get("usage") or (data.get("x_groq") or {}).get("usage")
-        return ChatResult(message=_assistant_message(content, calls),
+        return ChatResult(message=_assistant_message(content, calls, {"reasoning_content": thought}
+                                                     if isinstance(thought, str) and thought else None),
                           usage=_openai_usage(usage) if isinstance(usage, dict) else _zero_usage(),
                           model=data.get("model") or self.model,
                           stop_reason=_normalise_stop(choice.get("finish_reason")))
@@ -2518,6 +2550,17 @@ def _anthropic_usage(usage, into):
         into["reasoning_tokens"] = _count(details["thinking_tokens"])
 
 
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
+
+
+def _thinking_block(block):
+    """A thinking block as it must go back to Anthropic: its text (or data) and signature."""
+    if block["type"] == "redacted_thinking":
+        return {"type": "redacted_thinking", "data": _content_text(block.get("data")) or ""}
+    return {"type": "thinking", "thinking": _content_text(block.get("thinking")) or "",
+            "signature": _content_text(block.get("signature")) or ""}
+
+
 class _AnthropicStream:
     """The state of one streamed Messages answer."""
 
@@ -2529,6 +2572,8 @@ class _AnthropicStream:
         self.model = self.stop = None
         self.usage = _zero_usage()
         self.blocks = {}  # index -> None (text, thinking, ...) or [id, name, [json fragments], input]
+        self.thinking = {}  # index -> a thinking or redacted_thinking block, as it grows
+
 
     def feed(self, event, payload):
         kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
@@ -2539,6 +2584,11 @@ class _AnthropicStream:
             delta = payload["delta"]
             if delta.get("type") == "text_delta":
                 return _content_text(delta["text"])
+            block = self.thinking.get(index)
+            if delta.get("type") == "thinking_delta" and block is not None:
+                block["thinking"] += _content_text(delta["thinking"]) or ""
+            elif delta.get("type") == "signature_delta" and block is not None:
+                block["signature"] += _content_text(delta["signature"]) or ""
             if delta.get("type") == "input_json_delta" and self.blocks[index] is not None:
                 fragment = delta["partial_json"]
                 if not isinstance(fragment, str):
@@ -2554,6 +2604,8 @@ class _AnthropicStream:
                 self.blocks[payload["index"]] = None
                 if block["type"] == "text":
                     return _content_text(block.get("text"))
+                if block["type"] in _THINKING_BLOCKS:
+                    self.thinking[payload["index"]] = _thinking_block(block)
         elif kind == "message_start":
             message = payload["message"]
             self.model = message.get("model")
@@ -2570,6 +2622,9 @@ class _AnthropicStream:
 
     def complete(self):
         return self.done
+
+    def reasoning(self):
+        return {"thinking": list(self.thinking.values())} if self.thinking else None
 
     def calls(self):
         calls = []
@@ -2651,7 +2706,11 @@ class AnthropicChat(_HTTPChat):
             blocks = [{"type": "tool_result", "tool_use_id": _anthropic_tool_id(m["tool_call_id"]),
                        "content": content, "is_error": bool(m.get("is_error"))}]
         else:
-            blocks = [{"type": "text", "text": content}] if content else []
+            blocks = [{"type": "text", "text": content}] if content.strip() else []  # else refused
+            if role == "assistant" and m.get("tool_calls") and isinstance(m.get("thinking"), list):
+                # extended thinking wants a tool call's thinking back, first and as it was
+                blocks[:0] = [b for b in m["thinking"] if isinstance(b, dict)
+                              and b.get("type") in _THINKING_BLOCKS]
             for call in m.get("tool_calls") or () if role == "assistant" else ():
                 blocks.append({"type": "tool_use", "id": _anthropic_tool_id(call["id"]),
                                "name": call["name"], "input": _tool_input(call.get("arguments"))})
@@ -2741,9 +2800,12 @@ class AnthropicChat(_HTTPChat):
             raise self._body_error(data, "in a 2xx body")
         texts = []
         calls = []
+        thinking = []
         for block in data["content"]:
             kind = block["type"]
-            if kind == "text":
+            if kind in _THINKING_BLOCKS:
+                thinking.append(_thinking_block(block))
+            elif kind == "text":
                 if not isinstance(block["text"], str):
                     raise TypeError("text block without a string")
                 texts.append(block["text"])
@@ -2753,10 +2815,12 @@ class AnthropicChat(_HTTPChat):
                 calls.append({"id": block["id"], "name": block["name"],
                               "arguments": json.dumps(block.get("input") or {},
                                                       ensure_ascii=False)})
-            # thinking, redacted_thinking and server tool blocks are not answer text
+            # server tool blocks are not answer text
         usage = _zero_usage()
         _anthropic_usage(data.get("usage"), usage)
-        return ChatResult(message=_assistant_message("".join(texts), calls), usage=usage,
+        return ChatResult(message=_assistant_message("".join(texts), calls,
+                                                     {"thinking": thinking} if thinking else None),
+                          usage=usage,
                           model=data.get("model") or self.model,
                           stop_reason=_normalise_stop(data.get("stop_reason")))
 

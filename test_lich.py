@@ -290,9 +290,12 @@ def openai_sse(*chunks, done=True):
     return sse(*[(None, c) for c in chunks], *([(None, "[DONE]")] if done else []))
 
 
+def stream_reply_body(*texts):
+    return openai_sse(*[delta_chunk(content=t) for t in texts], delta_chunk(finish="stop"))
+
+
 def stream_reply(*texts):
-    return Reply(200, chunks=[openai_sse(*[delta_chunk(content=t) for t in texts],
-                                         delta_chunk(finish="stop"))])
+    return Reply(200, chunks=[stream_reply_body(*texts)])
 
 
 def tool_reply(*calls):
@@ -2863,6 +2866,107 @@ def test_provider_errors_and_reprs_never_carry_the_key(server):
     assert [t for t in texts if SECRET in t] == []
 
 
+def test_anthropic_thinking_goes_back_with_its_tool_calls_and_blank_text_does_not(server):
+    redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}
+    thought = {"type": "thinking", "thinking": "Two cities.", "signature": "c2ln"}
+    server.reply(200, anthropic_reply(redacted, thought, text_block("\n\n"),
+                                      tool_use_block("toolu_1", "weather", {"city": "Oslo"}), stop="tool_use"))
+    server.reply(200, anthropic_reply(thought, text_block("Cold."), stop="end_turn"))
+    chat = anthropic_at(server, cache=False)
+    first = chat(USER)
+    assert first.message == {"role": "assistant", "content": "\n\n", "thinking": [redacted, thought], "tool_calls": [
+        {"id": "toolu_1", "name": "weather", "arguments": '{"city": "Oslo"}'}]}
+    second = chat([*USER, first.message, tool_msg("toolu_1", "-3 C", name="weather")])
+    assert second.message == assistant("Cold.")  # thinking is kept only where tool calls need it back
+    assert server.requests[1]["json"]["messages"][1:] == [
+        {"role": "assistant", "content": [redacted, thought, tool_use_block("toolu_1", "weather", {"city": "Oslo"})]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C",
+                                      "is_error": False}]}]
+
+
+@needs_fixtures
+def test_the_recorded_thinking_stream_goes_back_whole_on_the_next_turn(server):
+    recording = (FIXTURES / "anthropic" / "stream_thinking_tool_use.sse").read_text()
+    deltas = [json.loads(line[6:])["delta"] for line in recording.splitlines()
+              if line.startswith("data: ") and '"content_block_delta"' in line]
+    thought = {"type": "thinking", "thinking": "".join(d.get("thinking", "") for d in deltas),
+               "signature": "".join(d.get("signature", "") for d in deltas)}
+    assert thought["thinking"].startswith("The user wants me to:") and len(thought["signature"]) > 100
+    chat = _serve_recording(server, "anthropic/stream_thinking_tool_use.sse")
+    first = chat(USER)
+    assert first.message["thinking"] == [thought]
+    server.reply(200, anthropic_reply(text_block("Done.")))
+    [call] = first.message["tool_calls"]
+    chat([*USER, first.message, tool_msg(call["id"], "1.0", name=call["name"])])
+    sent = server.requests[1]["json"]["messages"][1]["content"]
+    assert sent[0] == thought and [b["type"] for b in sent] == ["thinking", "tool_use"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_deepseek_reasoning_goes_back_with_its_tool_calls(server, streamed):
+    call = ("call_1", "get_date", "{}")
+    if streamed:
+        server.reply(200, chunks=[openai_sse(
+            delta_chunk(role="assistant", content=None, reasoning_content=""),
+            delta_chunk(content=None, reasoning_content="I should call "),
+            delta_chunk(content=None, reasoning_content="get_date."),
+            delta_chunk(tool_calls=[call_delta(0, "{}", id="call_1", name="get_date")]),
+            delta_chunk(finish="tool_calls"))])
+    else:
+        body = openai_reply("", call, finish="tool_calls")
+        body["choices"][0]["message"]["reasoning_content"] = "I should call get_date."
+        server.reply(200, body)
+    server.reply(200, openai_reply("Today."))
+    chat = openai_at(server, stream=streamed)
+    first = chat(USER)
+    assert first.message == {**assistant("", call), "reasoning_content": "I should call get_date."}
+    chat([*USER, first.message, tool_msg("call_1", "2026-12-01", name="get_date")])
+    assert server.requests[1]["json"]["messages"][1] == {
+        "role": "assistant", "content": None, "reasoning_content": "I should call get_date.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_date", "arguments": "{}"}}]}
+
+
+def test_openai_reasoning_without_tool_calls_is_not_kept(server):
+    body = openai_reply("391.")
+    body["choices"][0]["message"]["reasoning_content"] = "17 times 23."
+    server.reply(200, body)
+    assert openai_at(server)(USER).message == assistant("391.")
+
+
+def test_ollamas_streamed_calls_that_all_say_index_0_stay_apart(server):
+    server.reply(200, chunks=[openai_sse(
+        delta_chunk(tool_calls=[call_delta(0, '{"path": "a.txt"}', id="call_a1", name="read_file")]),
+        delta_chunk(tool_calls=[call_delta(0, '{"path": "b.txt"}', id="call_b2", name="read_file")]),
+        delta_chunk(tool_calls=[{"index": 0, "function": {"arguments": ""}}]),  # goes with the newest
+        delta_chunk(finish="tool_calls"))])
+    assert openai_at(server, stream=True)(USER).message == assistant(
+        "", ("call_a1", "read_file", '{"path": "a.txt"}'), ("call_b2", "read_file", '{"path": "b.txt"}'))
+
+
+def test_a_streamed_openai_refusal_is_what_the_model_said(server):
+    server.reply(200, chunks=[openai_sse(
+        delta_chunk(role="assistant", content=None, refusal=""),
+        delta_chunk(refusal="I can't help "), delta_chunk(refusal="with that."), delta_chunk(finish="stop"))])
+    deltas = []
+    answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (answer.message, deltas) == (assistant("I can't help with that."), ["I can't help ", "with that."])
+
+
+def test_extra_body_takes_a_field_away_with_none(server):
+    server.reply(200, chunks=[stream_reply_body("Hi")])
+    openai_at(server, stream=True, extra_body={"stream_options": None, "seed": 7})(USER)
+    assert server.requests[0]["json"] == {"model": "gpt-test", "messages": USER, "stream": True, "seed": 7}
+
+
+def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
+    import gzip
+    body = gzip.compress(_as_bytes(stream_reply_body("Hello ", "there.")))
+    server.reply(200, body, headers={"Content-Encoding": "gzip"}, content_type="text/event-stream")
+    deltas = []
+    answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (answer.message, "".join(deltas)) == (assistant("Hello there."), "Hello there.")
+
+
 @pytest.mark.parametrize("body", [
     {"error": {"message": "The total length of all messages is too long.",
                "type": "too_many_prompt_tokens", "code": 400}},
@@ -2875,6 +2979,15 @@ def test_more_context_overflow_wordings_are_overflow(server, body):
     server.reply(400, body)
     with pytest.raises(lich.ProviderError) as info:
         openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("overflow", False)
+
+
+def test_anthropics_context_limit_wording_is_overflow(server):
+    server.reply(400, anthropic_error("invalid_request_error", (
+        "input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000, decrease input length "
+        "or `max_tokens` and try again")))
+    with pytest.raises(lich.ProviderError) as info:
+        anthropic_at(server)(USER)
     assert (info.value.kind, info.value.retryable) == ("overflow", False)
 
 
@@ -3851,9 +3964,10 @@ def test_anthropic_stream_text_tool_use_pings_and_usage(server):
     server.reply(200, chunks=pieces(body, 33))
     deltas = []
     chat = anthropic_at(server, stream=True, on_delta=deltas.append, cache=False)
-    assert chat(USER) == result("Checking both.", ("toolu_a", "weather", '{"city": "Paris"}'),
-                                ("toolu_b", "clock", "{}"), usage=(25, 40),
-                                model="claude-test-1", stop="tool_calls")
+    expected = result("Checking both.", ("toolu_a", "weather", '{"city": "Paris"}'), ("toolu_b", "clock", "{}"),
+                      usage=(25, 40), model="claude-test-1", stop="tool_calls")
+    expected.message["thinking"] = [{"type": "thinking", "thinking": "Let me think.", "signature": "sig"}]
+    assert chat(USER) == expected
     assert deltas == ["Checking ", "both."]
     assert server.requests[0]["json"] == {"model": "claude-test", "max_tokens": 4096,
                                           "messages": USER, "stream": True}
@@ -4709,7 +4823,11 @@ def test_recorded_success(server, name):
     deltas = []
     chat = _serve_recording(server, name)
     chat.on_delta = deltas.append
-    assert chat(USER) == result(content, *calls, usage=usage, model=model, stop=stop)
+    answer = chat(USER)
+    # thinking kept for the next turn: its content is checked by a test of its own
+    kept = answer.message.pop("thinking", None)
+    assert (kept is not None) == (name == "anthropic/stream_thinking_tool_use.sse")
+    assert answer == result(content, *calls, usage=usage, model=model, stop=stop)
     if name.endswith(".sse"):
         assert "".join(deltas) == content and "" not in deltas
 
