@@ -1476,6 +1476,7 @@ _OVERFLOW_TEXT = (
     r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
     r"|exceeds? (?:the )?context limit")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
+_HTML_PAGE = r"(?i)<!doctype html|<html"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
 _HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
@@ -1550,11 +1551,20 @@ def _error_from_wire(body):
         data = None
     text, codes = _error_fields(data)
     if not text:
-        text = raw or "(empty body)"
+        text = _page_text(raw) if re.match(_HTML_PAGE, raw) else raw or "(empty body)"
     text = _redact_secrets(text)
     if len(text) > _ERROR_TEXT_MAX_CHARS:
         text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
     return text, codes
+
+
+def _page_text(page):
+    """What an HTML error page (a proxy's 502) says, in one line: its title, else its text."""
+    import html
+
+    found = re.search(r"(?is)<title[^>]*>(.*?)</title>", page)
+    text = " ".join(html.unescape(found.group(1) if found else re.sub(r"<[^>]*>", " ", page)).split())
+    return f"{text[:_SNIPPET_MAX_CHARS]} (an HTML page)" if text else "an HTML page without text"
 
 
 def _error_fields(data):

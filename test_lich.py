@@ -2982,6 +2982,20 @@ def test_more_context_overflow_wordings_are_overflow(server, body):
     assert (info.value.kind, info.value.retryable) == ("overflow", False)
 
 
+@pytest.mark.parametrize("page, said", [
+    (("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1>"
+      "</center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"), "502 Bad Gateway (an HTML page)"),
+    ("<!DOCTYPE html><html><body><p>Upstream &amp; proxy\n  failed</p></body></html>",
+     "Upstream & proxy failed (an HTML page)"),
+    ("<html><body></body></html>", "an HTML page without text"),
+], ids=["nginx", "no-title", "empty"])
+def test_an_html_error_page_is_said_in_one_line(server, page, said):
+    server.reply(502, page, content_type="text/html")
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (str(info.value), info.value.kind) == (f"openai: HTTP 502: {said}", "server")
+
+
 def test_anthropics_context_limit_wording_is_overflow(server):
     server.reply(400, anthropic_error("invalid_request_error", (
         "input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000, decrease input length "
