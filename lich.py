@@ -863,6 +863,17 @@ def run_tool_calls(tools, calls, history, *, turn, signal=None, emitter=None) ->
                         "cancelled": False})
 
 
+def _check_loop_keywords(caller, names, taken=()):
+    """The TypeError Python would raise for ``caller(**loop_params)`` with a keyword that
+    ``run_conversation`` does not take (or that ``caller`` sets itself: ``taken``), raised
+    before any run starts."""
+    known = inspect.signature(run_conversation).parameters
+    for name in names:
+        if name not in known or known[name].kind is not inspect.Parameter.KEYWORD_ONLY \
+                or name in taken:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+
+
 def _check_run_options(max_turns, output_schema):
     """A run's options checked before it calls anything, so a mistake costs no model call."""
     if isinstance(max_turns, bool) or not isinstance(max_turns, int):
@@ -1230,7 +1241,8 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
     ``messages`` as ``history``). Recording never fails the run: the first failing write
     logs a warning and recording stops.
     """
-    if "max_turns" not in loop_params:  # checked before a session file is made for nothing
+    _check_loop_keywords("run_agent", loop_params)  # before a session file is made for nothing
+    if "max_turns" not in loop_params:
         raise TypeError("run_agent() missing 1 required keyword argument: 'max_turns'")
     _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
     previous = list(history or ())
@@ -6229,6 +6241,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     """
     from concurrent import futures
 
+    # each task's run has an emitter of its own, which sums its usage
+    _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
     tasks = _batch_tasks(tasks)
     fd, done = _results_file(out, redo) if out is not None else (None, {})
@@ -6820,6 +6834,11 @@ def _isatty(stream) -> bool:
 
 
 # --- what runs show ---
+
+_DECLINED = {  # stop reasons that say why an answer is missing or cut
+    "refusal": "the model declined to answer (its stop reason is refusal)",
+    "content_filter": "the provider's content filter stopped the answer",
+}
 
 
 def _call_arguments_of(call) -> dict:
@@ -7534,6 +7553,8 @@ class _Cli:
                       f"final answer; raise --max-turns or continue with -c")
         elif run.stopped_reason == "final" and run.result.stop_reason == "length":
             term.note("lich: the answer was cut short: the model reached its output limit")
+        elif run.stopped_reason == "final" and run.result.stop_reason in _DECLINED:
+            term.note(f"lich: {_DECLINED[run.result.stop_reason]}")
         elif run.stopped_reason == "final" and not (run.final.get("content") or "").strip():
             term.note("lich: the model's answer was empty")
         if run.usage_total.get("input_tokens") or run.usage_total.get("output_tokens"):

@@ -7747,6 +7747,23 @@ def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
     assert server.requests == []
 
 
+def test_a_mistyped_keyword_is_a_type_error_before_any_run(server, tmp_path):
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(TypeError, match=r"^run_batch\(\) got an unexpected keyword argument 'worker'$"):
+        lich.run_batch(["x", "y"], chat=openai_at(server), max_turns=1, worker=3, out=out)
+    with pytest.raises(TypeError, match=r"^run_agent\(\) got an unexpected keyword argument 'sesion_dir'$"):
+        lich.run_agent("x", chat=openai_at(server), max_turns=1, sesion_dir=tmp_path / "s")
+    with pytest.raises(TypeError, match=r"^run_agent\(\) got an unexpected keyword argument 'messages'$"):
+        lich.run_agent("x", chat=openai_at(server), max_turns=1, messages=[])
+    with pytest.raises(TypeError, match=r"^run_batch\(\) got an unexpected keyword argument 'emitter'$"):
+        lich.run_batch(["x"], chat=openai_at(server), max_turns=1, emitter=lich.AgentEmitter())  # each run has its own
+    assert (server.requests, sorted(tmp_path.iterdir())) == ([], [])
+    queue(server, openai_reply("fine"))  # what a run takes is still taken
+    [result] = lich.run_batch(["x"], chat=openai_at(server), max_turns=1, temperature=0.5,
+                              system_prompt="Be brief.", context_budget_tokens=1000)
+    assert (result.ok, server.requests[0]["json"]["temperature"]) == (True, 0.5)
+
+
 def test_a_failed_task_reports_what_its_calls_used():
     overflow = lich.ProviderError("openai: the context window is exceeded", "overflow")
     chat = ScriptedChat(lich.ChatResult(assistant("", ("c1", "echo", "{}")),
@@ -8370,6 +8387,18 @@ def test_an_empty_answer_says_so(server, lich_model, cli):
     queue(server, openai_reply(None), Reply(200, chunks=[sse((None, "[DONE]"))]))
     assert cli("--no-stream", "go") == (0, "", "lich: the model's answer was empty\ntokens: 7 in, 3 out\n")
     assert cli("go") == (0, "", "lich: the model's answer was empty\n")
+
+
+def test_an_answer_stopped_by_a_refusal_or_a_filter_says_so(server, cli, monkeypatch):
+    monkeypatch.setenv("LICH_MODEL", f"anthropic:claude-test@{server.url}")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+    queue(server, anthropic_reply(stop="refusal"))
+    assert cli("--no-stream", "go") == (0, "", (
+        "lich: the model declined to answer (its stop reason is refusal)\ntokens: 7 in, 3 out\n"))
+    monkeypatch.setenv("LICH_MODEL", f"openai:gpt-test@{server.url}/v1")
+    queue(server, openai_reply("The first half", finish="content_filter"))
+    assert cli("--no-stream", "go") == (0, "The first half\n", (
+        "lich: the provider's content filter stopped the answer\ntokens: 7 in, 3 out\n"))
 
 
 def test_a_tools_lines_are_cut_for_a_log_too(server, lich_model, cli, workspace):
