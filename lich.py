@@ -6444,7 +6444,7 @@ def _build_parser():
     add = parser.add_argument_group("batches").add_argument
     add("--batch", metavar="FILE", help="run every task of FILE: JSON lines "
         "({\"id\", \"prompt\", ...}) or one prompt per line")
-    add("--workers", type=_positive_int, default=_DEFAULT_WORKERS, metavar="N",
+    add("--workers", type=_positive_int, metavar="N",
         help=f"tasks run at once (default {_DEFAULT_WORKERS})")
     add("--out", metavar="PATH", help="the batch's results file (default: JSON lines on "
         "stdout); an existing one resumes the batch")
@@ -6969,6 +6969,8 @@ class _Progress:
             term.start_spinner(_visible(_tool_summary(event["call"])), self._tool_started)
         elif kind == "tool_call_end":
             started = self._tool_started if not event["cancelled"] else None
+            if started is not None and self.cli.approvals is not None:  # not the time asking took
+                started = max(started, self.cli.approvals.answered_at)
             elapsed = time.monotonic() - started if started is not None else 0.0
             words, preview = _tool_outcome(event["call"], event["result"], elapsed, event["cancelled"])
             term.tool_line("→ " + _tool_summary(event["call"]))
@@ -7009,6 +7011,7 @@ class _Approvals:
     def __init__(self, cli):
         self.cli = cli
         self.grants = []  # (tool names, exact key or None, what it covers)
+        self.answered_at = 0.0  # when the last question was answered: a tool's time begins then
 
     def __call__(self, call) -> bool:
         name, args = call.get("name"), _call_arguments_of(call)
@@ -7022,7 +7025,10 @@ class _Approvals:
         self.cli.term.ask("\n".join([f"→ {_tool_summary(call)}", *("  " + line for line in body),
                                      (f"  allow? [y]es / [N]o / [a]lways this {what} / "
                                       f"[t] always {name}: ")]))
-        answer = self.cli.read_answer()
+        try:
+            answer = self.cli.read_answer()
+        finally:
+            self.answered_at = time.monotonic()
         if answer is None:
             raise AbortError("interrupted before the user answered")
         answer = answer.strip().lower()
@@ -7815,7 +7821,7 @@ class _Cli:
             return self._tools(task.get("root") or self.root)
 
         def work():
-            return run_batch(tasks, chat=self.chat, tools=tools, workers=args.workers,
+            return run_batch(tasks, chat=self.chat, tools=tools, workers=args.workers or _DEFAULT_WORKERS,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
@@ -7990,6 +7996,7 @@ def main(argv=None) -> int:
     was_dumpable = _set_dumpable(False) if undumpable else None
     cli = None
     try:
+        _check_modes(args)
         if args.list_sessions:
             return _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
                                    as_json=args.json)
@@ -8035,16 +8042,29 @@ def _quiet_stdout():
         pass
 
 
-def _run_cli(cli) -> int:
-    args = cli.args
+def _check_modes(args):
+    """Options that another of them contradicts, or that nothing given would use."""
     if args.batch is not None and (args.prompt is not None or args.interactive or args.resume
                                    or args.continue_):
         raise _UsageError("--batch runs the tasks of its file: it takes no PROMPT, -i, --resume "
                           "or -c")
+    if args.batch is None and (args.out is not None or args.redo or args.workers is not None):
+        raise _UsageError("--out, --redo and --workers go with --batch")
+    if args.list_sessions and (args.prompt is not None or args.interactive or args.resume
+                               or args.continue_ or args.batch is not None):
+        raise _UsageError("--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, "
+                          "-c or --batch")
     if args.resume is not None and args.continue_:
         raise _UsageError("--resume and -c both choose the session to go on with: give one")
+    if args.interactive and not _isatty(sys.stdin):
+        raise _UsageError("-i is a chat, which reads a terminal: stdin is not one (leave -i out "
+                          "to answer once)")
     if args.json and args.prompt is None and _isatty(sys.stdin) and args.batch is None:
         raise _UsageError("--json needs a PROMPT or piped stdin")
+
+
+def _run_cli(cli) -> int:
+    args = cli.args
     if args.batch is not None:
         return cli.batch()
     history = []

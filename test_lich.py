@@ -8538,6 +8538,20 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     assert term.close() == 0
 
 
+def test_a_tools_time_leaves_out_the_time_its_approval_took(server, lich_model, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "echo hi"}')), stream_reply("Done."))
+    term = Pty("--allow", "shell", "--root", str(workspace), env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("say hi")
+    term.expect("[t] always bash: ")
+    time.sleep(1.3)  # longer than a tool must take for its time to be shown
+    term.send("y")
+    shown = term.expect(PROMPT)
+    assert "→ bash echo hi ✓\n    hi\nDone." in shown, shown  # not "✓ (1.3 s)"
+    term.send("\x04")
+    assert term.close() == 0
+
+
 def test_an_edit_is_shown_among_the_files_own_lines(server, lich_model, workspace):
     (workspace / "calc.py").write_bytes(b"import math\r\n\r\ndef add(a, b):\r\n    return a - b\r\n")
     queue(server, tool_reply(("c1", "edit_file", json.dumps({"path": "calc.py", "old_text": "a - b",
@@ -9313,12 +9327,20 @@ def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, l
     (["--batch", "{tasks}", "-i"], "--batch runs the tasks of its file: it takes no PROMPT, -i, --resume or -c"),
     (["--batch", "{tasks}", "-c"], "--batch runs the tasks of its file: it takes no PROMPT, -i, --resume or -c"),
     (["--resume", "latest", "-c", "go"], "--resume and -c both choose the session to go on with: give one"),
-], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue"])
+    (["--out", "{tasks}.out", "go"], "--out, --redo and --workers go with --batch"),
+    (["--redo", "go"], "--out, --redo and --workers go with --batch"),
+    (["--workers", "3", "go"], "--out, --redo and --workers go with --batch"),
+    (["--list-sessions", "go"], "--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, -c or --batch"),
+    (["--list-sessions", "--batch", "{tasks}"],
+     "--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, -c or --batch"),
+    (["-i", "go"], "-i is a chat, which reads a terminal: stdin is not one (leave -i out to answer once)"),
+], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue", "out-without-batch",
+        "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal"])
 def test_options_that_contradict_each_other_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("one\n")
     assert cli(*[a.format(tasks=tasks) for a in argv]) == (2, "", f"lich: {error}\n")
-    assert server.requests == []
+    assert server.requests == [] and sorted(tmp_path.iterdir()) == [tasks]
 
 
 def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
