@@ -4953,7 +4953,11 @@ class _Workspace:
             raise _ToolFailure(f"new_text cannot be written as UTF-8: {e}") from None
 
     def _approve(self, call):
-        if self.approve is not None and not self.approve(call):
+        try:
+            approved = self.approve is None or self.approve(call)
+        except AbortError as e:  # the question was interrupted: the call is not made, as declined
+            raise _ToolFailure(str(e)) from None
+        if not approved:
             raise _ToolFailure("the user declined this call")
 
 
@@ -7084,8 +7088,8 @@ class _ApprovedTools:
         try:
             if not self.approve(call):
                 return ToolResult(ok=False, error="the user declined this call")
-        except AbortError as e:
-            return ToolResult(ok=False, error=f"AbortError: {e}")
+        except AbortError as e:  # the question was interrupted: the call is not made
+            return ToolResult(ok=False, error=str(e))
         return self.runner.run(call, signal)
 
 

@@ -6065,6 +6065,16 @@ def test_write_file_asks_approval(ws):
     assert accepted.asked == [call]
 
 
+def test_an_approval_interrupted_by_abort_error_makes_no_call_and_says_so_plainly(ws):
+    def interrupted(call):
+        raise lich.AbortError("interrupted before the user answered")
+
+    tools = lich.coding_tools(ws, allow_write=True, approve=interrupted)
+    assert tools.run(tool_call("write_file", {"path": "f.txt", "content": "x"})) == lich.ToolResult(
+        ok=False, error="interrupted before the user answered")
+    assert not (ws / "f.txt").exists()
+
+
 def test_edit_file(ws):
     (ws / "f.py").write_bytes(b"\xff\nold = 1\nkeep\n")
     tools = lich.coding_tools(ws, allow_write=True)
@@ -8327,7 +8337,7 @@ def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, wo
     term.expect("[t] always bash: ")
     term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
-    assert "→ bash touch later ✗ AbortError: interrupted before the user answered" in term.rest
+    assert "→ bash touch later ✗ interrupted before the user answered" in term.rest
     assert not (workspace / "later").exists() and len(server.requests) == 1
 
 
