@@ -3112,9 +3112,10 @@ def chat_from_spec(spec, **options):
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
         after = model.rpartition("@")[2] if "@" in model else ""
         if "/" in after or ":" in after:  # a version such as "claude-x@20250929" has neither
-            shown = f"{provider}:{model.partition('@')[0]}@..."  # the URL may hold a key
-            raise ValueError(f"invalid model spec {shown!r}: the base URL after '@' must begin "
-                             f"with http:// or https://")
+            place = re.split(r"[?#]", after, maxsplit=1)[0]  # no user-info, no query: no key
+            hint = "" if "://" in place else f" (did you mean http://{place}?)"
+            raise ValueError(f"invalid model spec '{provider}:{model.partition('@')[0]}@{place}': "
+                             f"the base URL after '@' must begin with http:// or https://{hint}")
         cls = _PROVIDERS.get(provider)
         if cls is None:
             raise ValueError(f"unknown provider {provider!r} in {part!r}; known providers: "
@@ -7300,7 +7301,10 @@ def _run_interruptibly(work, signal, cli):
             if not signal.is_set():
                 signal.set()
                 cli.term.stop_spinner()
-                cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
+                if cli.interrupts.terminating:  # SIGTERM or SIGHUP: lich leaves once it stops
+                    cli.term.note(f"told to end (signal {cli.interrupts.exit_code - 128}); stopping")
+                else:
+                    cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
