@@ -6354,7 +6354,7 @@ _CHAT_COMMANDS = {
     "/sessions": "/sessions           list recent sessions",
     "/clear": "/clear              start a new conversation and session file",
     "/help": "/help               this text",
-    "/exit": "/exit               leave (Ctrl-D too)",
+    "/exit": "/exit               leave (/quit and Ctrl-D too)",
 }
 _CHAT_KEYS = ('Enter sends; a line ending in \\ goes on to the next; """ on a line of its own '
               'opens and closes a block; pasted text is one message. Ctrl-C stops a turn, twice '
@@ -6372,7 +6372,7 @@ _HELP_EPILOG = """examples:
 
 exit codes:
   0 a final answer   1 a provider or runtime error   2 a usage error or unknown session
-  3 the turn budget ran out   130 interrupted
+  3 the turn budget ran out   130 interrupted   128+N ended by signal N (SIGTERM, SIGHUP)
 
 environment:
   LICH_MODEL            the default model spec
@@ -6417,7 +6417,7 @@ def _build_parser():
     add = parser.add_argument_group("model").add_argument
     add("-m", "--model", metavar="SPEC", help="provider:model[@base_url], comma-separated for "
         "failover (default: $LICH_MODEL, else by the API key that is set)")
-    add("--base-url", metavar="URL", help="the provider's base URL")
+    add("--base-url", metavar="URL", help="the provider's base URL (for each spec without an @URL)")
     add("-s", "--system", metavar="TEXT", help="the system prompt")
     add("--temperature", type=float, metavar="T", help="sampling temperature")
     add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
@@ -7971,7 +7971,7 @@ def main(argv=None) -> int:
     ``lich PROMPT`` runs one agent turn and prints the answer on stdout; with no PROMPT
     and a terminal on stdin it starts an interactive chat. Exit codes: 0 a final
     answer, 1 a provider or runtime error, 2 a usage error or an unknown session,
-    3 the turn budget ran out, 130 interrupted.
+    3 the turn budget ran out, 130 interrupted, 128 + N ended by signal N.
     """
     try:
         args = _build_parser().parse_args(argv)

@@ -7962,7 +7962,7 @@ def test_help_ends_with_examples_exit_codes_and_the_environment():
         assert option in out[:examples]
     for name in ("LICH_MODEL", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "LICH_SESSION_DIR", "NO_COLOR", "OTEL_"):
         assert name in out[environment:]
-    assert "130 interrupted" in out[codes:environment]
+    assert "130 interrupted   128+N ended by signal N (SIGTERM, SIGHUP)\n" in out[codes:environment]
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
