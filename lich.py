@@ -6302,7 +6302,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
         if fd is not None:
             os.close(fd)
     why = "the signal was set" if signal is not None and signal.is_set() else \
-        f"{errors} tasks failed (max_errors={max_errors})"
+        f"{errors} {'task' if errors == 1 else 'tasks'} failed (max_errors={max_errors})"
     return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
                                                    error=f"not started: {why}")
             for task in tasks]
@@ -7910,6 +7910,7 @@ def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
     paths = list_sessions(session_dir)
     if not paths:
         term.note("no sessions yet")
+    rows = []
     for path in paths if as_json else paths[:_LIST_SESSIONS_LIMIT]:
         try:
             summary = _session_summary(path)
@@ -7918,10 +7919,15 @@ def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
         if as_json:
             term.json_line(summary)
             continue
-        when = summary["when"][:16].replace("T", " ")  # UTC, as the ids
-        show(_visible(f"{summary['id']}  {when}  {summary['folder'] or '-'}  "  # piped too
-                      f"{summary['model'] or '-'}  {summary['messages']:>4} messages  "
-                      f"{summary['prompt'][:_TOOL_SUMMARY_CHARS]}"))
+        count = summary["messages"]
+        rows.append([_visible(text) for text in (  # piped too
+            summary["id"], summary["when"][:16].replace("T", " "),  # UTC, as the ids
+            summary["folder"] or "-", summary["model"] or "-",
+            f"{count:>4} {'message' if count == 1 else 'messages'}",
+            summary["prompt"][:_TOOL_SUMMARY_CHARS])])
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(5)]
+    for row in rows:  # the columns line up; the prompt, last, is left as long as it is
+        show("  ".join([*(text.ljust(width) for text, width in zip(row, widths)), row[5]]))
     if not as_json and len(paths) > _LIST_SESSIONS_LIMIT:
         term.note(f"... {len(paths) - _LIST_SESSIONS_LIMIT} older sessions")
     return _EXIT_OK

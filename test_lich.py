@@ -7685,6 +7685,12 @@ def test_after_max_errors_no_task_starts(batch_server, workspace):
     assert [(r.ok, r.error) for r in results[2:]] == [
         (False, "not started: 2 tasks failed (max_errors=2)")] * 2
     assert len(batch_server.requests) == 2
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
+                             max_errors=1, max_turns=5)
+    assert [(r.ok, r.error) for r in results[1:]] == [(False, "not started: 1 task failed (max_errors=1)")] * 3
+    results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
+                             max_errors=1, max_turns=5)
+    assert [(r.ok, r.error) for r in results[1:]] == [(False, "not started: 1 task failed (max_errors=1)")] * 3
 
 
 def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
@@ -9018,11 +9024,17 @@ def test_list_sessions_newest_first(lich_model, cli, tmp_path):
     write_records(d / "20260101T000000Z-1.jsonl", msg(user("first  question\nmore")), msg(assistant("a")))
     write_records(d / "20260102T000000Z-1-x.jsonl", msg(user("second")), msg(assistant("b")),
                   msg(user("again")), msg(assistant("c")))
+    write_records(d / "20251231T000000Z-1.jsonl", run_start(0, 0, cwd=tmp_path, model="gpt-long-name"),
+                  msg(user("alone")))
+    os.utime(d / "20251231T000000Z-1.jsonl", (1_699_999_000, 1_699_999_000))
     os.utime(d / "20260101T000000Z-1.jsonl", (1_700_000_000, 1_700_000_000))
     os.utime(d / "20260102T000000Z-1-x.jsonl", (1_700_000_100, 1_700_000_100))
     # records without a time stamp (or a run_start) fall back on the file's time, in UTC as the ids
-    listing = ("20260102T000000Z-1-x  2023-11-14 22:15  -  -     4 messages  second\n"
-               "20260101T000000Z-1  2023-11-14 22:13  -  -     2 messages  first question more\n")
+    folder = os.path.realpath(tmp_path)
+    pad = " " * (len(folder) - 1)
+    listing = (f"20260102T000000Z-1-x  2023-11-14 22:15  -{pad}  -                 4 messages  second\n"
+               f"20260101T000000Z-1    2023-11-14 22:13  -{pad}  -                 2 messages  first question more\n"
+               f"20251231T000000Z-1    2023-11-14 21:56  {folder}  gpt-long-name     1 message   alone\n")
     assert cli("--list-sessions") == (0, listing, "")
 
 
