@@ -6344,7 +6344,9 @@ _DEFAULT_SYSTEM_PROMPT = (
     "You are lich, a careful coding agent working in the folder {root}. "
     "Your tools: {tools}. Paths are relative to that folder and must stay inside it. "
     "Look before you change anything, keep changes small, and say what you did. "
-    "Answer concisely in plain text.")
+    "{answer}")
+_PLAIN_ANSWER = "Answer concisely in plain text."
+_SCHEMA_ANSWER = "Your final answer is one JSON value, as the answer's schema asks."
 _CHAT_COMMANDS = {
     "/model": "/model [SPEC]       show the model, or switch to SPEC for the next turns",
     "/allow": "/allow [revoke N|all]  show what was allowed always, or take it back",
@@ -7354,7 +7356,8 @@ class _Cli:
             self.tools = self._tools(self.root)
             names = ", ".join(spec["name"] for spec in self.tools.specs())
             system = (args.system if args.system is not None
-                      else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names))
+                      else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names, answer=(
+                          _PLAIN_ANSWER if args.schema is None else _SCHEMA_ANSWER)))
             found = None if args.no_project_instructions else _project_instructions(self.root)
             if found is not None:
                 system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
@@ -7844,6 +7847,9 @@ class _Cli:
                 raise
             raise bad from None
         term.end_status()
+        if total and done_before == total:
+            term.note(f"lich: {_how_many(total, 'task was', 'tasks were')} done before, in {args.out}; "
+                      f"--redo runs them again")
         if signal.is_set():
             return self.interrupts.exit_code
         if any(not r.ok and r.stopped_reason != "budget" for r in results):

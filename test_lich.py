@@ -7990,6 +7990,11 @@ def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_
     assert cli("--schema", json.dumps(PERSON), "who?") == (0, '{"name": "Ada", "age": 36}\n', USAGE_LINE)
     assert server.requests[0]["json"]["response_format"] == {
         "type": "json_schema", "json_schema": {"name": "output", "schema": PERSON}}
+    system = server.requests[0]["json"]["messages"][0]["content"]  # not told to answer in plain text
+    assert system.endswith(" Your final answer is one JSON value, as the answer's schema asks.") and "plain" not in system
+    queue(server, openai_reply("Ada."))
+    assert cli("who?")[1] == "Ada.\n"
+    assert server.requests[1]["json"]["messages"][0]["content"].endswith(" Answer concisely in plain text.")
     (tmp_path / "person.json").write_text(json.dumps(PERSON))
     queue(server, openai_reply("not json"), openai_reply('{"name": "Bo"}'))
     assert cli("--schema", f"@{tmp_path / 'person.json'}", "who?") == (
@@ -9200,6 +9205,12 @@ def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, 
     assert code == 0
     assert [(row["id"], row["final"]) for row in sorted(map(json.loads, stdout.splitlines()), key=lambda r: r["id"])] == [
         ("0", "answer to one: hello"), ("1", "answer to two: hello")]
+    done = tmp_path / "done.jsonl"
+    assert cli("--batch", str(prompts), "--out", str(done), "--root", str(workspace))[0] == 0
+    requests = len(batch_server.requests)
+    assert cli("--batch", str(prompts), "--out", str(done), "--root", str(workspace)) == (
+        0, "", f"lich: 2 tasks were done before, in {done}; --redo runs them again\n")
+    assert len(batch_server.requests) == requests
 
 
 def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
