@@ -6263,26 +6263,38 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
         loop_params["signal"] = stopping
     errors = 0
     running = {}
+    broken = None  # why the executor takes no more tasks
     try:
         while pending or running:
             if signal is not None and signal.is_set():
                 stopping.set()
-            stop = stopping.is_set() or (max_errors is not None and errors >= max_errors)
+            stop = stopping.is_set() or broken is not None or (
+                max_errors is not None and errors >= max_errors)
+            if stop:  # what waits in the executor's queue does not start (a running one runs on)
+                for future in running:
+                    future.cancel()
             while pending and not stop and len(running) < max(1, workers):
-                task = pending.pop(0)
+                task = pending[0]
                 args = (task, chat, tools, limiter, session_dir, trace, loop_params)
-                if own:  # spans of the tasks nest under the caller's current one
-                    import contextvars
-                    submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
-                else:
-                    submitted = pool.submit(_run_task, *args)
-                running[submitted] = task
+                try:
+                    if own:  # spans of the tasks nest under the caller's current one
+                        import contextvars
+                        submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
+                    else:
+                        submitted = pool.submit(_run_task, *args)
+                except Exception as exc:  # a pool broken by a worker's death, or shut down
+                    broken = f"the executor takes no more tasks: {_error_text(exc)}"
+                    break
+                running[submitted] = pending.pop(0)
             if not running:
                 break
             finished, _ = futures.wait(running, timeout=_WATCH_SECONDS,
                                        return_when=futures.FIRST_COMPLETED)
             for future in finished:
                 task = running.pop(future)
+                if future.cancelled():  # never started: it is among the tasks not started
+                    pending.append(task)
+                    continue
                 try:
                     result = future.result()
                 except BaseException as exc:  # the executor's failure: this task is lost
@@ -6290,7 +6302,12 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 results[task["id"]] = result
                 errors += not result.ok and result.stopped_reason is None
                 if fd is not None:
-                    os.write(fd, (json.dumps(asdict(result), ensure_ascii=False) + "\n").encode())
+                    line = json.dumps(asdict(result), ensure_ascii=False) + "\n"
+                    try:
+                        data = line.encode()
+                    except UnicodeEncodeError:  # a lone surrogate (an emoji cut in half): escaped
+                        data = (json.dumps(asdict(result)) + "\n").encode()
+                    os.write(fd, data)
                 if on_result is not None:
                     on_result(result)
     finally:
@@ -6301,7 +6318,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
             pool.shutdown(wait=True)
         if fd is not None:
             os.close(fd)
-    why = "the signal was set" if signal is not None and signal.is_set() else \
+    why = "the signal was set" if signal is not None and signal.is_set() else broken or \
         f"{errors} {'task' if errors == 1 else 'tasks'} failed (max_errors={max_errors})"
     return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
                                                    error=f"not started: {why}")

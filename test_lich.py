@@ -7693,6 +7693,74 @@ def test_after_max_errors_no_task_starts(batch_server, workspace):
     assert [(r.ok, r.error) for r in results[1:]] == [(False, "not started: 1 task failed (max_errors=1)")] * 3
 
 
+def test_an_answer_with_a_lone_surrogate_is_written_to_out_and_read_back(tmp_path):
+    out = tmp_path / "out.jsonl"
+    chat = ScriptedChat(lich.ChatResult(assistant("cut emoji \ud83d")), lich.ChatResult(assistant("next")))
+    results = lich.run_batch(["a", "b"], chat=chat, max_turns=1, workers=1, out=out)
+    assert [r.final for r in results] == ["cut emoji \ud83d", "next"]
+    assert '"final": "cut emoji \\ud83d"' in out.read_text()  # escaped where UTF-8 cannot hold it
+    assert lich.run_batch(["a", "b"], chat=ScriptedChat(), max_turns=1, out=out) == results  # both done
+
+
+class EndingChat:
+    """A ChatFn that ends its own process on the prompt "die" (a worker killed mid-task: the
+    OOM killer, a crash) and answers "fine" to the others; picklable, for process pools."""
+
+    def __call__(self, messages, **options):
+        if messages[-1]["content"] == "die":
+            os._exit(3)
+        return lich.ChatResult(assistant("fine"))
+
+
+def test_a_process_pool_whose_worker_dies_still_gives_every_task_a_result(tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    out = tmp_path / "out.jsonl"
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = lich.run_batch(["a", "die", "b", "c"], chat=EndingChat(), executor=pool, workers=1,
+                                 max_turns=1, out=out)
+    assert [(r.id, r.ok, r.final) for r in results] == [
+        ("0", True, "fine"), ("1", False, None), ("2", False, None), ("3", False, None)]
+    assert results[1].error.startswith("BrokenProcessPool: ")
+    assert results[2].error.startswith("not started: the executor takes no more tasks: BrokenProcessPool: ")
+    assert results[3].error == results[2].error
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "1"]
+
+
+@pytest.mark.parametrize("stop", ["signal", "max_errors"])
+def test_a_stopped_batch_takes_back_the_tasks_waiting_in_the_executors_queue(stop):
+    import concurrent.futures
+
+    release, signal = threading.Event(), threading.Event()
+    asked = []
+
+    def chat(messages, **options):
+        asked.append(messages[-1]["content"])
+        if stop == "max_errors" and asked == ["a"]:
+            raise lich.ProviderError("refused", "bad_request")
+        release.wait(5)
+        return lich.ChatResult(assistant("done"))
+
+    batch = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # one thread: the other tasks wait in its queue
+        runner = threading.Thread(target=lambda: batch.extend(lich.run_batch(
+            ["a", "b", "c", "d"], chat=chat, executor=pool, max_turns=1, signal=signal, max_errors=1)))
+        runner.start()
+        eventually(lambda: asked)
+        if stop == "signal":
+            signal.set()
+        time.sleep(0.3)  # run_batch looks every 100 ms
+        release.set()
+        runner.join(10)
+    if stop == "signal":
+        assert asked == ["a"] and [(r.ok, r.error) for r in batch] == [(True, None)] + [
+            (False, "not started: the signal was set")] * 3
+    else:  # "b" may have left the queue as "a" failed, before run_batch saw it fail
+        assert asked in (["a"], ["a", "b"]) and [(r.ok, r.error) for r in batch[2:]] == [
+            (False, "not started: 1 task failed (max_errors=1)")] * 2
+
+
 def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
     signal = threading.Event()
     results = lich.run_batch([f"t{i}" for i in range(6)], chat=openai_at(batch_server),
@@ -8316,7 +8384,8 @@ def test_api_key_marker_appears_in_no_output_error_or_session_on_error_paths(ser
     outputs, codes = [], []
     for args, extra, replies in runs:
         queue(server, *replies)
-        code, out, err = cli("-v", *args, "--root", str(workspace), "hi", env={**env, **extra})
+        prompt = [] if args == ["--list-sessions"] else ["hi"]
+        code, out, err = cli("-v", *args, "--root", str(workspace), *prompt, env={**env, **extra})
         outputs.append(out + err)
         codes.append(code)
     assert codes == [1] * 6 + [0, 0, 0, 1] + [0, 0, 2, 0]
