@@ -6140,6 +6140,14 @@ def _batch_tasks(tasks) -> list:
                              f"digits, '_', '.' or '-'")
         if task_id in ids:
             raise ValueError(f"task {position}: the id {task_id!r} is used twice")
+        history = task.get("history")
+        if history is not None and not (isinstance(history, list) and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in history)):
+            raise TypeError(f"task {position}: 'history' must be a list of messages")
+        if task.get("system_prompt") is not None and not isinstance(task["system_prompt"], str):
+            raise TypeError(f"task {position}: 'system_prompt' must be a string")
+        if task.get("root") is not None and not isinstance(task["root"], (str, os.PathLike)):
+            raise TypeError(f"task {position}: 'root' must be a path")
         ids.add(task_id)
         checked.append({**task, "id": task_id})
     return checked
@@ -6158,6 +6166,7 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
     """One task of a batch, in whatever thread or process runs it; never raises. A task that
     fails still reports what its calls used."""
     used = _zero_usage()
+    session = None
     try:
         if isinstance(chat, str):
             chats = getattr(_batch_chats, "chats", None)
@@ -6180,14 +6189,25 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
         emitter.on("llm_end", lambda event: _add_usage(used, event["result"].usage))
         if trace:
             trace_otel(emitter, tracer=None if trace is True else trace, **_chat_identity(chat))
+        if session_dir is not None:  # opened here, so that a failed task still points at it
+            try:
+                session = open_session(session_dir, task["id"])
+            except OSError:
+                pass  # run_agent tries again, and says why it cannot
         run = run_agent(task["prompt"], chat=chat, tools=tools, history=task.get("history"),
-                        session_dir=session_dir, label=task["id"], emitter=emitter, **params)
+                        session=session, session_dir=None if session else session_dir,
+                        label=task["id"], emitter=emitter, **params)
     except AbortError:  # stopped by the signal inside a chat call: at its boundary
-        return BatchResult(task["id"], False, "aborted", None, usage=used)
+        return BatchResult(task["id"], False, "aborted", None, usage=used,
+                           session_path=session and session.path)
     except BaseException as exc:  # failures are data: the batch goes on
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        return BatchResult(task["id"], False, None, None, error=_error_text(exc), usage=used)
+        return BatchResult(task["id"], False, None, None, error=_error_text(exc), usage=used,
+                           session_path=session and session.path)
+    finally:
+        if session is not None:
+            session.close()
     final = run.final.get("content") if run.final else None
     return BatchResult(task["id"], run.stopped_reason == "final", run.stopped_reason, final,
                        output=run.output, usage=run.usage_total, session_path=run.session_path)

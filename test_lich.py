@@ -7693,6 +7693,20 @@ def test_after_max_errors_no_task_starts(batch_server, workspace):
     assert [(r.ok, r.error) for r in results[1:]] == [(False, "not started: 1 task failed (max_errors=1)")] * 3
 
 
+def test_a_failed_or_aborted_task_points_at_the_session_it_wrote(tmp_path):
+    failing = ScriptedChat(lich.ChatResult(assistant("", ("c1", "echo", "{}"))),
+                           lich.ProviderError("openai: HTTP 500: down", "server"))
+    [failed] = lich.run_batch(["x"], chat=failing, tools=EchoTools(), max_turns=3, session_dir=tmp_path / "s")
+    assert (failed.ok, failed.error) == (False, "server: openai: HTTP 500: down")
+    records = [json.loads(line) for line in Path(failed.session_path).read_text().splitlines()]
+    assert [r.get("meta", {}).get("event") or r["message"]["role"] for r in records] == [
+        "run_start", "user", "assistant", "tool", "run_error"]
+    aborted = ScriptedChat(lich.AbortError("chat aborted"))
+    [stopped] = lich.run_batch(["y"], chat=aborted, max_turns=3, session_dir=tmp_path / "s")
+    assert (stopped.stopped_reason, Path(stopped.session_path).parent) == ("aborted", tmp_path / "s")
+    assert Path(stopped.session_path).name.endswith("-0.jsonl") and stopped.session_path != failed.session_path
+
+
 def test_an_answer_with_a_lone_surrogate_is_written_to_out_and_read_back(tmp_path):
     out = tmp_path / "out.jsonl"
     chat = ScriptedChat(lich.ChatResult(assistant("cut emoji \ud83d")), lich.ChatResult(assistant("next")))
@@ -7828,9 +7842,14 @@ def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_p
     (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
     ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
     ([{"prompt": "x", "colour": "red"}], "task 0 has unknown keys: colour"),
-], ids=["duplicate", "bad-id", "unknown-key"])
+    (["a", {"prompt": "x", "history": "we talked before"}], "task 1: 'history' must be a list of messages"),
+    ([{"prompt": "x", "history": [{"content": "no role"}]}], "task 0: 'history' must be a list of messages"),
+    ([{"prompt": "x", "system_prompt": 5}], "task 0: 'system_prompt' must be a string"),
+    ([{"prompt": "x", "root": ["src"]}], "task 0: 'root' must be a path"),
+], ids=["duplicate", "bad-id", "unknown-key", "history-text", "history-without-roles", "system-prompt-number",
+        "root-list"])
 def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
-    with pytest.raises(ValueError, match=f"^{re.escape(error)}$"):
+    with pytest.raises((ValueError, TypeError), match=f"^{re.escape(error)}$"):
         lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
     assert server.requests == []
 
@@ -9420,8 +9439,9 @@ def test_a_batch_file_may_start_with_a_byte_order_mark(batch_server, lich_model,
      "line 2 of {} is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
     ('{"prompt": "one"}\n' + '{"a": ' * 100_000 + "\n",
      "line 2 of {} is not JSON: maximum recursion depth exceeded while decoding a JSON object from a unicode string"),
+    ('{"id": "h", "prompt": "hi", "history": "we talked before"}\n', "line 1 of {}: 'history' must be a list of messages"),
 ], ids=["duplicate-id", "bad-id", "list-id", "unknown-keys", "not-a-task", "not-json-after-a-blank-line", "line-separator",
-        "too-deep"])
+        "too-deep", "history-text"])
 def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, lich_model, cli, tmp_path, text, error):
     tasks, out = tmp_path / "tasks.jsonl", tmp_path / "out.jsonl"
     tasks.write_text(text, encoding="utf-8")
