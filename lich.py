@@ -3001,7 +3001,10 @@ class Limiter:
 
     def __reduce__(self):
         # Every copy sent to one process is that process's one limiter: tasks pickled
-        # one by one to a pool or a cluster share its limits there.
+        # one by one to a pool or a cluster share its limits there. In this process, that
+        # limiter is this one (a Dask cluster of threads pickles its tasks too).
+        with _received_limiters_lock:
+            _received_limiters.setdefault(self._token, self)
         return _limiter_in_this_process, (self._token, self.max_concurrent,
                                           self.requests_per_minute, self.tokens_per_minute)
 
@@ -3046,8 +3049,9 @@ class Limiter:
     def _release(self, error):
         with self._cond:
             self._in_flight -= 1
+            # A wait past _MAX_RETRY_AFTER fails its call rather than waiting: nobody pauses.
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
-                    and error.retry_after):
+                    and error.retry_after and error.retry_after <= _MAX_RETRY_AFTER):
                 self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
                 self._cond.notify_all()  # every waiter must learn of the pause
             else:

@@ -4529,8 +4529,11 @@ def test_every_copy_of_a_limiter_sent_to_a_process_is_that_processs_one_limiter(
 
     limiter = lich.Limiter(requests_per_minute=1)
     data = pickle.dumps(limiter)
-    first, second = pickle.loads(data), pickle.loads(data)  # two tasks sent to one worker
-    assert first is second and first is not limiter and repr(first) == repr(limiter)
+    elsewhere = ("import pickle, sys; sys.path.insert(0, sys.argv[2]); data = bytes.fromhex(sys.argv[1]); "
+                 "first, second = pickle.loads(data), pickle.loads(data); print(first is second, repr(first))")
+    assert Process("-c", elsewhere, data.hex(), HERE).wait() == (0, f"True {limiter!r}\n", "")  # two tasks, one worker
+    first, second = pickle.loads(data), pickle.loads(data)  # back where it was made (a cluster of threads)
+    assert first is limiter and second is limiter
     assert pickle.loads(pickle.dumps(lich.Limiter(requests_per_minute=1))) is not first
     answer = lambda messages, **kw: lich.ChatResult({"role": "assistant", "content": "ok"})
     first.wrap(answer)(USER)
@@ -4610,6 +4613,16 @@ def test_a_rate_limit_with_retry_after_pauses_every_caller_of_the_limiter():
         limited(USER)
     limited(USER)  # another caller: it waits out the cool-down
     assert calls[1] - calls[0] >= 0.38
+
+
+def test_a_retry_after_too_long_to_wait_for_pauses_nobody():
+    limiter = lich.Limiter()
+    asked = lich.ProviderError("come back later", "rate_limit", retry_after=90)  # over max_retry_after: not waited
+    chat = limiter.wrap(ScriptedChat(asked, lich.ChatResult(answer("ok"))))
+    with pytest.raises(lich.ProviderError):
+        chat(USER)
+    started = time.monotonic()
+    assert chat(USER).message == answer("ok") and time.monotonic() - started < 1
 
 
 # --- chat_from_spec ---
