@@ -6164,6 +6164,7 @@ def _error_text(exc) -> str:
 
 _batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
 _BATCH_RETRIES = 8  # a batch's spec chats retry more than one run's: many workers meet 429s
+_BATCH_CHATS_KEPT = 4  # spec chats kept per worker thread, for the batches that reuse it
 
 
 def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
@@ -6176,8 +6177,10 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
             chats = getattr(_batch_chats, "chats", None)
             if chats is None:
                 chats = _batch_chats.chats = {}
-            key = (chat, id(limiter))
+            key = (chat, id(limiter))  # the cached Router holds the limiter: its id stays its own
             if key not in chats:
+                if len(chats) >= _BATCH_CHATS_KEPT:  # a pool serving batch after batch
+                    del chats[next(iter(chats))]  # the oldest goes, its connections with it
                 chats[key] = chat_from_spec(chat, limiter=limiter, retries=_BATCH_RETRIES)
             chat = chats[key]
         elif limiter is not None:

@@ -7729,6 +7729,23 @@ def test_an_answer_with_a_lone_surrogate_is_written_to_out_and_read_back(tmp_pat
     assert lich.run_batch(["a", "b"], chat=ScriptedChat(), max_turns=1, out=out) == results  # both done
 
 
+def test_a_pool_serving_batch_after_batch_lets_the_old_batches_chats_go(batch_server):
+    import concurrent.futures
+    import gc
+    import weakref
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = lich.Limiter(max_concurrent=1)
+        gone = weakref.ref(first)
+        spec = f"openai:gpt-test@{batch_server.url}/v1"
+        assert lich.run_batch(["fail a"], chat=spec, executor=pool, limiter=first, max_turns=1)[0].error
+        del first
+        for _ in range(4):  # a batch per request of a web app, each with its own limiter
+            lich.run_batch(["fail b"], chat=spec, executor=pool, limiter=lich.Limiter(max_concurrent=1), max_turns=1)
+        gc.collect()
+        assert gone() is None  # its Router and their connections with it
+
+
 class EndingChat:
     """A ChatFn that ends its own process on the prompt "die" (a worker killed mid-task: the
     OOM killer, a crash) and answers "fine" to the others; picklable, for process pools."""
