@@ -7852,6 +7852,8 @@ class _Cli:
         """Every task of --batch, on --workers threads; resumed from --out."""
         tasks, numbers = _read_tasks(self.args.batch)
         term, args = self.term, self.args
+        if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+            raise _UsageError(f"--out: the folder of {args.out} does not exist")
         signal = self.signal = threading.Event()
         started, counts = time.monotonic(), {"done": 0, "failed": 0}
         total = len(tasks)
@@ -7912,7 +7914,9 @@ def _read_tasks(path):
         raise _UsageError(f"--batch: cannot read {path}: {getattr(e, 'strerror', None) or e}") \
             from None
     numbers = [number for number, _ in lines]
-    if not lines or not lines[0][1].lstrip().startswith("{"):
+    if not lines:
+        raise _UsageError(f"--batch: {path} holds no task")
+    if not lines[0][1].lstrip().startswith("{"):
         return [line for _, line in lines], numbers
     tasks = []
     for number, line in lines:

@@ -9491,13 +9491,17 @@ def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, l
     (["--list-sessions", "--batch", "{tasks}"],
      "--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, -c or --batch"),
     (["-i", "go"], "-i is a chat, which reads a terminal: stdin is not one (leave -i out to answer once)"),
+    (["--batch", "{tasks}", "--out", "{tasks}.d/out.jsonl"], "--out: the folder of {tasks}.d/out.jsonl does not exist"),
+    (["--batch", "{tasks}.empty"], "--batch: {tasks}.empty holds no task"),
 ], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue", "out-without-batch",
-        "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal"])
-def test_options_that_contradict_each_other_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
+        "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal",
+        "out-in-no-folder", "no-task"])
+def test_options_that_contradict_each_other_or_lead_nowhere_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("one\n")
-    assert cli(*[a.format(tasks=tasks) for a in argv]) == (2, "", f"lich: {error}\n")
-    assert server.requests == [] and sorted(tmp_path.iterdir()) == [tasks]
+    (tmp_path / "tasks.txt.empty").write_text("\n  \n")
+    assert cli(*[a.format(tasks=tasks) for a in argv]) == (2, "", f"lich: {error.format(tasks=tasks)}\n")
+    assert server.requests == [] and sorted(tmp_path.iterdir()) == [tasks, tmp_path / "tasks.txt.empty"]
 
 
 def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_server, lich_model, cli, tmp_path,
