@@ -5239,6 +5239,7 @@ _MCP_READ_BYTES = 1 << 16       # one read of a server's output
 _MCP_WATCH_SECONDS = 1.0        # how often an idle server's watcher looks whether it is closed
 _MCP_LATER_MAX = 1000           # messages waiting to be written for readers (pings answered)
 _MCP_MAX_PAGES = 100          # tools/list pages read
+_MCP_LISTEN_TRIES = 4         # GET streams that failed in a row before lich stops listening
 
 
 class _RPCError(Exception):
@@ -5615,6 +5616,9 @@ class _StdioServer:
             text = "\n".join(self._stderr).strip()
         return f"{lead}{text}" if text else ""
 
+    def listen(self):
+        """Nothing to open: the reader thread hears what the server sends unasked."""
+
     def _end(self, why):
         with self._lock:
             self._gone = self._gone or why
@@ -5668,7 +5672,8 @@ class _HTTPServer:
         self._next_id = 1
         self._lock = threading.Lock()
         self._closed = False  # close() was called: calls fail, as over stdio
-        self._exchanges = set()  # the calls under way, which close() cuts
+        self._closing = threading.Event()  # set with _closed: the GET stream's waits end
+        self._exchanges = set()  # the calls under way (and the GET stream), which close() cuts
 
     def _http(self):
         session = getattr(self._local, "session", None)
@@ -5763,16 +5768,74 @@ class _HTTPServer:
                         _sse_events(response.iter_content(None), exchange.check) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
-                if not isinstance(each, dict):
-                    continue
-                if each.get("method") is None and each.get("id") == request_id:
+                if isinstance(each, dict) and each.get("method") is None \
+                        and each.get("id") == request_id:
                     return each
-                if each.get("method") is not None and "id" in each:  # the server asks
-                    self._deliver(_mcp_reply(each))
-                elif each.get("method") == "notifications/tools/list_changed":
-                    self.on_list_changed()
+                self._heard(each)
         exchange.check()
         raise _Gone(f"the MCP server {self.name} ended its answer without one")
+
+    def _heard(self, message):
+        """What the server sent that answers nothing of ours: a request, or a notification."""
+        if not isinstance(message, dict) or message.get("method") is None:
+            return
+        if "id" in message:  # the server asks
+            self._deliver(_mcp_reply(message))
+        elif message["method"] == "notifications/tools/list_changed":
+            self.on_list_changed()
+
+    def listen(self):
+        """Open the optional GET stream, on which a server sends what it sends unasked
+        (``list_changed``, a ``ping``): a thread reads it while this session lasts."""
+        threading.Thread(target=self._listen, args=(self.session_id,), daemon=True,
+                         name=f"lich-mcp-listen {self.name}").start()
+
+    def _listen(self, session_id):
+        failed = 0  # streams that failed in a row; a server without one says 405 at once
+        while failed < _MCP_LISTEN_TRIES:
+            with _Exchange(None, None) as exchange:
+                with self._lock:
+                    if self._closed or self.session_id != session_id:
+                        return
+                    self._exchanges.add(exchange)
+                try:
+                    if not self._read_stream(exchange):
+                        return
+                    failed = 0
+                except Exception as e:  # nothing may escape a thread of lich's: it would print
+                    if exchange.cut is not None:  # closed
+                        return
+                    _log.debug("the GET stream of the MCP server %s broke: %s", self.name,
+                               _redact_secrets(str(e)))
+                    failed += 1
+                finally:
+                    with self._lock:
+                        self._exchanges.discard(exchange)
+            if self._closing.wait(2.0 ** failed):  # 1 s after a stream that served, then 2, 4, 8
+                return
+
+    def _read_stream(self, exchange):
+        """Read one GET stream to its end; False when the server offers none."""
+        headers = {**self._headers(), "Accept": "text/event-stream"}
+        del headers["Content-Type"]
+        response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
+                                    stream=True, allow_redirects=False)
+        try:
+            if response.status_code != 200 or not response.headers.get(
+                    "content-type", "").startswith("text/event-stream"):
+                _log.debug("the MCP server %s offers no GET stream (HTTP %d)", self.name,
+                           response.status_code)
+                return False
+            for _, data in _sse_events(response.iter_content(None), exchange.check):
+                try:
+                    message = json.loads(data) if data.strip() else None
+                except (ValueError, RecursionError):
+                    continue  # not JSON: skipped, as in an answer
+                for each in message if isinstance(message, list) else [message]:
+                    self._heard(each)
+            return True
+        finally:
+            response.close()
 
     def notify(self, method, params=None):
         self._deliver({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})})
@@ -5791,6 +5854,7 @@ class _HTTPServer:
     def close(self):
         with self._lock:
             self._closed = True
+            self._closing.set()
             under_way = list(self._exchanges)
         for exchange in under_way:  # each fails at once, as over stdio
             exchange.cut_now("closed")
@@ -5840,6 +5904,7 @@ class MCPTools:
         self.protocol = self._server.protocol = protocol
         self.instructions = result.get("instructions")
         self._server.notify("notifications/initialized")
+        self._server.listen()
 
     def _list_changed(self):
         self._tools = None

@@ -7293,12 +7293,15 @@ net.Server.prototype.listen = function (...args) {
 """
 
 
-def mcp_over_http(server, *, html_handshake=False):
+def mcp_over_http(server, *, html_handshake=False, stream=None):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
     makes the next request find its session gone, ``slow`` answers once ``seen["release"]`` is
-    set. Returns what it saw: {"sessions": n, ...}."""
-    seen = {"sessions": 0, "expired": False, "release": threading.Event()}
+    set. A GET is refused with 405, or with ``stream`` (messages) answered by a stream that
+    sends them and stays open until ``seen["release"]`` is set. Returns what it saw:
+    {"sessions": n, "tools": [names], ...}."""
+    seen = {"sessions": 0, "expired": False, "release": threading.Event(),
+            "tools": ["html", "ask", "expire", "slow"]}
 
     def answer(body, result):
         return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
@@ -7306,6 +7309,10 @@ def mcp_over_http(server, *, html_handshake=False):
     def respond(request):
         body = request["json"] or {}
         method = body.get("method")
+        if request["method"] == "GET":
+            if stream is None:
+                return Reply(405, "")
+            return Reply(200, chunks=[sse(*[(None, m) for m in stream]), ": bye\n\n"], hold=seen["release"])
         if method == "initialize":
             if html_handshake:
                 return Reply(200, "<html>a login page</html>", content_type="application/json")
@@ -7320,7 +7327,7 @@ def mcp_over_http(server, *, html_handshake=False):
             seen["expired"] = False
             return Reply(404, "no such session")
         if method == "tools/list":
-            return answer(body, {"tools": [{"name": name} for name in ("html", "ask", "expire", "slow")]})
+            return answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
         name = body["params"]["name"]
         if name == "html":
             return Reply(200, "<html>oops</html>", content_type="application/json")
@@ -7368,9 +7375,9 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
         assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
         assert seen["sessions"] == 3
-    asked = len(server.requests)
+    asked = len([r for r in server.requests if r["method"] != "GET"])
     assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {server.url}/mcp was closed")
-    assert len(server.requests) == asked  # nothing more was sent
+    assert len([r for r in server.requests if r["method"] != "GET"]) == asked  # nothing more was sent
 
 
 def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_once(server):
@@ -7396,6 +7403,33 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     assert results == [lich.ToolResult(ok=False, error=f"the MCP server {url} was closed")] and took < 2
     assert [r["method"] for r in server.requests][-1] == "DELETE"
     assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
+
+
+def test_an_mcp_http_servers_get_stream_is_heard_until_close(server):
+    ping = {"jsonrpc": "2.0", "id": "p1", "method": "ping"}
+    changed = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+    seen = mcp_over_http(server, stream=[ping, changed])
+    url = server.url + "/mcp"
+    tools = lich.mcp_tools(url)
+    assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow"]
+    seen["tools"].append("new")  # what list_changed announces
+    eventually(lambda: {"jsonrpc": "2.0", "id": "p1", "result": {}} in [r["json"] for r in server.requests])
+    eventually(lambda: "new" in [spec["name"] for spec in tools.specs()], what="the list was not read again")
+    [get] = [r for r in server.requests if r["method"] == "GET"]
+    assert (get["headers"]["accept"], get["headers"]["mcp-session-id"]) == ("text/event-stream", "s1")
+    started = time.monotonic()
+    tools.close()  # the stream is cut at once, and its thread ends
+    eventually(lambda: not [t for t in threading.enumerate() if t.name.startswith("lich-mcp-listen")], seconds=2)
+    assert time.monotonic() - started < 1
+    seen["release"].set()
+
+
+def test_an_mcp_http_server_without_a_get_stream_is_asked_once(server):
+    mcp_over_http(server)
+    with lich.mcp_tools(server.url + "/mcp") as tools:
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
+        eventually(lambda: not [t for t in threading.enumerate() if t.name.startswith("lich-mcp-listen")])
+    assert [r["method"] for r in server.requests].count("GET") == 1
 
 
 def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
