@@ -7833,7 +7833,10 @@ class _Cli:
 
             def summarise(messages, **options):
                 asked.append(True)
-                return self.chat(messages, **options)
+                result = self.chat(messages, **options)
+                for key, value in result.usage.items():  # /cost counts the summary's call too
+                    self.usage[key] = self.usage.get(key, 0) + value
+                return result
 
             term.start_spinner("compressing")
             try:

@@ -8921,6 +8921,8 @@ def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(serve
         term.expect(PROMPT)
     term.send("/compact")
     assert term.expect(PROMPT).endswith("(history compressed: 11 characters of summary)\n› ")
+    term.send("/cost")  # the streamed answers told no usage: what shows is the summary's
+    assert term.expect(PROMPT).endswith("tokens: 7 in, 3 out in this chat\n› ")
     term.send("next")
     term.expect(PROMPT)
     term.send("/exit")
