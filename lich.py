@@ -7823,6 +7823,10 @@ class _Cli:
                 term.note(f"model: {self.model}")
             except _UsageError as e:  # a mistyped spec keeps the chat and its model
                 term.error(f"{e}; the model stays {self.model}")
+            for chat in self.chat.chats:  # said now, not at the next turn's failure
+                if not os.environ.get(chat.key_env) and (
+                        isinstance(chat, AnthropicChat) or chat.base_url == chat.public_url):
+                    term.note(f"lich: {chat.key_env} is not set: {chat.model} cannot answer")
         elif command == "/allow":
             self._allow_command(rest)
         elif command == "/cost":

@@ -9008,11 +9008,15 @@ def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server,
     held = threading.Event()
     queue(server, *[stream_reply(f"answer {i}") for i in range(5)], Reply(200, openai_reply("summary"), hold=held),
           stream_reply("still here"))
-    term = chat_pty(tmp_path=tmp_path)
+    term = chat_pty(tmp_path=tmp_path, env={"ANTHROPIC_API_KEY": ""})
     try:
         term.expect(PROMPT)
         term.send("/model opnai:gpt-4o")
         assert "the model stays openai:gpt-test@" in term.expect(PROMPT)
+        term.send(f"/model anthropic:claude-x,openai:gpt-test@{server.url}/v1")  # said before any turn fails
+        assert term.expect(PROMPT).endswith("lich: ANTHROPIC_API_KEY is not set: claude-x cannot answer\n› ")
+        term.send(f"/model openai:gpt-test@{server.url}/v1")
+        assert "not set" not in term.expect(PROMPT)
         for i in range(5):
             term.send(f"question {i}")
             term.expect(PROMPT)
