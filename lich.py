@@ -3836,6 +3836,10 @@ class _Root:
             if old is not None and not stat.S_ISREG(old.st_mode):
                 kind = "a directory" if stat.S_ISDIR(old.st_mode) else "not a regular file"
                 raise _ToolFailure(f"path is {kind}: {shown}")
+            if old is not None and not os.access(name, os.W_OK, dir_fd=dir_fd):
+                # the rename needs only the folder's permission: a read-only file is refused
+                # here, as the shell's ``>`` refuses it
+                raise _ToolFailure(f"permission denied: {shown} is read-only")
             temp = f".{name[:200]}.lich-{os.getpid()}-{os.urandom(4).hex()}.tmp"
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                          0o666, dir_fd=dir_fd)

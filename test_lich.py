@@ -6324,6 +6324,34 @@ def test_edit_file_in_a_file_of_mixed_line_ends_keeps_those_of_the_text_it_repla
     assert (ws / "w.txt").read_bytes() == b"x\r\ny\r\ny2\r\nz\n"
 
 
+WRITE_A_LOCKED_FILE = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+tools = lich.coding_tools(sys.argv[2], allow_write=True)
+for name, arguments in (("write_file", {"path": "locked.txt", "content": "changed"}),
+                        ("edit_file", {"path": "locked.txt", "old_text": "touch", "new_text": "edit"}),
+                        ("write_file", {"path": "open.txt", "content": "changed"})):
+    result = tools.run({"id": "c1", "name": name, "arguments": json.dumps(arguments)})
+    print(json.dumps(dataclasses.asdict(result)))
+"""
+
+
+def test_a_read_only_file_is_not_replaced_as_the_shell_would_not_write_it(ws):
+    locked, unlocked = ws / "locked.txt", ws / "open.txt"
+    locked.write_text("do not touch\n")
+    unlocked.write_text("may change\n")
+    locked.chmod(0o444)
+    argv = ("-c", WRITE_A_LOCKED_FILE, HERE, ws)
+    code, out, err = Process("-c", DROP_DAC, *argv).wait() if os.geteuid() == 0 else Process(*argv).wait()
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    refused = {"ok": False, "output": "", "error": "permission denied: locked.txt is read-only"}
+    assert (code, err, [json.loads(line) for line in out.splitlines()]) == (
+        0, "", [refused, refused, {"ok": True, "output": "wrote 7 characters to open.txt", "error": None}])
+    assert (locked.read_text(), oct(locked.stat().st_mode & 0o777)) == ("do not touch\n", "0o444")
+
+
 def test_writes_keep_the_files_mode_and_leave_no_temporary_file(ws):
     target = ws / "run.sh"
     target.write_text("echo one\n")
