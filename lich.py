@@ -3611,6 +3611,13 @@ def _fs_failure(error, path):
     return _ToolFailure(f"{error.strerror or error}: {path}")
 
 
+def _not_a_folder(shown, real):
+    """Refuse a file named as a folder (``file.txt/``), as the system refuses it: ``real``,
+    the real path that the tools work on, has lost the slash."""
+    if shown.endswith(("/", "/.")) and not os.path.isdir(real):
+        raise _ToolFailure(f"path ends with '/' but is not a directory: {shown}")
+
+
 def _fd_path(fd) -> Optional[str]:
     """The path the kernel gives an open descriptor (Linux), or None where it does not tell."""
     try:
@@ -3732,6 +3739,7 @@ class _Root:
     def open_file(self, real, shown):
         """``real`` opened for binary reading, refused unless a regular file inside the root."""
         mode = self.stat(real, shown).st_mode
+        _not_a_folder(shown, real)
         if stat.S_ISDIR(mode):
             raise _ToolFailure(f"path is a directory, not a file: {shown}; list_files shows "
                                f"what it holds")
@@ -3821,6 +3829,7 @@ class _Root:
     def write(self, real, shown, data):
         """Replace the file ``real`` (or create it, and its folders) with ``data``, atomically:
         a temporary file in the same folder renamed over it, with the file's mode."""
+        _not_a_folder(shown, real)
         folder, name = os.path.split(real)
         try:
             self._make_folders(folder)
@@ -4956,10 +4965,12 @@ class _Workspace:
                 crlf = 2 * text.count("\r\n") >= text.count("\n")
             if crlf:
                 new_text = new_text.replace("\n", "\r\n")
-        try:
-            return (text[:start] + new_text + text[end:]).encode("utf-8", "surrogateescape")
+        try:  # the file's own undecodable bytes go back as they were; new_text must be UTF-8
+            new = new_text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise _ToolFailure(f"new_text cannot be written as UTF-8: {e}") from None
+        return (text[:start].encode("utf-8", "surrogateescape") + new
+                + text[end:].encode("utf-8", "surrogateescape"))
 
     def _approve(self, call):
         try:

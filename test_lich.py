@@ -6138,6 +6138,31 @@ def test_edit_file_matches_a_crlf_line_end_once_and_counts_up_to_a_bound(ws):
                          "so that it occurs exactly once"))
 
 
+def test_a_file_named_as_a_folder_is_refused_as_the_system_refuses_it(ws):
+    (ws / "file.txt").write_text("kept\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    for tool, arguments in (("write_file", {"path": "file.txt/", "content": "clobbered"}),
+                            ("write_file", {"path": "newdir/", "content": "x"}),
+                            ("read_file", {"path": "file.txt/"}),
+                            ("edit_file", {"path": "file.txt/.", "old_text": "kept", "new_text": "gone"})):
+        assert run_tool(tools, tool, **arguments) == lich.ToolResult(
+            ok=False, error=f"path ends with '/' but is not a directory: {arguments['path']}")
+    assert sorted(p.name for p in ws.iterdir()) == ["file.txt"] and (ws / "file.txt").read_text() == "kept\n"
+    (ws / "sub").mkdir()
+    assert run_tool(tools, "write_file", path="sub/", content="x") == lich.ToolResult(
+        ok=False, error="path is a directory: sub/")
+
+
+def test_edit_file_keeps_the_files_own_bytes_but_writes_only_utf8_of_its_own(ws):
+    (ws / "mixed.py").write_bytes(b"caf\xe9 = 1\nname = 'x'\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    assert run_tool(tools, "edit_file", path="mixed.py", old_text="'x'", new_text="'A\udce9B'") == lich.ToolResult(
+        ok=False, error=("new_text cannot be written as UTF-8: 'utf-8' codec can't encode character '\\udce9' in "
+                         "position 2: surrogates not allowed"))
+    assert run_tool(tools, "edit_file", path="mixed.py", old_text="'x'", new_text="'é'").ok
+    assert (ws / "mixed.py").read_bytes() == b"caf\xe9 = 1\nname = '\xc3\xa9'\n"
+
+
 def test_edit_file_says_why_text_shown_as_a_replacement_character_is_not_found(ws):
     (ws / "latin.py").write_bytes(b"caf\xe9 = 1\n")
     tools = lich.coding_tools(ws, allow_write=True)
