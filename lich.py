@@ -4778,9 +4778,15 @@ class _Workspace:
         rules = _gitignore_rules(gitignore) if gitignore else []
         argv += ["--regexp", pattern, "--", "." if folder else "-"]
         checked = {}
+        head = []  # the start of a file name that holds a newline, which split ripgrep's line
 
         def on_line(line):
-            name, _, rest = line.partition(b"\0")
+            if head:
+                line = head.pop() + b"\n" + line
+            name, found, rest = line.partition(b"\0")
+            if not found:  # --null ends every name: this line ends inside one
+                head.append(line[:_PROCESS_LINE_MAX_BYTES])
+                return
             number, _, rest = rest.partition(b":")
             column, _, text = rest.partition(b":")
             if not (number.isdigit() and column.isdigit()):

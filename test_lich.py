@@ -6263,6 +6263,13 @@ def test_a_match_past_what_ripgreps_line_keeps_shows_the_lines_head(ws, engine):
         ok=True, output="big.txt:1: " + shown)
 
 
+def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
+    (ws / "nl\nname.txt").write_text("needle in nl\n")
+    (ws / "name.txt").write_text("no match here\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle") == lich.ToolResult(
+        ok=True, output="nl\nname.txt:1: needle in nl")
+
+
 def test_a_binary_file_searched_by_name_is_refused_as_read_file_refuses_it(ws, engine):
     (ws / "blob.bin").write_bytes(b"PK\0\0 needle\n")
     (ws / "a.txt").write_text("needle\n")
