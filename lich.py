@@ -4142,6 +4142,16 @@ def _is_binary(f):
     return b"\0" in head
 
 
+def _search_regex(pattern):
+    """``pattern`` compiled MULTILINE, quietly: Python's FutureWarning about a '[' in a set
+    (POSIX's ``[[:digit:]]``, which ripgrep reads as a class) would reach the terminal."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return re.compile(pattern, re.MULTILINE)
+
+
 def _search_text(regex, text, number, found):
     """``found(line number, line, column of the match)`` for each line of ``text`` (its first
     line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
@@ -4364,7 +4374,7 @@ def _search_worker():
         job = json.loads(line)
         signals.alarm(math.ceil(job["seconds"]) + 1)
         try:
-            regex = re.compile(job["pattern"], re.MULTILINE)
+            regex = _search_regex(job["pattern"])
             wanted = _Glob(job["glob"]) if job["glob"] else _match_all
             rules = _gitignore_rules(job["gitignore"])
             flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if job["folder"] else
@@ -4707,7 +4717,7 @@ class _Workspace:
             glob: Only search the files matching this glob, such as "*.py" or "src/**/*.ts".
         """
         try:
-            regex = re.compile(pattern, re.MULTILINE)
+            regex = _search_regex(pattern)
         except re.error as e:
             raise _ToolFailure(f"invalid regular expression: {e}") from None
         if signal.is_set():

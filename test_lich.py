@@ -6263,6 +6263,14 @@ def test_a_match_past_what_ripgreps_line_keeps_shows_the_lines_head(ws, engine):
         ok=True, output="big.txt:1: " + shown)
 
 
+def test_a_pattern_python_warns_about_warns_nobody(ws, engine):
+    (ws / "d.txt").write_text("abc 123\nt]]\n")
+    code, out, err = Process("-c", "import json, sys; sys.path.insert(0, sys.argv[1]); import lich; print(lich.coding_tools("
+                             "sys.argv[2]).run({'id': 'c', 'name': 'search', 'arguments': json.dumps({'pattern': "
+                             "'[[:digit:]]+'})}).ok)", HERE, ws).wait()
+    assert (code, out, err) == (0, "True\n", "")  # ripgrep reads a POSIX class, Python a set: neither warns
+
+
 def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
     (ws / "nl\nname.txt").write_text("needle in nl\n")
     (ws / "name.txt").write_text("no match here\n")
