@@ -4786,6 +4786,14 @@ class _Workspace:
         if glob and "/" not in glob:
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
+        ignore_file = None
+        if folder and not prefix and rules:  # from the root, ripgrep skips what is ignored
+            import tempfile  # (lich still checks each path: the rules are exactly its own)
+
+            handle, ignore_file = tempfile.mkstemp(prefix="lich-gitignore-")
+            with os.fdopen(handle, "w", encoding="utf-8") as f:
+                f.write(gitignore)
+            argv += ["--ignore-file", ignore_file]
         argv += ["--regexp", pattern, "--", "." if folder else "-"]
         checked = {}
         head = []  # the start of a file name that holds a newline, which split ripgrep's line
@@ -4818,8 +4826,13 @@ class _Workspace:
         cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
         if folder and cwd is None:
             cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
-        ended, code, errors = _run_reader(argv, on_line, signal, cwd=cwd,
-                                          stdin=None if folder else fd, seconds=self.search_timeout)
+        try:
+            ended, code, errors = _run_reader(argv, on_line, signal, cwd=cwd,
+                                              stdin=None if folder else fd,
+                                              seconds=self.search_timeout)
+        finally:
+            if ignore_file is not None:
+                os.unlink(ignore_file)
         if ended == "done" and code == 2 and not matches.total and "regex" in errors:
             return None  # a Python pattern ripgrep does not take: the worker searches
         return ended
@@ -5003,9 +5016,11 @@ def _has_undecodable(text) -> bool:
 
 
 def _rg_path_ignored(rules, prefix, rel):
-    """Whether the root's .gitignore ignores the file ``prefix + rel`` or a folder above it."""
+    """Whether the root's .gitignore ignores the file ``prefix + rel`` or a folder above it
+    below the searched one, ``prefix``: a folder the model named is searched, as by lich's
+    own search."""
     parts = (prefix + rel).split("/")
-    for i in range(1, len(parts) + 1):
+    for i in range(prefix.count("/") + 1, len(parts) + 1):
         if _ignored(rules, "/".join(parts[:i]), parts[i - 1], i < len(parts)):
             return True
     return False

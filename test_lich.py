@@ -6297,6 +6297,11 @@ def test_search_honours_the_roots_gitignore(ws, engine):
         ok=True, output="keep.log:1: hit\nok.txt:1: hit\nsrc/top.txt:1: hit")
     assert run_tool(lich.coding_tools(ws), "search", pattern="hit", path="src") == lich.ToolResult(
         ok=True, output="src/top.txt:1: hit")
+    # a folder the model names is searched, ignored or not; what is ignored below it is not
+    (ws / "build" / "sub").mkdir()
+    (ws / "build" / "sub" / "c.log").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit", path="build") == lich.ToolResult(
+        ok=True, output="build/a.txt:1: hit")
 
 
 def test_both_search_engines_give_the_same_answers(ws, monkeypatch):
