@@ -7255,9 +7255,9 @@ class _ApprovedTools:
 
 
 class _LazySession:
-    """A session of the command line: a run's records wait here until its first answer, so
-    that a run that got none (it failed at once, or never reached a model) leaves nothing
-    behind, in the file as in the chat; the file is created with the first answer."""
+    """A session of the command line: a run's records wait here until ``answered()`` says
+    its first answer came, so that a run that got none (it failed at once, or never reached
+    a model) leaves nothing behind, in the file as in the chat; the file is created then."""
 
     def __init__(self, session_dir, label, term):
         self.session_dir = session_dir
@@ -7275,9 +7275,12 @@ class _LazySession:
         return self.handle.id if self.handle is not None else "(a session not yet written)"
 
     def append_message(self, message):
-        if self.waiting and message.get("role") == "assistant":
+        self._append("append_message", message)  # a resumed history's answers are not this run's
+
+    def answered(self):
+        """The run has an answer (or a note that closes it): its records are written."""
+        if self.waiting:
             self._write_waiting()
-        self._append("append_message", message)
 
     def append_meta(self, meta):
         if meta.get("event") == "run_start" and self.waiting == []:
@@ -7286,9 +7289,13 @@ class _LazySession:
         self._append("append_meta", meta)
 
     def forget_unwritten(self):
-        """The run failed before any answer: the chat drops it, so the file does too."""
+        """The run failed before any answer: the chat drops its request, so the file does
+        too. The messages seeded before the request (a resumed history, the system prompt)
+        were recorded for good: they wait on for the next run's answer."""
         if self.waiting:
-            self.waiting = []
+            messages = [i for i, (method, _) in enumerate(self.waiting) if method == "append_message"]
+            self.waiting = [record for record in self.waiting[:messages[-1] if messages else 0]
+                            if record[0] == "append_message"]
 
     def _append(self, method, record):
         if self.waiting:
@@ -7638,6 +7645,8 @@ class _Cli:
         progress = self.progress = _Progress(self, seeded)
         emitter = AgentEmitter()
         emitter.on_any(progress)
+        if session is not None:
+            emitter.on("llm_end", lambda event: session.answered())
         if self.otel is not None:
             provider, _, model = self.model.split(",")[0].partition(":")  # the one asked first
             trace_otel(emitter, tracer=self.otel.get_tracer("lich", __version__),
@@ -7662,7 +7671,7 @@ class _Cli:
             if refusal is not None:  # refused before any call: the chat cannot go on
                 raise refusal from None
             _cli_log().debug("the run failed", exc_info=True)
-            if isinstance(session, _LazySession):
+            if session is not None:
                 session.forget_unwritten()
             self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
@@ -7696,6 +7705,7 @@ class _Cli:
             if session is not None:
                 try:
                     session.append_message(note)
+                    session.answered()
                 except Exception as e:
                     _cli_log().warning("session recording stopped: %s", e)
         self._end_json("aborted", progress.usage, session)

@@ -9119,8 +9119,9 @@ def test_a_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_session(s
     assert term.close() == 0
     assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == ["second"]
     [path] = sessions_in(tmp_path)
-    assert [(m["role"], m["content"]) for m in lich.read_session_messages(path) if m["role"] != "system"] == [
-        ("user", "second"), ("assistant", "second answer")]
+    assert [(m["role"], m["content"]) for m in lich.read_session_messages(path)] == [
+        ("system", server.requests[1]["json"]["messages"][0]["content"]), ("user", "second"),
+        ("assistant", "second answer")]  # the system prompt too, as in every session file
 
 
 def test_a_later_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_session(server, lich_model, tmp_path):
@@ -9136,6 +9137,31 @@ def test_a_later_chat_turn_that_got_no_answer_is_in_neither_the_chat_nor_the_ses
     [path] = sessions_in(tmp_path)
     assert [m["content"] for m in lich.read_session_messages(path) if m["role"] != "system"] == [
         "first", "first answer", "third", "third answer"]
+
+
+@pytest.mark.parametrize("how", ["chat", "command-line"])
+def test_a_resumed_chats_first_turn_that_got_no_answer_is_not_in_the_new_session(server, lich_model, tmp_path, cli,
+                                                                                how):
+    queue(server, openai_reply("first answer"))
+    cli("--no-stream", "first")
+    [earlier] = sessions_in(tmp_path)
+    queue(server, Reply(400, openai_error("bad request")), stream_reply("third answer"))
+    term = chat_pty(*(["--resume", "latest"] if how == "command-line" else []), tmp_path=tmp_path)
+    term.expect(PROMPT)
+    if how == "chat":
+        term.send("/resume latest")
+        term.expect(PROMPT)
+    for text in ("second", "third"):
+        term.send(text)
+        term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    [resumed] = [p for p in sessions_in(tmp_path) if p != earlier]
+    messages = lich.read_session_messages(resumed)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in messages[1:]] == [
+        "first", "first answer", "third", "third answer"]  # as the chat sent it: "second" got no answer
+    assert messages[0] == server.requests[-1]["json"]["messages"][0]
 
 
 def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, cli):
