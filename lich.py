@@ -377,6 +377,19 @@ class ToolRunner(Protocol):
     def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult: ...
 
 
+_compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # made once:
+_ascii_json = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps builds one per call
+
+
+def _json_line(value) -> bytes:
+    """``value`` as one line of compact JSON in UTF-8, for the files lich appends to; a lone
+    surrogate (an emoji cut in half, a file name that is not UTF-8) as its ``\\u`` escape."""
+    try:
+        return (_compact_json(value) + "\n").encode()
+    except UnicodeEncodeError:
+        return (_ascii_json(value) + "\n").encode()
+
+
 # --- JSON Schema: the subset lich writes, checked by one validator ---
 # Tool arguments (Tools) and structured output (the loop) are both checked here.
 
@@ -644,6 +657,8 @@ def compress_messages(chat, messages, *, signal=None):
                {"role": "user", "content": _transcript(older)}]
     try:
         summary = chat(request, tools=None, signal=signal).message.get("content") or ""
+    except AbortError:  # the caller's signal: a stop, not a failure to tell of
+        return messages, 0
     except Exception as exc:
         _log.warning("history compression failed, keeping the full history: %s: %s",
                      type(exc).__name__, exc)
@@ -671,7 +686,12 @@ def compress_if_needed(chat, history, *, context_budget_tokens, compress_thresho
     if not _partition(history)[1]:  # KEEP_RECENT_TURNS or fewer: nothing older to summarise
         return None
     _emit(emitter, {"type": "compress_start", "estimated_tokens": estimated})
-    compressed, summary_chars = compress_messages(chat, history, signal=signal)
+    try:
+        compressed, summary_chars = compress_messages(chat, history, signal=signal)
+    except BaseException as exc:  # Ctrl-C in a notebook: the events pair, a tracer's spans end
+        _emit(emitter, {"type": "compress_end", "summary_chars": 0})
+        _emit(emitter, {"type": "error", "error": exc})
+        raise
     if compressed is not history:
         history[:] = compressed
     _emit(emitter, {"type": "compress_end", "summary_chars": summary_chars})
@@ -951,11 +971,14 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
             _emit(emitter, {"type": "error", "error": AbortError(_ABORT_MESSAGE)})
             return LoopOutcome(history, None, None, turn - 1, "aborted")
         if (context_budget_tokens is not None
-                and estimated >= context_budget_tokens * compress_threshold
-                and compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
-                                       compress_threshold=compress_threshold, signal=signal,
-                                       emitter=emitter)):
-            estimated = estimate_messages_tokens(history)
+                and estimated >= context_budget_tokens * compress_threshold):
+            if compress_if_needed(chat, history, context_budget_tokens=context_budget_tokens,
+                                  compress_threshold=compress_threshold, signal=signal,
+                                  emitter=emitter):
+                estimated = estimate_messages_tokens(history)
+            if signal is not None and signal.is_set():  # set while the summary was asked for
+                _emit(emitter, {"type": "error", "error": AbortError(_ABORT_MESSAGE)})
+                return LoopOutcome(history, None, None, turn - 1, "aborted")
         result = _call_chat(chat, history, used_ids, id_counters, turn=turn, tools=specs,
                             temperature=temperature, max_tokens=max_tokens, signal=signal,
                             emitter=emitter, response_format=response_format)
@@ -1002,18 +1025,10 @@ _SESSION_NAME_ATTEMPTS = 1000
 # --- recording ---
 
 
-_compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # made once:
-_ascii_json = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps builds one per call
-
-
 def _record_line(kind: str, value) -> bytes:
     now = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-    record = {"ts": stamp, "kind": kind, kind: value}
-    try:
-        return (_compact_json(record) + "\n").encode()
-    except UnicodeEncodeError:  # a lone surrogate: fall back to \\u escapes
-        return (_ascii_json(record) + "\n").encode()
+    return _json_line({"ts": stamp, "kind": kind, kind: value})
 
 
 class SessionHandle:
@@ -1488,7 +1503,7 @@ _OVERFLOW_TEXT = (
     r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
     r"|exceeds? (?:the )?context limit")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
-_HTML_PAGE = r"(?i)<!doctype html|<html"
+_HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--.*?-->\s*)*(?:<!doctype html|<html)"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
 _HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
@@ -1575,6 +1590,8 @@ def _page_text(page):
     import html
 
     found = re.search(r"(?is)<title[^>]*>(.*?)</title>", page)
+    if found is None:  # its text, without the scripts and styles in it
+        page = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->", " ", page)
     text = " ".join(html.unescape(found.group(1) if found else re.sub(r"<[^>]*>", " ", page)).split())
     return f"{text[:_SNIPPET_MAX_CHARS]} (an HTML page)" if text else "an HTML page without text"
 
@@ -1923,6 +1940,8 @@ class _HTTPChat:
     url_env = ""
     public_url = ""
     _path = ""
+    _reasoning_key = ""  # the assistant message's key for the reasoning this provider wants back
+    _reasoning_refusal = ""  # what a 400 says when a server will not take that reasoning
 
     def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session,
                  extra_body):
@@ -1959,6 +1978,7 @@ class _HTTPChat:
         self._shown_url = _redact_url(self._url)
         self._timeouts = _timeouts(self.timeout)
         self._headers = self._wire_headers()
+        self._reasoning_refused = False  # this server took no reasoning back: none is sent
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
@@ -1978,7 +1998,27 @@ class _HTTPChat:
 
     def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
                  response_format=None):
-        """Send one chat request; returns a ChatResult or raises ProviderError / AbortError."""
+        """Send one chat request; returns a ChatResult or raises ProviderError / AbortError.
+
+        A server that refuses the reasoning kept in the history (another provider's, after a
+        failover) is asked again without it, and from then on when that answers."""
+        options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
+                   "signal": signal, "response_format": response_format}
+        try:
+            return self._ask(messages, **options)
+        except ProviderError as e:
+            if (self._reasoning_refused or e.kind != "bad_request"
+                    or not re.search(self._reasoning_refusal, str(e))
+                    or not any(isinstance(m, dict) and self._reasoning_key in m for m in messages)):
+                raise
+        self._reasoning_refused = True
+        try:
+            return self._ask(messages, **options)
+        except BaseException:
+            self._reasoning_refused = False
+            raise
+
+    def _ask(self, messages, *, tools, temperature, max_tokens, signal, response_format):
         if signal is not None and signal.is_set():
             raise AbortError("chat aborted before sending")
         if self._api_key is None and self._key_required():
@@ -2182,6 +2222,8 @@ class _HTTPChat:
         object, same content and tool calls), so a turn costs the same at turn 200 as at 2."""
         local = self._local
         last_messages = getattr(local, "encoded", ())
+        if getattr(local, "reasoning_refused", False) is not self._reasoning_refused:
+            last_messages, local.reasoning_refused = (), self._reasoning_refused  # encoded anew
         parts = []
         known = None
         for i, message in enumerate(messages):
@@ -2314,7 +2356,6 @@ class _OpenAIStream:
         self.moved = {}  # index -> the key of its newest slot, when a new call reused the index
         self.thoughts = []  # reasoning_content pieces
 
-
     def feed(self, event, chunk):
         if event == b"error" or chunk.get("error"):
             raise self.chat._body_error(chunk, "event in stream")
@@ -2356,8 +2397,10 @@ class _OpenAIStream:
                 key = ("id", call["id"]) if call.get("id") else ("position", len(self.slots))
             key = self.moved.get(key, key)
             slot = self.slots.get(key)
-            if slot is not None and call.get("id") and slot[0] and call["id"] != slot[0]:
-                # Ollama numbers every call 0: a new id at an index in use begins a new call
+            if (slot is not None and call.get("id") and slot[0] and call["id"] != slot[0]
+                    and function.get("name")):
+                # Ollama numbers every call 0: a new id and name at an index in use begin a
+                # new call (a server that changes only the id within a call goes on with it)
                 key = self.moved[call.get("index")] = ("again", len(self.slots))
                 slot = None
             if slot is None:
@@ -2403,6 +2446,8 @@ class OpenAIChat(_HTTPChat):
     public_url = _OPENAI_BASE_URL
     _path = "/chat/completions"
     _Stream = _OpenAIStream
+    _reasoning_key = "reasoning_content"
+    _reasoning_refusal = "reasoning_content"
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, extra_body=None):
@@ -2429,8 +2474,8 @@ class OpenAIChat(_HTTPChat):
                                     "function": {"name": c["name"],
                                                  "arguments": c.get("arguments") or "{}"}}
                                    for c in m["tool_calls"]]}
-            if isinstance(m.get("reasoning_content"), str):  # DeepSeek's thinking wants it back
-                wire["reasoning_content"] = m["reasoning_content"]
+            if isinstance(m.get("reasoning_content"), str) and not self._reasoning_refused:
+                wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
         else:
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
@@ -2596,7 +2641,6 @@ class _AnthropicStream:
         self.blocks = {}  # index -> None (text, thinking, ...) or [id, name, [json fragments], input]
         self.thinking = {}  # index -> a thinking or redacted_thinking block, as it grows
 
-
     def feed(self, event, payload):
         kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
         if kind == "content_block_delta":
@@ -2684,6 +2728,8 @@ class AnthropicChat(_HTTPChat):
     public_url = _ANTHROPIC_BASE_URL
     _path = "/v1/messages"
     _Stream = _AnthropicStream
+    _reasoning_key = "thinking"
+    _reasoning_refusal = r"(?i)signature|thinking"
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
@@ -2728,8 +2774,12 @@ class AnthropicChat(_HTTPChat):
             blocks = [{"type": "tool_result", "tool_use_id": _anthropic_tool_id(m["tool_call_id"]),
                        "content": content, "is_error": bool(m.get("is_error"))}]
         else:
-            blocks = [{"type": "text", "text": content}] if content.strip() else []  # else refused
-            if role == "assistant" and m.get("tool_calls") and isinstance(m.get("thinking"), list):
+            # Anthropic refuses a text of whitespace; an assistant's is left out (a user's is
+            # kept: without it, the assistant's last message would read as a prefill)
+            blocks = [{"type": "text", "text": content}] if content.strip() or (
+                content and role != "assistant") else []
+            if (role == "assistant" and m.get("tool_calls") and isinstance(m.get("thinking"), list)
+                    and not self._reasoning_refused):
                 # extended thinking wants a tool call's thinking back, first and as it was
                 blocks[:0] = [b for b in m["thinking"] if isinstance(b, dict)
                               and b.get("type") in _THINKING_BLOCKS]
@@ -2956,12 +3006,26 @@ class Router:
 
 
 _received_limiters = {}  # token: the Limiter that copies sent to this process became
+_sent_limiters = weakref.WeakValueDictionary()  # token: a Limiter of this process, pickled
 _received_limiters_lock = threading.Lock()
+
+
+def _forget_limiters_after_fork():
+    """A forked child has copies of its parent's limiters, their calls in flight included:
+    it gets limiters of its own."""
+    global _received_limiters_lock
+    _received_limiters.clear()
+    _sent_limiters.clear()
+    _received_limiters_lock = threading.Lock()  # the parent may have held it
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_limiters_after_fork)
 
 
 def _limiter_in_this_process(token, max_concurrent, requests_per_minute, tokens_per_minute):
     with _received_limiters_lock:
-        limiter = _received_limiters.get(token)
+        limiter = _sent_limiters.get(token) or _received_limiters.get(token)
         if limiter is None:
             limiter = Limiter(max_concurrent=max_concurrent, requests_per_minute=requests_per_minute,
                               tokens_per_minute=tokens_per_minute)
@@ -3004,7 +3068,7 @@ class Limiter:
         # one by one to a pool or a cluster share its limits there. In this process, that
         # limiter is this one (a Dask cluster of threads pickles its tasks too).
         with _received_limiters_lock:
-            _received_limiters.setdefault(self._token, self)
+            _sent_limiters[self._token] = self
         return _limiter_in_this_process, (self._token, self.max_concurrent,
                                           self.requests_per_minute, self.tokens_per_minute)
 
@@ -3049,9 +3113,8 @@ class Limiter:
     def _release(self, error):
         with self._cond:
             self._in_flight -= 1
-            # A wait past _MAX_RETRY_AFTER fails its call rather than waiting: nobody pauses.
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
-                    and error.retry_after and error.retry_after <= _MAX_RETRY_AFTER):
+                    and error.retry_after):
                 self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
                 self._cond.notify_all()  # every waiter must learn of the pause
             else:
@@ -3116,8 +3179,10 @@ def chat_from_spec(spec, **options):
         provider, model, url = found.group(1).lower(), found.group(2).strip(), found.group(3)
         after = model.rpartition("@")[2] if "@" in model else ""
         if "/" in after or ":" in after:  # a version such as "claude-x@20250929" has neither
-            place = re.split(r"[?#]", after, maxsplit=1)[0]  # no user-info, no query: no key
-            hint = "" if "://" in place else f" (did you mean http://{place}?)"
+            scheme, _, rest = re.split(r"[?#]", after, maxsplit=1)[0].rpartition("://")
+            host, slash, _ = rest.partition("/")  # no user-info, path or query: no key
+            place = (f"{scheme}://" if scheme else "") + host + (slash and "/...")
+            hint = "" if scheme else f" (did you mean http://{place}?)"
             raise ValueError(f"invalid model spec '{provider}:{model.partition('@')[0]}@{place}': "
                              f"the base URL after '@' must begin with http:// or https://{hint}")
         cls = _PROVIDERS.get(provider)
@@ -4096,7 +4161,7 @@ _SEARCH_LINE_CHARS = 500        # search cuts the lines it shows to this
 _SEARCH_SECONDS = 30            # a search stops after this long, saying so
 _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of about this size
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
-_PROCESS_LINE_MAX_BYTES = 256 << 10  # of a line a search process prints, what is kept
+_PROCESS_LINE_MAX_BYTES = 256 << 10  # of a line a search process prints (or its stderr), what is kept
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
 _SEARCH_PARTS_MAX = 4           # workers that share a folder's search, one per CPU up to this
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
@@ -6420,7 +6485,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                         submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
                     else:
                         submitted = pool.submit(_run_task, *args)
-                except Exception as exc:  # a pool broken by a worker's death, or shut down
+                except futures.BrokenExecutor as exc:  # a worker's death broke the pool
                     broken = f"the executor takes no more tasks: {_error_text(exc)}"
                     break
                 running[submitted] = pending.pop(0)
@@ -6440,12 +6505,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 results[task["id"]] = result
                 errors += not result.ok and result.stopped_reason is None
                 if fd is not None:
-                    line = json.dumps(asdict(result), ensure_ascii=False) + "\n"
-                    try:
-                        data = line.encode()
-                    except UnicodeEncodeError:  # a lone surrogate (an emoji cut in half): escaped
-                        data = (json.dumps(asdict(result)) + "\n").encode()
-                    os.write(fd, data)
+                    os.write(fd, _json_line(asdict(result)))
                 if on_result is not None:
                     on_result(result)
     finally:
@@ -8255,7 +8315,8 @@ def _check_modes(args):
     if args.interactive and not _isatty(sys.stdin):
         raise _UsageError("-i is a chat, which reads a terminal: stdin is not one (leave -i out "
                           "to answer once)")
-    if args.json and args.prompt is None and _isatty(sys.stdin) and args.batch is None:
+    if (args.json and args.prompt is None and _isatty(sys.stdin) and args.batch is None
+            and not args.list_sessions):
         raise _UsageError("--json needs a PROMPT or piped stdin")
 
 
