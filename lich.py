@@ -3981,7 +3981,10 @@ def _glob_tokens(segment):
     i, n = 0, len(segment)
     while i < n:
         c = segment[i]
-        if c == "*":
+        if c == "\\" and i + 1 < n:  # an escaped character stands for itself (a set of one)
+            i += 1
+            tokens.append((False, ((segment[i], segment[i]),)))
+        elif c == "*":
             if not tokens or tokens[-1] != _STAR:  # ** inside a name is *
                 tokens.append(_STAR)
         elif c == "[":
@@ -4111,8 +4114,8 @@ def _gitignore_rules(text):
     rule on names alone its regular expression's fullmatch, else None), in a tuple."""
     rules = []
     for line in text.splitlines():
-        line = line.rstrip()
-        if not line or line.startswith("#"):
+        line = re.sub(r"(?<!\\)[ \t]+$", "", line)  # trailing blanks go, unless escaped
+        if not line or line.startswith("#"):  # a name beginning with # or ! is written \# or \!
             continue
         negated = line.startswith("!")
         line = line[1:] if negated else line

@@ -6379,6 +6379,14 @@ def test_search_honours_the_roots_gitignore(ws, engine):
         ok=True, output="build/a.txt:1: hit")
 
 
+def test_gitignore_escapes_are_read_as_git_reads_them(ws, engine):
+    (ws / ".gitignore").write_text("\\#hash.txt\n\\!bang.txt\nstar\\*.txt\n# a comment\n")
+    for name in ["#hash.txt", "!bang.txt", "star*.txt", "starX.txt", "ok.txt"]:
+        (ws / name).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="ok.txt:1: hit\nstarX.txt:1: hit")
+
+
 def test_both_search_engines_give_the_same_answers(ws, monkeypatch):
     import shutil
 
