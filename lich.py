@@ -422,8 +422,9 @@ def _echo(value) -> str:
 
 
 def _is_json_type(value, kind) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "integer":  # 2.0 too, as JSON Schema says: models write offsets so
+        return (isinstance(value, int) and not isinstance(value, bool)
+                or isinstance(value, float) and value.is_integer())
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "string":
@@ -440,7 +441,8 @@ def _is_json_type(value, kind) -> bool:
 def _schema_check(value, schema, where, problems):
     """``value`` checked against ``schema`` (type, enum, items, properties, required,
     additionalProperties); each mismatch appends ``(where, expected, got)`` to ``problems``.
-    Returns the value, an integer made a float where the schema wants only a number."""
+    Returns the value, an integer made a float where the schema wants only a number, and a
+    whole float an int where it wants only an integer."""
     if not isinstance(schema, dict) or not schema:
         return value
     if "enum" in schema:
@@ -459,6 +461,8 @@ def _schema_check(value, schema, where, problems):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value) if "number" in kinds and "integer" not in kinds else value
+    if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
+        return int(value)
     if isinstance(value, list) and "items" in schema:
         return [_schema_check(item, schema["items"], f"{where}[{i}]", problems)
                 for i, item in enumerate(value)]

@@ -5436,6 +5436,16 @@ def test_tools_run_accepts_already_decoded_arguments(sample_tools):
     assert sample_tools.run(call) == lich.ToolResult(ok=True, output="3")
 
 
+def test_a_whole_number_written_with_a_point_is_an_integer_as_json_schema_says(sample_tools, ws):
+    assert sample_tools.run(tool_call("add", {"a": 2.0, "b": 1})) == lich.ToolResult(ok=True, output="3")  # not "3.0"
+    (ws / "f.txt").write_text("one\ntwo\n")
+    assert run_tool(lich.coding_tools(ws), "read_file", path="f.txt", offset=2.0) == lich.ToolResult(
+        ok=True, output="     2\ttwo")
+    run = lich.run_agent("x", chat=ScriptedChat(lich.ChatResult(assistant("3.0"))), max_turns=1,
+                         output_schema={"type": "integer"})
+    assert (run.output, type(run.output)) == (3, int)
+
+
 @pytest.mark.parametrize("value", [None, "text", [1, {"a": "b"}], True, 3.5],
                          ids=["null", "string", "array", "boolean", "number"])
 def test_tools_unannotated_parameter_accepts_any_json(sample_tools, value):
