@@ -3653,6 +3653,7 @@ _READ_DEFAULT_LIMIT = 2000      # lines read_file returns unless asked for fewer
 _LINE_MAX_CHARS = 2000          # read_file cuts longer lines
 _READ_MAX_CHARS = 40_000        # read_file stops here and says where to go on
 _BINARY_SNIFF_BYTES = 8192      # a NUL byte in this much of a file makes it binary
+_PATH_SHOWN_CHARS = 400         # of a path quoted in an error, at most about this much
 _FILE_READ_BYTES = 65_536       # one read of the rest of a line too long to keep
 _LIST_MAX_FILES = 500           # list_files names at most this many files
 _WALK_MAX_ENTRIES = 100_000     # list_files stops scanning after this many entries
@@ -3669,6 +3670,7 @@ _SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O
 
 def _fs_failure(error, path):
     """An OSError on ``path`` (as the model gave it) as a _ToolFailure the model can act on."""
+    path = _shown_path(path)
     if isinstance(error, FileNotFoundError):
         return _ToolFailure(f"no such file or directory: {path}")
     if isinstance(error, PermissionError):
@@ -3685,6 +3687,13 @@ def _not_a_folder(shown, real):
     the real path that the tools work on, has lost the slash."""
     if shown.endswith(("/", "/.")) and not os.path.isdir(real):
         raise _ToolFailure(f"path ends with '/' but is not a directory: {shown}")
+
+
+def _shown_path(path) -> str:
+    """``path`` as an error message quotes it: a name too long for the system, the model's
+    mistake, is not echoed whole (it may be 50,000 characters)."""
+    return path if len(path) <= _PATH_SHOWN_CHARS else (
+        path[:_PATH_SHOWN_CHARS // 2] + "…" + path[-_PATH_SHOWN_CHARS // 4:])
 
 
 def _fd_path(fd) -> Optional[str]:
@@ -3796,7 +3805,7 @@ class _Root:
             raise _ToolFailure(f"path contains a NUL character: {path!r}")
         real = os.path.realpath(os.path.join(self.path, path))
         if not self.inside(real):
-            raise _ToolFailure(f"path is outside the workspace: {path}")
+            raise _ToolFailure(f"path is outside the workspace: {_shown_path(path)}")
         return real
 
     def stat(self, real, shown):

@@ -6223,6 +6223,15 @@ def test_edit_file_matches_a_crlf_line_end_once_and_counts_up_to_a_bound(ws):
                          "so that it occurs exactly once"))
 
 
+def test_a_path_too_long_for_the_system_is_not_echoed_whole(ws):
+    tools = lich.coding_tools(ws, allow_write=True)
+    long = "d" * 300 + "/" + "x" * 50_000
+    result = run_tool(tools, "read_file", path=long)
+    assert result == lich.ToolResult(ok=False, error=f"File name too long: {long[:200]}…{long[-100:]}")
+    assert run_tool(tools, "write_file", path="../" + long, content="x").error == (
+        f"path is outside the workspace: {('../' + long)[:200]}…{long[-100:]}")
+
+
 def test_a_file_named_as_a_folder_is_refused_as_the_system_refuses_it(ws):
     (ws / "file.txt").write_text("kept\n")
     tools = lich.coding_tools(ws, allow_write=True)
