@@ -6566,6 +6566,7 @@ _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP ser
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_BATCH_CHAT_RETRIES = 8  # as run_batch's spec chats: a batch's many workers meet rate limits
 _INTERRUPTED_NOTE = "[interrupted by the user]"
 _NO_MODEL_HELP = (
     "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
@@ -7663,6 +7664,8 @@ class _Cli:
             options["on_delta"] = self._delta
         if self.args.base_url:
             options["base_url"] = self.args.base_url
+        if self.args.batch is not None:
+            options["retries"] = _BATCH_CHAT_RETRIES
         try:
             return chat_from_spec(spec, **options)
         except (ValueError, TypeError) as exc:

@@ -9582,6 +9582,19 @@ def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, 
     assert len(batch_server.requests) == requests
 
 
+def test_a_batch_from_the_command_line_retries_as_a_library_batch_does(batch_server, lich_model, cli, tmp_path,
+                                                                        workspace, monkeypatch):
+    asked = []
+    chat_from_spec = lich.chat_from_spec
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: asked.append(options.get("retries"))
+                        or chat_from_spec(spec, **options))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\n")
+    assert cli("--batch", str(prompts), "--root", str(workspace))[0] == 0
+    assert cli("--root", str(workspace), "--no-stream", "one")[0] == 0
+    assert asked == [8, None]  # a run alone: the Router's own 2
+
+
 def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n")
