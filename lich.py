@@ -1129,6 +1129,19 @@ def _session_stems(session_dir: str, stamp: str) -> list:
             if found]
 
 
+_session_names_lock = threading.Lock()  # threads of one process never take one counter at once
+
+
+def _free_session_names_lock():
+    """A forked child's lock is free: a thread of its parent may have held it."""
+    global _session_names_lock
+    _session_names_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_session_names_lock)
+
+
 def open_session(session_dir, label=None) -> SessionHandle:
     """Create ``<session_dir>/<UTC timestamp>-<counter>[-<label>].jsonl`` and open it.
 
@@ -1137,8 +1150,14 @@ def open_session(session_dir, label=None) -> SessionHandle:
     """
     session_dir = os.fspath(session_dir)
     os.makedirs(session_dir, mode=0o700, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     label = _clean_label(label)
+    with _session_names_lock:
+        return _new_session(session_dir, label)
+
+
+def _new_session(session_dir, label):
+    """The session file of the first free counter of this second (open_session's work)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     suffix = (f"-{label}" if label else "") + _SESSION_SUFFIX
     counter = max(_session_stems(session_dir, stamp), default=0) + 1
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
