@@ -1963,6 +1963,7 @@ class _HTTPChat:
     url_env = ""
     public_url = ""
     _path = ""
+    _base_has_v1 = False  # whether a base URL holds /v1 (OpenAI's SDK) or not (Anthropic's)
     _reasoning_key = ""  # the assistant message's key for the reasoning this provider wants back
     _reasoning_refusal = ""  # what a 400 says when a server will not take that reasoning
 
@@ -2119,6 +2120,9 @@ class _HTTPChat:
                 response.close()
             message, kind, retryable, retry_after = _classify_http_error(
                 status, content, response.headers)
+            if status == 404 and self.base_url.endswith("/v1") != self._base_has_v1:
+                message += (" (an OpenAI-compatible base URL most often ends in /v1)"
+                            if self._base_has_v1 else " (an Anthropic base URL leaves /v1 out)")
             raise self._error(message, kind, status=status, retryable=retryable,
                               retry_after=retry_after)
         raise self._error(f"more than {_MAX_REDIRECTS} redirects", "not_found")
@@ -2139,7 +2143,7 @@ class _HTTPChat:
             content = self._read_body(response, _BODY_MAX_BYTES + 1, exchange)
         except _requests().RequestException as e:
             exchange.check()
-            raise self._transport_error(e, streaming=False) from e
+            raise self._transport_error(e, streaming=False, reading=True) from e
         exchange.check()
         if len(content) > _BODY_MAX_BYTES:
             raise self._invalid(f"body larger than {_BODY_MAX_BYTES} bytes", content[:100])
@@ -2294,7 +2298,7 @@ class _HTTPChat:
         return self._error(f"timed out: no whole answer within {self.timeout}s from "
                            f"{self._shown_url}", "timeout")
 
-    def _transport_error(self, e, *, streaming):
+    def _transport_error(self, e, *, streaming, reading=False):
         requests = _requests()
         from urllib3.exceptions import ReadTimeoutError
         cause = e.args[0] if e.args else None
@@ -2304,6 +2308,8 @@ class _HTTPChat:
         reason = _unreachable_reason(e)
         if streaming:
             return self._error(f"stream broke off before its end: {reason}", "invalid_response")
+        if reading:  # the server was reached: its answer was cut
+            return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
 
     def _body_error(self, payload, where):
@@ -2468,6 +2474,7 @@ class OpenAIChat(_HTTPChat):
     url_env = "OPENAI_BASE_URL"
     public_url = _OPENAI_BASE_URL
     _path = "/chat/completions"
+    _base_has_v1 = True
     _Stream = _OpenAIStream
     _reasoning_key = "reasoning_content"
     _reasoning_refusal = "reasoning_content"

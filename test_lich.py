@@ -3268,6 +3268,31 @@ def test_a_stream_cut_off_mid_way_is_an_invalid_response(server, at):
     assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_404_from_a_base_url_with_or_without_v1_says_which_the_provider_wants(server, provider):
+    server.reply(404, "404 page not found")
+    server.reply(404, "404 page not found")
+    if provider == "openai":
+        wrong, right, hint = (lich.OpenAIChat("m", base_url=server.url, api_key="k"), openai_at(server),
+                              " (an OpenAI-compatible base URL most often ends in /v1)")
+    else:
+        wrong, right, hint = (lich.AnthropicChat("m", base_url=server.url + "/v1", api_key="k"), anthropic_at(server),
+                              " (an Anthropic base URL leaves /v1 out)")
+    for chat, said in ((wrong, hint), (right, "")):
+        with pytest.raises(lich.ProviderError) as info:
+            chat(USER)
+        assert (str(info.value), info.value.kind) == (f"{provider}: HTTP 404: 404 page not found{said}", "not_found")
+
+
+def test_a_whole_answer_cut_off_mid_way_says_it_broke_off_not_that_the_server_was_not_reached(server):
+    server.reply(200, chunks=[json.dumps(openai_reply("cut"))[:40], "rest"], reset_after=1,
+                 content_type="application/json")
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", True)
+    assert str(info.value).startswith(f"openai: the answer from {server.url}/v1/chat/completions broke off: ")
+
+
 def test_an_endless_sse_line_is_an_invalid_response(server):
     megabyte = b"y" * (1 << 20)
     server.reply(200, chunks=[b"data: ", *[megabyte] * 40, b"\n\n"])
