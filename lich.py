@@ -1504,6 +1504,7 @@ _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
 _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
 _STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
+_REFUSED_KEPT = 1000  # messages whose refused reasoning a chat remembers, the newest
 _MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
 _RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
@@ -2002,7 +2003,8 @@ class _HTTPChat:
         self._shown_url = _redact_url(self._url)
         self._timeouts = _timeouts(self.timeout)
         self._headers = self._wire_headers()
-        self._reasoning_refused = False  # this server took no reasoning back: none is sent
+        # id -> message whose reasoning this server refused (held, so that the id stays its)
+        self._refused = {}
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
@@ -2024,23 +2026,32 @@ class _HTTPChat:
                  response_format=None):
         """Send one chat request; returns a ChatResult or raises ProviderError / AbortError.
 
-        A server that refuses the reasoning kept in the history (another provider's, after a
-        failover) is asked again without it, and from then on when that answers."""
+        A server that refuses the reasoning kept in the history (another server's, after a
+        failover or a resume) is asked again without it: when that answers, those messages
+        go to it without their reasoning from then on, and its own keep theirs."""
         options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
                    "signal": signal, "response_format": response_format}
         try:
             return self._ask(messages, **options)
         except ProviderError as e:
-            if (self._reasoning_refused or e.kind != "bad_request"
-                    or not re.search(self._reasoning_refusal, str(e))
-                    or not any(isinstance(m, dict) and self._reasoning_key in m for m in messages)):
+            refused = e
+            if e.kind != "bad_request" or not re.search(self._reasoning_refusal, str(e)):
                 raise
-        self._reasoning_refused = True
+        fresh = {id(m): m for m in messages if isinstance(m, dict) and self._reasoning_key in m
+                 and self._refused.get(id(m)) is not m}
+        if not fresh:
+            raise refused
+        before = self._refused
+        self._refused = {**dict(list(before.items())[-_REFUSED_KEPT:]), **fresh}
         try:
             return self._ask(messages, **options)
-        except BaseException:
-            self._reasoning_refused = False
-            raise
+        except ProviderError:
+            self._refused = before
+            raise refused from None  # the first answer says what is wrong with the history
+
+    def _sends_reasoning(self, message):
+        """Whether ``message``'s reasoning goes to this server (it did not refuse it)."""
+        return self._refused.get(id(message)) is not message
 
     def _ask(self, messages, *, tools, temperature, max_tokens, signal, response_format):
         if signal is not None and signal.is_set():
@@ -2249,8 +2260,8 @@ class _HTTPChat:
         object, same content and tool calls), so a turn costs the same at turn 200 as at 2."""
         local = self._local
         last_messages = getattr(local, "encoded", ())
-        if getattr(local, "reasoning_refused", False) is not self._reasoning_refused:
-            last_messages, local.reasoning_refused = (), self._reasoning_refused  # encoded anew
+        if getattr(local, "refused", None) is not self._refused:  # reasoning refused since:
+            last_messages, local.refused = (), self._refused  # everything is encoded anew
         parts = []
         known = None
         for i, message in enumerate(messages):
@@ -2477,7 +2488,9 @@ class OpenAIChat(_HTTPChat):
     _base_has_v1 = True
     _Stream = _OpenAIStream
     _reasoning_key = "reasoning_content"
-    _reasoning_refusal = "reasoning_content"
+    _reasoning_refusal = (r"(?i)reasoning_content\W.{0,80}\b(unsupported|not (permitted|allowed|"
+                          r"supported)|unknown|unrecognized|extra)|\b(unsupported|unknown|"
+                          r"unrecognized|extra)\b.{0,80}\Wreasoning_content")
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, extra_body=None):
@@ -2504,7 +2517,7 @@ class OpenAIChat(_HTTPChat):
                                     "function": {"name": c["name"],
                                                  "arguments": c.get("arguments") or "{}"}}
                                    for c in m["tool_calls"]]}
-            if isinstance(m.get("reasoning_content"), str) and not self._reasoning_refused:
+            if isinstance(m.get("reasoning_content"), str) and self._sends_reasoning(m):
                 wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
         else:
             wire = {"role": role, "content": m.get("content") or ""}
@@ -2759,7 +2772,7 @@ class AnthropicChat(_HTTPChat):
     _path = "/v1/messages"
     _Stream = _AnthropicStream
     _reasoning_key = "thinking"
-    _reasoning_refusal = r"(?i)signature|thinking"
+    _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b"  # another key's or endpoint's
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
@@ -2809,7 +2822,7 @@ class AnthropicChat(_HTTPChat):
             blocks = [{"type": "text", "text": content}] if content.strip() or (
                 content and role != "assistant") else []
             if (role == "assistant" and m.get("tool_calls") and isinstance(m.get("thinking"), list)
-                    and not self._reasoning_refused):
+                    and self._sends_reasoning(m)):
                 # extended thinking wants a tool call's thinking back, first and as it was
                 blocks[:0] = [b for b in m["thinking"] if isinstance(b, dict)
                               and b.get("type") in _THINKING_BLOCKS]

@@ -2942,24 +2942,38 @@ def test_a_server_that_refuses_the_reasoning_of_another_is_asked_again_without_i
     sent = [r["json"]["messages"][1] for r in server.requests]
     assert ["reasoning_content" in m for m in sent] == [True, False, False] and len(server.requests) == 3
     missing = Reply(400, openai_error("The reasoning_content in the thinking mode must be passed back to the API."))
-    queue(server, missing, missing, openai_reply("Fine."))
-    deepseek = openai_at(server)  # refused with it and without it: not a refusal of it
+    queue(server, missing, openai_reply("Fine."))
+    deepseek = openai_at(server)  # a server asking for more reasoning is not one refusing it
     with pytest.raises(lich.ProviderError, match="must be passed back"):
         deepseek(history)
     assert deepseek(history).message == assistant("Fine.")
-    assert ["reasoning_content" in r["json"]["messages"][1] for r in server.requests[3:]] == [True, False, True]
+    assert ["reasoning_content" in r["json"]["messages"][1] for r in server.requests[3:]] == [True, True]
+    queue(server, refused, Reply(400, openai_error("something else")), openai_reply("Later."))
+    strict = openai_at(server)  # refused, and refused again without it: the first answer is what is said
+    with pytest.raises(lich.ProviderError, match="reasoning_content' is unsupported"):
+        strict(history)
+    assert strict(history).message == assistant("Later.")  # nothing was learnt from a retry that failed
+    assert ["reasoning_content" in r["json"]["messages"][1] for r in server.requests[5:]] == [True, False, True]
 
 
-def test_anthropic_thinking_another_endpoint_refuses_is_sent_no_more(server):
+def test_anthropic_thinking_another_endpoint_refuses_is_sent_to_it_no_more_but_its_own_is(server):
     thought = {"type": "thinking", "thinking": "Two cities.", "signature": "c2ln"}
     history = [*USER, {**assistant("", ("toolu_1", "weather", "{}")), "thinking": [thought]},
                tool_msg("toolu_1", "-3 C", name="weather")]
+    own = {"type": "thinking", "thinking": "Now the clock.", "signature": "b3du"}
     queue(server, Reply(400, anthropic_error("invalid_request_error", "messages.1.content.0: Invalid `signature` "
                                                                       "in `thinking` block")),
-          anthropic_reply(text_block("Cold.")))
-    assert anthropic_at(server, cache=False)(history).message == assistant("Cold.")
-    assert [[b["type"] for b in r["json"]["messages"][1]["content"]] for r in server.requests] == [
-        ["thinking", "tool_use"], ["tool_use"]]
+          anthropic_reply(own, tool_use_block("toolu_2", "clock", {}), stop="tool_use"),
+          anthropic_reply(text_block("Cold, at noon.")))
+    chat = anthropic_at(server, cache=False)  # another endpoint than the one that thought first
+    answer2 = chat(history)
+    history += [answer2.message, tool_msg("toolu_2", "12:00", name="clock")]
+    assert chat(history).message == assistant("Cold, at noon.")
+    sent = [[[b["type"] for b in m["content"]] for m in r["json"]["messages"] if m["role"] == "assistant"]
+            for r in server.requests]
+    assert sent == [[["thinking", "tool_use"]], [["tool_use"]],
+                    [["tool_use"], ["thinking", "tool_use"]]]  # its own thinking goes back: a refusal is no rule
+    assert len(server.requests) == 3
 
 
 def test_openai_reasoning_without_tool_calls_is_not_kept(server):
