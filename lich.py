@@ -1687,6 +1687,15 @@ def _origin(url) -> str:
 # --- wire ---
 
 
+def _arriving_chunks(response):
+    """A streamed response's bytes as they arrive, decoded: chunk by chunk, or without
+    chunked encoding as each read returns (``iter_content`` would wait for a whole buffer)."""
+    raw = response.raw
+    if getattr(raw, "chunked", False) or not hasattr(raw, "read1"):  # urllib3 1.x: no read1
+        return response.iter_content(None if getattr(raw, "chunked", False) else _BODY_READ_BYTES)
+    return iter(functools.partial(raw.read1, _BODY_READ_BYTES, decode_content=True), b"")
+
+
 def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
     import requests
@@ -2175,13 +2184,7 @@ class _HTTPChat:
         requests = _requests()
         import urllib3
 
-        raw = response.raw
-        if not getattr(raw, "chunked", False) and hasattr(raw, "read1"):
-            # without chunked encoding, read() waits for a whole buffer: show what has come
-            chunks = iter(functools.partial(raw.read1, _BODY_READ_BYTES, decode_content=True), b"")
-        else:
-            chunks = response.iter_content(None if getattr(raw, "chunked", False)
-                                           else _BODY_READ_BYTES)
+        chunks = _arriving_chunks(response)
         shown = []
         on_delta = self.on_delta
         if on_delta is not None:
@@ -5840,6 +5843,7 @@ class _HTTPServer:
         self._closed = False  # close() was called: calls fail, as over stdio
         self._closing = threading.Event()  # set with _closed: the GET stream's waits end
         self._exchanges = set()  # the calls under way (and the GET stream), which close() cuts
+        self._streams = set()  # the GET streams' exchanges, which a new session's cuts
 
     def _http(self):
         session = getattr(self._local, "session", None)
@@ -5931,7 +5935,7 @@ class _HTTPServer:
                             f"{_snippet(body)}")
         else:
             messages = (parsed(data) for _, data in
-                        _sse_events(response.iter_content(None), exchange.check) if data.strip())
+                        _sse_events(_arriving_chunks(response), exchange.check) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
                 if isinstance(each, dict) and each.get("method") is None \
@@ -5953,6 +5957,10 @@ class _HTTPServer:
     def listen(self):
         """Open the optional GET stream, on which a server sends what it sends unasked
         (``list_changed``, a ``ping``): a thread reads it while this session lasts."""
+        with self._lock:
+            ended = list(self._streams)  # an earlier session's, which the server may keep open
+        for exchange in ended:
+            exchange.cut_now("closed")
         threading.Thread(target=self._listen, args=(self.session_id,), daemon=True,
                          name=f"lich-mcp-listen {self.name}").start()
 
@@ -5964,10 +5972,12 @@ class _HTTPServer:
                     if self._closed or self.session_id != session_id:
                         return
                     self._exchanges.add(exchange)
+                    self._streams.add(exchange)
                 try:
-                    if not self._read_stream(exchange):
+                    heard = self._read_stream(exchange)
+                    if heard is None:
                         return
-                    failed = 0
+                    failed = 0 if heard else failed + 1  # one that ends at once is no stream
                 except Exception as e:  # nothing may escape a thread of lich's: it would print
                     if exchange.cut is not None:  # closed
                         return
@@ -5977,11 +5987,13 @@ class _HTTPServer:
                 finally:
                     with self._lock:
                         self._exchanges.discard(exchange)
+                        self._streams.discard(exchange)
             if self._closing.wait(2.0 ** failed):  # 1 s after a stream that served, then 2, 4, 8
                 return
 
     def _read_stream(self, exchange):
-        """Read one GET stream to its end; False when the server offers none."""
+        """Read one GET stream to its end: how many messages it brought, or None when the
+        server offers none."""
         headers = {**self._headers(), "Accept": "text/event-stream"}
         del headers["Content-Type"]
         response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
@@ -5991,15 +6003,17 @@ class _HTTPServer:
                     "content-type", "").startswith("text/event-stream"):
                 _log.debug("the MCP server %s offers no GET stream (HTTP %d)", self.name,
                            response.status_code)
-                return False
-            for _, data in _sse_events(response.iter_content(None), exchange.check):
+                return None
+            heard = 0
+            for _, data in _sse_events(_arriving_chunks(response), exchange.check):
                 try:
                     message = json.loads(data) if data.strip() else None
                 except (ValueError, RecursionError):
                     continue  # not JSON: skipped, as in an answer
                 for each in message if isinstance(message, list) else [message]:
+                    heard += 1
                     self._heard(each)
-            return True
+            return heard
         finally:
             response.close()
 
@@ -6026,7 +6040,7 @@ class _HTTPServer:
             exchange.cut_now("closed")
         if self.session_id:
             try:
-                self._http().delete(self.url, headers=self._headers(), timeout=_CONNECT_TIMEOUT)
+                self._http().delete(self.url, headers=self._headers(), timeout=_MCP_CLOSE_SECONDS)
             except _requests().RequestException:
                 pass
 
@@ -6047,6 +6061,7 @@ class MCPTools:
         self.protocol = None
         self.instructions = None
         self._tools = None  # the server's tool specs, or None to list them again
+        self._changes = 0  # list_changed notifications heard: a listing they overtook is old
         self._names = {}  # a name offered to the model -> the server's name, where they differ
         self._handshaking = threading.Lock()
 
@@ -6073,13 +6088,14 @@ class MCPTools:
         self._server.listen()
 
     def _list_changed(self):
+        self._changes += 1
         self._tools = None
 
     def specs(self) -> list:
         """The server's tools as tool specs, names prefixed."""
         tools = self._tools
         if tools is None:
-            tools, cursor = [], None
+            tools, cursor, changes = [], None, self._changes
             for _ in range(_MCP_MAX_PAGES):
                 try:
                     page = self._request("tools/list", {"cursor": cursor} if cursor else {}, None)
@@ -6092,7 +6108,8 @@ class MCPTools:
                 cursor = page.get("nextCursor")
                 if not cursor:
                     break
-            self._tools = tools
+            if changes == self._changes:  # else the list changed meanwhile: asked for again next
+                self._tools = tools
         offered = [(self._offered_name(t["name"]), t) for t in tools]
         self._names = {name: t["name"] for name, t in offered if name != self.prefix + t["name"]}
         return [{"name": name, "description": t.get("description") or "",

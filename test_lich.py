@@ -57,17 +57,19 @@ class Reply:
     apart; ``reset_after`` chunks have gone out, the connection is reset instead of
     finished (``reset_after=0``: before any header). ``hold``, an Event, keeps what comes
     last back until it is set: the last piece of chunks (the body's end with it), or the
-    whole of a plain reply.
+    whole of a plain reply. ``unframed`` sends chunks as they are, without chunked encoding,
+    the connection's close ending the body (as an HTTP/1.0 stream or some proxies do).
     """
 
     def __init__(self, status=200, body=b"", *, headers=None, chunks=None, delay=0.0,
-                 hold=None, reset_after=None, content_type=None):
+                 hold=None, reset_after=None, content_type=None, unframed=False):
         self.status = status
         self.headers = dict(headers or {})
         self.chunks = None if chunks is None else [_as_bytes(c) for c in chunks]
         self.delay = delay
         self.hold = hold
         self.reset_after = reset_after
+        self.unframed = unframed
         if isinstance(body, (bytes, str)):
             self.body = _as_bytes(body)
             self.content_type = content_type or "text/plain"
@@ -187,7 +189,7 @@ class LoopbackServer:
             handler.wfile.write(reply.body)
             handler.wfile.flush()
             return
-        handler.send_header("Transfer-Encoding", "chunked")
+        handler.send_header(*(("Connection", "close") if reply.unframed else ("Transfer-Encoding", "chunked")))
         handler.end_headers()
         handler.wfile.flush()
         try:
@@ -200,13 +202,16 @@ class LoopbackServer:
                     time.sleep(reply.delay)
                 if i == last and reply.hold is not None:
                     reply.hold.wait(60)
-                data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk else b""
-                if i == last and reply.reset_after is None:
+                data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunk and not reply.unframed else chunk
+                if i == last and reply.reset_after is None and not reply.unframed:
                     data += b"0\r\n\r\n"  # with the last piece, as servers that buffer do
                 handler.wfile.write(data)
                 handler.wfile.flush()
             if reply.reset_after is not None:
                 _reset(handler)
+                return
+            if reply.unframed:
+                handler.close_connection = True
                 return
             if not reply.chunks:
                 handler.wfile.write(b"0\r\n\r\n")
@@ -7507,15 +7512,16 @@ net.Server.prototype.listen = function (...args) {
 """
 
 
-def mcp_over_http(server, *, html_handshake=False, stream=None):
+def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
     makes the next request find its session gone, ``slow`` answers once ``seen["release"]`` is
     set. A GET is refused with 405, or with ``stream`` (messages) answered by a stream that
-    sends them and stays open until ``seen["release"]`` is set. Returns what it saw:
-    {"sessions": n, "tools": [names], ...}."""
-    seen = {"sessions": 0, "expired": False, "release": threading.Event(),
-            "tools": ["html", "ask", "expire", "slow"]}
+    sends them once ``seen["release"]`` is set, then ends; ``pinged`` pings lich in its
+    answer and answers once lich has. ``unframed`` streams without chunked encoding. Returns
+    what it saw: {"sessions": n, "tools": [names], ...}."""
+    seen = {"sessions": 0, "expired": False, "release": threading.Event(), "pinged": threading.Event(),
+            "tools": ["html", "ask", "expire", "slow", "pinged"]}
 
     def answer(body, result):
         return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
@@ -7526,7 +7532,8 @@ def mcp_over_http(server, *, html_handshake=False, stream=None):
         if request["method"] == "GET":
             if stream is None:
                 return Reply(405, "")
-            return Reply(200, chunks=[sse(*[(None, m) for m in stream]), ": bye\n\n"], hold=seen["release"])
+            return Reply(200, chunks=[": open\n\n", sse(*[(None, m) for m in stream])], hold=seen["release"],
+                         unframed=unframed)
         if method == "initialize":
             if html_handshake:
                 return Reply(200, "<html>a login page</html>", content_type="application/json")
@@ -7536,6 +7543,8 @@ def mcp_over_http(server, *, html_handshake=False, stream=None):
             reply.headers["Mcp-Session-Id"] = f"s{seen['sessions']}"
             return reply
         if method is None or "id" not in body:  # a notification, or lich's answer to a request
+            if body.get("id") == "srv-ping" and "result" in body:
+                seen["pinged"].set()
             return Reply(202, "")
         if seen["expired"]:
             seen["expired"] = False
@@ -7545,6 +7554,11 @@ def mcp_over_http(server, *, html_handshake=False, stream=None):
         name = body["params"]["name"]
         if name == "html":
             return Reply(200, "<html>oops</html>", content_type="application/json")
+        if name == "pinged":
+            return Reply(200, chunks=[sse((None, {"jsonrpc": "2.0", "id": "srv-ping", "method": "ping"})),
+                                      sse((None, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                                          "content": [{"type": "text", "text": "ponged"}]}}))],
+                         hold=seen["pinged"], unframed=unframed)
         if name == "slow":
             return Reply(200, chunks=[": working\n\n", sse((None, {"jsonrpc": "2.0", "id": body["id"], "result": {
                 "content": [{"type": "text", "text": "late"}]}}))], hold=seen["release"])
@@ -7584,7 +7598,7 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
     seen = mcp_over_http(server)
     with lich.mcp_tools(server.url + "/mcp") as tools:
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
-        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow"]
+        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow", "pinged"]
         assert seen["sessions"] == 2
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
         assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
@@ -7619,30 +7633,36 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
 
 
-def test_an_mcp_http_servers_get_stream_is_heard_until_close(server):
+@pytest.mark.parametrize("unframed", [False, True], ids=["chunked", "unframed"])
+def test_an_mcp_http_servers_get_stream_is_heard_until_close(server, unframed):
     ping = {"jsonrpc": "2.0", "id": "p1", "method": "ping"}
     changed = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
-    seen = mcp_over_http(server, stream=[ping, changed])
+    seen = mcp_over_http(server, stream=[ping, changed], unframed=unframed)
     url = server.url + "/mcp"
+    listener = f"lich-mcp-listen {url}"
     tools = lich.mcp_tools(url)
-    assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow"]
+    started = time.monotonic()  # an answer that pings first is read as it comes, framed or not
+    assert tools.run(tool_call("pinged")) == lich.ToolResult(ok=True, output="ponged")
+    assert time.monotonic() - started < 5
+    assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow", "pinged"]
     seen["tools"].append("new")  # what list_changed announces
+    seen["release"].set()
     eventually(lambda: {"jsonrpc": "2.0", "id": "p1", "result": {}} in [r["json"] for r in server.requests])
     eventually(lambda: "new" in [spec["name"] for spec in tools.specs()], what="the list was not read again")
-    [get] = [r for r in server.requests if r["method"] == "GET"]
+    get = next(r for r in server.requests if r["method"] == "GET")
     assert (get["headers"]["accept"], get["headers"]["mcp-session-id"]) == ("text/event-stream", "s1")
     started = time.monotonic()
     tools.close()  # the stream is cut at once, and its thread ends
-    eventually(lambda: not [t for t in threading.enumerate() if t.name.startswith("lich-mcp-listen")], seconds=2)
+    eventually(lambda: listener not in [t.name for t in threading.enumerate()], seconds=2)
     assert time.monotonic() - started < 1
-    seen["release"].set()
 
 
 def test_an_mcp_http_server_without_a_get_stream_is_asked_once(server):
     mcp_over_http(server)
     with lich.mcp_tools(server.url + "/mcp") as tools:
         assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
-        eventually(lambda: not [t for t in threading.enumerate() if t.name.startswith("lich-mcp-listen")])
+        listener = f"lich-mcp-listen {server.url}/mcp"
+        eventually(lambda: listener not in [t.name for t in threading.enumerate()])
     assert [r["method"] for r in server.requests].count("GET") == 1
 
 
