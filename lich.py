@@ -7317,6 +7317,9 @@ class _Approvals:
         what = "file" if name in ("write_file", "edit_file") else "command" if name == "bash" \
             else "call"
         body = self._body(name, args, call)
+        if self.cli.drop_typed_ahead():
+            self.cli.term.note("(what was typed before this question is dropped: it needs a "
+                               "fresh answer)")
         self.cli.term.ask("\n".join([f"→ {_tool_summary(call)}", *("  " + line for line in body),
                                      (f"  allow? [y]es / [N]o / [a]lways this {what} / "
                                       f"[t] always {name}: ")]))
@@ -7748,6 +7751,19 @@ class _Cli:
         if (progress is not None and progress.thread is threading.current_thread()
                 and not progress.compressing):
             progress.delta(text)
+
+    def drop_typed_ahead(self) -> bool:
+        """Throw away what was typed before a question was asked, so that no keystroke made
+        before it can answer it; whether there was any."""
+        import select
+        import termios
+
+        try:
+            pending = bool(select.select([sys.stdin], [], [], 0)[0])
+            termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
+        except (OSError, ValueError, termios.error):  # not a terminal after all
+            return False
+        return pending
 
     def read_answer(self):
         """A line typed at an approval question, or None when the run was interrupted."""

@@ -8949,6 +8949,29 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     assert term.close() == 0
 
 
+def test_what_was_typed_before_an_approval_question_does_not_answer_it(server, lich_model, workspace):
+    asked = threading.Event()
+    queue(server, Reply(200, tool_reply(("c1", "bash", '{"command": "touch ran"}')).body, hold=asked,
+                        content_type="application/json"), stream_reply("Not run."))
+    term = Pty("--allow", "shell", "--root", str(workspace), env={"NO_COLOR": "1"})
+    try:
+        term.expect(PROMPT)
+        term.send("tidy up")
+        wait_for_request(server)
+        term.send("y")  # typed while the model works, before any question
+        time.sleep(0.3)
+    finally:
+        asked.set()
+    shown = term.expect("[t] always bash: ")
+    assert "(what was typed before this question is dropped: it needs a fresh answer)\n→ bash touch ran\n" in shown
+    time.sleep(0.3)
+    assert not (workspace / "ran").exists()
+    term.send("n")
+    assert "Not run." in term.expect(PROMPT)
+    term.send("\x04")
+    assert term.close() == 0 and not (workspace / "ran").exists()
+
+
 def test_a_tools_time_leaves_out_the_time_its_approval_took(server, lich_model, workspace):
     queue(server, tool_reply(("c1", "bash", '{"command": "echo hi"}')), stream_reply("Done."))
     term = Pty("--allow", "shell", "--root", str(workspace), env={"NO_COLOR": "1"})
