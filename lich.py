@@ -6785,6 +6785,24 @@ def _default_session_dir(environ) -> str:
     return environ.get("LICH_SESSION_DIR") or os.path.join(_state_home(environ), "sessions")
 
 
+def _shown_spec(spec) -> str:
+    """A model spec as the terminal shows it: each base URL without its user-info and query,
+    where keys are put (``http://user:key@host/v1?api_key=...``)."""
+    from urllib.parse import urlsplit
+
+    def shown(found):
+        try:
+            url = urlsplit(found.group(1))
+            host = url.hostname or ""
+            port = f":{url.port}" if url.port else ""
+        except ValueError:
+            return "@..."
+        host = f"[{host}]" if ":" in host else host
+        return f"@{url.scheme}://{host}{port}{url.path}" + ("?..." if url.query else "")
+
+    return re.sub(r"@(https?://[^,\s]+)", shown, spec)
+
+
 def _default_model(environ) -> str:
     if environ.get("LICH_MODEL"):
         return environ["LICH_MODEL"]
@@ -7910,7 +7928,7 @@ class _Cli:
         term = self.term
         history_file = self._load_input_history()
         tools = ", ".join(spec["name"] for spec in self.tools.specs())
-        term.note(f"lich {__version__} · {self.model} · {self.root} · tools: {tools}")
+        term.note(f"lich {__version__} · {_shown_spec(self.model)} · {self.root} · tools: {tools}")
         term.note("/help for commands, Ctrl-D to leave")
         session = None
         try:
@@ -8027,9 +8045,9 @@ class _Cli:
                 if rest:
                     self.chat = self._chat(rest)
                     self.model = rest
-                term.note(f"model: {self.model}")
+                term.note(f"model: {_shown_spec(self.model)}")
             except _UsageError as e:  # a mistyped spec keeps the chat and its model
-                term.error(f"{e}; the model stays {self.model}")
+                term.error(f"{e}; the model stays {_shown_spec(self.model)}")
             for chat in self.chat.chats:  # said now, not at the next turn's failure
                 if not os.environ.get(chat.key_env) and (
                         isinstance(chat, AnthropicChat) or chat.base_url == chat.public_url):

@@ -9147,6 +9147,10 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     assert all(command in shown for command in ("/model", "/allow", "/compact", "/cost", "/resume", "/exit"))
     term.send("/model openai:second@" + server.url + "/v1")
     assert term.expect(PROMPT).endswith(f"model: openai:second@{server.url}/v1\n› ")
+    host = server.url.split("://")[1]
+    term.send(f"/model openai:second@http://me:{SECRET}@{host}/v1?api_key={SECRET}")  # no key said back
+    said = term.expect(PROMPT)
+    assert said.endswith(f"model: openai:second@http://{host}/v1?...\n› ") and said.count(SECRET) == 2  # as typed
     term.send("/compcat")
     assert "lich: unknown command /compcat; did you mean /compact?" in term.expect(PROMPT)
     term.send("second question")
@@ -9154,6 +9158,14 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     term.send("/exit")
     assert term.close() == 0
     assert [r["json"]["model"] for r in server.requests] == ["first", "second"]
+
+
+def test_the_chats_banner_shows_no_key_of_the_model_spec(server, tmp_path):
+    host = server.url.split("://")[1]
+    term = chat_pty("-m", f"openai:m@http://me:{SECRET}@{host}/v1?api_key={SECRET}", tmp_path=tmp_path)
+    assert f"lich {lich.__version__} · openai:m@http://{host}/v1?... · " in term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0 and SECRET not in term.transcript
 
 
 def test_the_chats_session_list_is_shown_on_the_terminal_not_in_the_answer(server, lich_model, tmp_path):
