@@ -6975,19 +6975,16 @@ class _Terminal:
 
     # -- stdout: the answer
 
-    def delta(self, text, *, final_only=False) -> bool:
-        """Streamed answer text: to stdout on a terminal, else to stderr for the eye only;
-        whether it was shown."""
-        if not text:
+    def delta(self, text) -> bool:
+        """Streamed answer text, to stdout on a terminal; whether it was shown. Else it is
+        not shown as it comes: the answer goes to stdout whole, and what the model said
+        between tool calls to stderr after each call (streamed to stderr too, a piped answer
+        would be on the screen twice)."""
+        if not text or not self.stdout_tty:
             return False
         self.stop_spinner()
         with self._lock:
-            if self.stdout_tty and not final_only:
-                out = sys.stdout
-            elif self.fancy and not self.quiet:
-                out = sys.stderr
-            else:
-                return False
+            out = sys.stdout
             if self._open_line:
                 self._stderr("\n")
                 self._open_line = False
@@ -7300,7 +7297,7 @@ class _Progress:
 
     def delta(self, text):
         self.received.append(text)
-        if self.term.delta(text, final_only=not self.cli.answer_on_stdout):
+        if self.term.delta(text):
             self.shown = True
 
 

@@ -9168,6 +9168,18 @@ def test_the_chats_banner_shows_no_key_of_the_model_spec(server, tmp_path):
     assert term.close() == 0 and SECRET not in term.transcript
 
 
+def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_model, workspace, tmp_path):
+    queue(server, Reply(200, chunks=[openai_sse(
+        delta_chunk(content="Looking first."), delta_chunk(tool_calls=[call_delta(0, "{}", id="c1", name="list_files")]),
+        delta_chunk(finish="tool_calls"))]), stream_reply("The whole ", "answer."))
+    with open(tmp_path / "answer.txt", "w") as answer:  # lich "..." | less, or > answer.txt
+        term = Pty("--root", str(workspace), "what is here?", env={"NO_COLOR": "1"}, stdout=answer)
+        assert term.close() == 0
+    assert (tmp_path / "answer.txt").read_text() == "The whole answer.\n"
+    assert "The whole" not in term.transcript  # on stdout, not streamed to the screen as well
+    assert "Looking first.\n→ list_files ✓ 1 file" in term.transcript  # said between tools: on stderr
+
+
 def test_the_chats_session_list_is_shown_on_the_terminal_not_in_the_answer(server, lich_model, tmp_path):
     make_sessions(tmp_path / "sessions", "20260101T000000Z-1")
     with open(tmp_path / "answers.txt", "w") as answers:  # lich > answers.txt
