@@ -34,6 +34,11 @@ if __name__ == "__main__" and sys.argv[1:] == ["--version"]:
     sys.stdout.write(f"lich {__version__}\n")
     sys.exit(0)
 
+if __name__ == "__main__":  # a Ctrl-C while the script loads ends it as a Ctrl-C, untold
+    import signal as _signals  # (main() gives Python's own handling back)
+
+    _signals.signal(_signals.SIGINT, _signals.SIG_DFL)
+
 import codecs
 import errno
 import functools
@@ -8327,6 +8332,18 @@ def main(argv=None) -> int:
     answer, 1 a provider or runtime error, 2 a usage error or an unknown session,
     3 the turn budget ran out, 130 interrupted, 128 + N ended by signal N.
     """
+    import signal as signals
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread and signals.getsignal(signals.SIGINT) is signals.SIG_DFL:  # the script's
+        signals.signal(signals.SIGINT, signals.default_int_handler)
+    try:
+        return _main(argv, main_thread)
+    except KeyboardInterrupt:  # a Ctrl-C before lich's own handling began, or as it ends
+        return _EXIT_INTERRUPTED
+
+
+def _main(argv, main_thread) -> int:
     try:
         args = _build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
@@ -8343,7 +8360,7 @@ def main(argv=None) -> int:
         logger.setLevel(logging.DEBUG)
     interrupts = _Interrupts()
     handlers = {}
-    if threading.current_thread() is threading.main_thread():
+    if main_thread:
         def terminated(signum, frame):
             interrupts.exit_code = 128 + signum
             interrupts.terminating = True

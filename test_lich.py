@@ -9910,6 +9910,40 @@ def test_import_does_not_import_requests():
         0, "False\n", "")
 
 
+SIGINT_AS_LICH_LOADS = """
+import runpy, signal, sys
+seen, script = [], sys.argv[1]
+
+def profile(frame, event, arg):  # the Ctrl-C handling in force when main() begins
+    if event == "call" and frame.f_code.co_name == "main" and frame.f_code.co_filename == script:
+        seen.append(signal.getsignal(signal.SIGINT))
+
+sys.setprofile(profile)
+sys.argv = [script, "--help"]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+sys.setprofile(None)
+print(seen == [signal.SIG_DFL], signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_ctrl_c_as_lich_starts_ends_it_without_a_traceback(monkeypatch, capsys):
+    # while the script loads, a Ctrl-C kills it as Ctrl-C kills a program; main() gives
+    # Python's handling back, and a Ctrl-C before its own began is exit code 130
+    code, out, err = Process("-c", SIGINT_AS_LICH_LOADS, LICH_PY).wait()
+    assert (code, out.split("\n")[-2], err) == (0, "True True", "")
+    import argparse
+
+    def interrupted(self, args=None, namespace=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", interrupted)
+    assert lich.main(["hi"]) == 130
+    assert capsys.readouterr() == ("", "")
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "blocked-in-http"])
 def test_ctrl_c_exits_130_and_keeps_the_request_for_continue(server, lich_model, cli, tmp_path, stream):
     import signal as signals
