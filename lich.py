@@ -7031,14 +7031,14 @@ class _Terminal:
     def error(self, text):
         self.line(f"lich: {text}")
 
-    def tool_line(self, text):
-        """Start a tool's line; its mark ends it."""
+    def tool_line(self, text, room=0):
+        """Start a tool's line, leaving ``room`` for its mark, which ends it."""
         if self.quiet or self.json_lines:
             return
         self.stop_spinner()
         with self._lock:
             self.end_answer()
-            self._stderr(self._paint(self._fit(_visible(text)), "2"))
+            self._stderr(self._paint(self._fit(_visible(text), room), "2"))
             self._open_line = True
 
     def tool_mark(self, text, ok, preview=()):
@@ -7090,9 +7090,10 @@ class _Terminal:
                 elapsed = time.monotonic() - began
                 extra = f" {elapsed:.0f} s" if elapsed >= _TOOL_ELAPSED_SECONDS else ""
                 with self._lock:
-                    if not self._open_line and not self._answer_open:
+                    if not self._open_line and not self._answer_open:  # one line, redrawn:
+                        shown = self._fit(f"{label}{extra}", 3)  # never wrapped to a second
                         self._stderr(f"\r{_SPINNER_FRAMES[frame % len(_SPINNER_FRAMES)]} "
-                                     f"{label}{extra}\033[K")
+                                     f"{shown}\033[K")
                         frame += 1
             with self._lock:
                 if frame:
@@ -7109,9 +7110,10 @@ class _Terminal:
             if spinner[1] is not threading.current_thread():
                 spinner[1].join()
 
-    def _fit(self, text):
-        """``text`` cut to the terminal's width (or, not on a terminal, to a log's line), at a
-        word where it can be."""
+    def _fit(self, text, room=0):
+        """``text`` cut to the terminal's width (or, not on a terminal, to a log's line) less
+        ``room`` for what follows it on the line (half the width at most), at a word where it
+        can be."""
         if self.fancy:
             import shutil
 
@@ -7119,6 +7121,7 @@ class _Terminal:
             width = shutil.get_terminal_size((100, 24)).columns or 100
         else:
             width = _PLAIN_LINE_CHARS
+        width = max(width - room, width // 2)
         if len(text) <= width:
             return text
         cut = text.rfind(" ", 0, width - 1)
@@ -7288,7 +7291,7 @@ class _Progress:
                 started = max(started, self.cli.approvals.answered_at)
             elapsed = time.monotonic() - started if started is not None else 0.0
             words, preview = _tool_outcome(event["call"], event["result"], elapsed, event["cancelled"])
-            term.tool_line("→ " + _tool_summary(event["call"]))
+            term.tool_line("→ " + _tool_summary(event["call"]), room=len(_visible(words)) + 3)
             term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":
             self.compressing = True

@@ -772,12 +772,18 @@ class Pty:
     stderr are the terminal.
 
     ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
+    ``columns`` gives the terminal a width (else it has none, and lich takes 100).
     """
 
-    def __init__(self, *args, env=None, stdout=None):
+    def __init__(self, *args, env=None, stdout=None, columns=None):
         import pty
 
         self.master, slave = pty.openpty()
+        if columns is not None:
+            import fcntl
+            import termios
+
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
         self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave,
                                      stdout=slave if stdout is None else stdout, stderr=slave,
                                      env={**os.environ, **(env or {})}, close_fds=True)
@@ -9408,6 +9414,19 @@ def test_what_a_terminal_gets_drawn(server, lich_model, tmp_path, workspace, env
     assert ("\x1b[32m" in shown) is escapes
     if not spinner:
         assert "\x1b" not in shown and "\r" not in shown.replace("\r\n", "\n")
+
+
+def test_a_narrow_terminal_gets_lines_that_fit_it(server, lich_model, workspace):
+    command = "sleep 1.2; echo done-with-a-fairly-long-command-line-here"
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": command}))), stream_reply("Done."))
+    term = Pty("--yolo", "--root", str(workspace), "go", env={"NO_COLOR": "1"}, columns=40)
+    assert term.close() == 0
+    drawn = [piece.replace("\x1b[K", "") for line in term.transcript.replace("\r\n", "\n").split("\n")
+             for piece in line.split("\r")]
+    spun = [piece for piece in drawn if " bash " in piece and not piece.startswith("→")]
+    assert spun and all(len(piece) <= 40 for piece in spun), spun  # a wider one wraps, and each redraw leaves a line
+    [done] = [piece for piece in drawn if piece.startswith("→ bash")]
+    assert done.endswith(" ✓ (1.2 s)") and len(done) <= 40, done
 
 
 def test_allow_revoke_of_no_grant_revokes_nothing(server, lich_model, tmp_path, workspace):
