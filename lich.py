@@ -6714,7 +6714,7 @@ def _build_parser():
         "failover (default: $LICH_MODEL, else by the API key that is set)")
     add("--base-url", metavar="URL", help="the provider's base URL (for each spec without an @URL)")
     add("-s", "--system", metavar="TEXT", help="the system prompt")
-    add("--temperature", type=float, metavar="T", help="sampling temperature")
+    add("--temperature", type=_finite_number, metavar="T", help="sampling temperature")
     add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
         help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
     add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
@@ -6766,6 +6766,18 @@ def _positive_int(text):
 
 def _non_negative_int(text):
     return _int_at_least(text, 0)
+
+
+def _finite_number(text):
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # JSON has no nan or inf: a server would refuse the body
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    return value
 
 
 def _int_at_least(text, low):
@@ -6829,7 +6841,7 @@ def _read_piped() -> str:
 def _prompt_with_stdin(prompt, piped) -> str:
     """The prompt, with piped text before it as context in a fenced block."""
     if piped is None or not piped.strip():
-        if prompt is None:
+        if prompt is None or not prompt.strip():
             raise _UsageError("no prompt: pass PROMPT or pipe text on stdin")
         return prompt
     if prompt is None:
@@ -7945,7 +7957,7 @@ class _Cli:
                 if line is None:
                     return _EXIT_OK
                 command = line.strip()
-                if command in ("/exit", "/quit"):
+                if command.split(" ", 1)[0] in ("/exit", "/quit"):  # "/exit now" too
                     return _EXIT_OK
                 if command.startswith("/") and "\n" not in command:
                     history, session = self._command(command, history, session)
@@ -8432,6 +8444,11 @@ def _check_modes(args):
                           "or -c")
     if args.batch is None and (args.out is not None or args.redo or args.workers is not None):
         raise _UsageError("--out, --redo and --workers go with --batch")
+    if args.batch is not None and (args.json or args.label is not None):
+        raise _UsageError("--batch writes JSON lines and names each task's session by its id: "
+                          "it takes no --json or --label")
+    if args.out is not None and os.path.isdir(args.out):
+        raise _UsageError(f"--out is a folder: {args.out}")
     if args.list_sessions and (args.prompt is not None or args.interactive or args.resume
                                or args.continue_ or args.batch is not None):
         raise _UsageError("--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, "

@@ -8265,7 +8265,9 @@ def test_write_and_shell_tools_are_offered_only_when_allowed(server, lich_model,
     (["--max-turns", "0", "x"], "argument --max-turns: expected a whole number >= 1, got '0'"),
     (["--allow", "net", "x"], "argument --allow: invalid choice: 'net' (choose from 'write', 'shell')"),
     (["--context-budget", "-1", "x"], "argument --context-budget: expected a whole number >= 0, got '-1'"),
-], ids=["max-turns", "allow", "budget"])
+    (["--temperature", "nan", "x"], "argument --temperature: expected a number, got 'nan'"),
+    (["--temperature", "warm", "x"], "argument --temperature: expected a number, got 'warm'"),
+], ids=["max-turns", "allow", "budget", "temperature-nan", "temperature-word"])
 def test_usage_errors_exit_2(lich_model, cli, args, message):
     code, out, err = cli(*args)
     assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
@@ -9170,8 +9172,8 @@ def test_the_chats_banner_shows_no_key_of_the_model_spec(server, tmp_path):
     host = server.url.split("://")[1]
     term = chat_pty("-m", f"openai:m@http://me:{SECRET}@{host}/v1?api_key={SECRET}", tmp_path=tmp_path)
     assert f"lich {lich.__version__} · openai:m@http://{host}/v1?... · " in term.expect(PROMPT)
-    term.send("/exit")
-    assert term.close() == 0 and SECRET not in term.transcript
+    term.send("/quit now")  # words after it change nothing
+    assert term.close() == 0 and SECRET not in term.transcript and "unknown command" not in term.transcript
 
 
 def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_model, workspace, tmp_path):
@@ -9881,10 +9883,16 @@ def test_a_batch_file_with_a_bad_task_is_a_usage_error_naming_its_line(server, l
      "--list-sessions lists the sessions: it takes no PROMPT, -i, --resume, -c or --batch"),
     (["-i", "go"], "-i is a chat, which reads a terminal: stdin is not one (leave -i out to answer once)"),
     (["--batch", "{tasks}", "--out", "{tasks}.d/out.jsonl"], "--out: the folder of {tasks}.d/out.jsonl does not exist"),
+    (["--batch", "{tasks}", "--out", "."], "--out is a folder: ."),
+    (["--batch", "{tasks}", "--json"], ("--batch writes JSON lines and names each task's session by its id: it takes "
+                                       "no --json or --label")),
+    (["--batch", "{tasks}", "--label", "x"], ("--batch writes JSON lines and names each task's session by its id: it "
+                                             "takes no --json or --label")),
+    (["  "], "no prompt: pass PROMPT or pipe text on stdin"),
     (["--batch", "{tasks}.empty"], "--batch: {tasks}.empty holds no task"),
 ], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue", "out-without-batch",
         "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal",
-        "out-in-no-folder", "no-task"])
+        "out-in-no-folder", "no-task", "out-a-folder", "batch-json", "batch-label", "blank-prompt"])
 def test_options_that_contradict_each_other_or_lead_nowhere_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("one\n")
