@@ -6986,6 +6986,7 @@ class _Terminal:
         self.color = self.fancy and not environ.get("NO_COLOR")
         self._open_line = False   # a tool line written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
+        self._question_open = False  # a question asked, not ended by the Enter of its answer
         self._answer_to = None     # where streamed text goes
         self._spinner = None       # (stop Event, thread)
         self._lock = threading.RLock()
@@ -7002,6 +7003,7 @@ class _Terminal:
         self.stop_spinner()
         with self._lock:
             out = sys.stdout
+            self._end_question()
             if self._open_line:
                 self._stderr("\n")
                 self._open_line = False
@@ -7036,6 +7038,7 @@ class _Terminal:
         self.stop_spinner()
         text = _visible(text)  # a model's or a server's words cannot move the cursor
         with self._lock:
+            self._end_question()
             self.end_answer()
             self._stderr(self._paint(text, "2") if dim else text)
             self._stderr("\n")
@@ -7049,6 +7052,7 @@ class _Terminal:
             return
         self.stop_spinner()
         with self._lock:
+            self._end_question()
             self.end_answer()
             self._stderr(self._paint(self._fit(_visible(text), room), "2"))
             self._open_line = True
@@ -7074,6 +7078,19 @@ class _Terminal:
                 self._open_line = False
             self.end_answer()
             self._stderr(_visible(question))
+            self._question_open = True
+
+    def question_answered(self, typed):
+        """What was read at a question: a line ended by Enter closes its line; Ctrl-D or
+        Ctrl-C leaves it open, and what is shown next begins a line of its own."""
+        with self._lock:
+            if typed is not None and typed.endswith("\n"):
+                self._question_open = False
+
+    def _end_question(self):
+        if self._question_open:
+            self._stderr("\n")
+            self._question_open = False
 
     def status(self, text):
         """A line redrawn in place on a terminal (a batch's progress); else printed."""
@@ -7362,6 +7379,7 @@ class _Approvals:
             answer = self.cli.read_answer()
         finally:
             self.answered_at = time.monotonic()
+        self.cli.term.question_answered(answer)
         if answer is None:
             raise AbortError("interrupted before the user answered")
         answer = answer.strip().lower()

@@ -8746,8 +8746,20 @@ def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, wo
     term.expect("[t] always bash: ")
     term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
-    assert "→ bash touch later ✗ interrupted before the user answered" in term.rest
+    assert term.rest.replace("\r\n", "\n").startswith("\ninterrupted; stopping")  # on a line of its own
+    assert "\n→ bash touch later ✗ interrupted before the user answered" in term.rest.replace("\r\n", "\n")
     assert not (workspace / "later").exists() and len(server.requests) == 1
+
+
+def test_ctrl_d_at_an_approval_declines_on_a_line_of_its_own(server, lich_model, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch later"}')), openai_reply("Not then."))
+    term = Pty("--allow", "shell", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    term.expect("[t] always bash: ")
+    term.send("\x04")  # Ctrl-D: no Enter, so the line is still open
+    assert term.close() == 0
+    shown = term.rest.replace("\r\n", "\n")
+    assert shown.startswith("\n→ bash touch later ✗ the user declined this call\n") and "Not then." in shown
+    assert not (workspace / "later").exists()
 
 
 def test_stdout_that_is_not_a_terminal_gets_only_the_final_answer(server, lich_model, cli, workspace):
