@@ -34,10 +34,15 @@ if __name__ == "__main__" and sys.argv[1:] == ["--version"]:
     sys.stdout.write(f"lich {__version__}\n")
     sys.exit(0)
 
-if __name__ == "__main__":  # a Ctrl-C while the script loads ends it as a Ctrl-C, untold
-    import signal as _signals  # (main() gives Python's own handling back)
+_SIGINT_KILLS_AS_IT_LOADS = False  # set below; main() then gives Python's own handling back
 
-    _signals.signal(_signals.SIGINT, _signals.SIG_DFL)
+if __name__ == "__main__":  # a Ctrl-C while the script loads ends it as a Ctrl-C, untold
+    import signal as _signals
+
+    if _signals.getsignal(_signals.SIGINT) is _signals.default_int_handler:  # not a SIG_IGN
+        _signals.signal(_signals.SIGINT, _signals.SIG_DFL)  # it was given
+        _SIGINT_KILLS_AS_IT_LOADS = True
+    del _signals
 
 import codecs
 import errno
@@ -1509,7 +1514,7 @@ _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
 _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
 _STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
-_REFUSED_KEPT = 1000  # messages whose refused reasoning a chat remembers, the newest
+_REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
 _MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
 _RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
@@ -2051,17 +2056,19 @@ class _HTTPChat:
             refused = e
             if e.kind != "bad_request" or not re.search(self._reasoning_refusal, str(e)):
                 raise
-        fresh = {id(m): m for m in messages if isinstance(m, dict) and self._reasoning_key in m
-                 and self._refused.get(id(m)) is not m}
+        fresh = {id(m): m for m in messages if isinstance(m, dict) and m.get("tool_calls")
+                 and self._reasoning_key in m and self._refused.get(id(m)) is not m}
         if not fresh:
             raise refused
-        before = self._refused
-        self._refused = {**dict(list(before.items())[-_REFUSED_KEPT:]), **fresh}
+        kept = list(self._refused.items())[-_REFUSED_KEPT:]
+        self._refused = {**dict(kept), **fresh}
         try:
             return self._ask(messages, **options)
-        except ProviderError:
-            self._refused = before
-            raise refused from None  # the first answer says what is wrong with the history
+        except BaseException as e:  # not answered: these marks go (another thread's stay)
+            self._refused = {k: m for k, m in self._refused.items() if fresh.get(k) is not m}
+            if isinstance(e, ProviderError) and e.kind == "bad_request":
+                raise refused from None  # the first answer says what is wrong with the history
+            raise
 
     def _sends_reasoning(self, message):
         """Whether ``message``'s reasoning goes to this server (it did not refuse it)."""
@@ -2145,7 +2152,8 @@ class _HTTPChat:
                 response.close()
             message, kind, retryable, retry_after = _classify_http_error(
                 status, content, response.headers)
-            if status == 404 and self.base_url.endswith("/v1") != self._base_has_v1:
+            if (status == 404 and "model" not in message.lower()  # a route, not a model, unfound
+                    and self.base_url.partition("?")[0].endswith("/v1") != self._base_has_v1):
                 message += (" (an OpenAI-compatible base URL most often ends in /v1)"
                             if self._base_has_v1 else " (an Anthropic base URL leaves /v1 out)")
             raise self._error(message, kind, status=status, retryable=retryable,
@@ -2497,8 +2505,9 @@ class OpenAIChat(_HTTPChat):
     _Stream = _OpenAIStream
     _reasoning_key = "reasoning_content"
     _reasoning_refusal = (r"(?i)reasoning_content\W.{0,80}\b(unsupported|not (permitted|allowed|"
-                          r"supported)|unknown|unrecognized|extra)|\b(unsupported|unknown|"
-                          r"unrecognized|extra)\b.{0,80}\Wreasoning_content")
+                          r"supported)|unknown|unrecognized|extra|unexpected)|\b(unsupported|"
+                          r"unknown|unrecognized|extra|additional propert\w+ are not allowed)\b"
+                          r".{0,80}\Wreasoning_content")
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, extra_body=None):
@@ -2780,7 +2789,8 @@ class AnthropicChat(_HTTPChat):
     _path = "/v1/messages"
     _Stream = _AnthropicStream
     _reasoning_key = "thinking"
-    _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b"  # another key's or endpoint's
+    # another key's or endpoint's signature, or a server that knows no thinking blocks
+    _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b|input tag\W+(redacted_)?thinking\b"
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
@@ -4129,14 +4139,15 @@ class _Glob:
     """A glob test ``(path relative to the folder, file name) -> bool``: ``**`` spans folders,
     ``*`` and ``?`` stay within a name, ``[...]`` is a class and ``{a,b}`` an alternative; a
     pattern without "/" tests the file name at any depth. Matching never backtracks
-    without bound, whatever the pattern."""
+    without bound, whatever the pattern. ``braces=False`` reads braces as themselves, as
+    git reads a .gitignore."""
 
-    def __init__(self, pattern):
+    def __init__(self, pattern, braces=True):
         while pattern.startswith("./"):
             pattern = pattern[2:]
         self.by_name = "/" not in pattern
         self.alternatives = [[s if s == "**" else _glob_tokens(s) for s in each.split("/")]
-                             for each in _expand_braces(pattern)]
+                             for each in (_expand_braces(pattern) if braces else [pattern])]
 
     def __call__(self, rel, name):
         parts = [name] if self.by_name else rel.split("/")
@@ -4185,7 +4196,7 @@ def _gitignore_rules(text):
         line = line.lstrip("/")
         if line:
             try:
-                alternatives = _Glob(line).alternatives
+                alternatives = _Glob(line, braces=False).alternatives
             except _ToolFailure:
                 continue
             names = None  # the common rule (*.pyc, build/): one regex a name, not the walk
@@ -4915,8 +4926,10 @@ class _Workspace:
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
-        if folder and not prefix and rules:  # from the root, ripgrep skips what is ignored
-            import tempfile  # (lich still checks each path: the rules are exactly its own)
+        # From the root, ripgrep skips what is ignored; lich still checks each path, its rules
+        # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not.
+        if folder and not prefix and rules and "{" not in gitignore:
+            import tempfile
 
             handle, ignore_file = tempfile.mkstemp(prefix="lich-gitignore-")
             with os.fdopen(handle, "w", encoding="utf-8") as f:
@@ -5406,6 +5419,7 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
 _MCP_PROTOCOL = "2025-11-25"  # the newest revision with the initialize handshake
 _MCP_PROTOCOLS = frozenset({"2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"})
 _MCP_CLOSE_SECONDS = 2.0      # close(): stdin closed, then this long before SIGTERM, then SIGKILL
+                              # (over HTTP: how long the DELETE may take)
 _MCP_STDERR_WAIT_SECONDS = 1.0  # a server that exited: how long its stderr may take to be read
 _MCP_STDERR_KEEP = 4000       # the end of a server's stderr kept for error messages
 _MCP_LINE_MAX_BYTES = 64 << 20  # one message from a server
@@ -5414,6 +5428,7 @@ _MCP_WATCH_SECONDS = 1.0        # how often an idle server's watcher looks wheth
 _MCP_LATER_MAX = 1000           # messages waiting to be written for readers (pings answered)
 _MCP_MAX_PAGES = 100          # tools/list pages read
 _MCP_LISTEN_TRIES = 4         # GET streams that failed in a row before lich stops listening
+_MCP_QUIET_STREAM_SECONDS = 5.0  # a GET stream open this long served, whatever it brought
 
 
 class _RPCError(Exception):
@@ -5978,11 +5993,14 @@ class _HTTPServer:
                         return
                     self._exchanges.add(exchange)
                     self._streams.add(exchange)
+                began = time.monotonic()
                 try:
                     heard = self._read_stream(exchange)
                     if heard is None:
                         return
-                    failed = 0 if heard else failed + 1  # one that ends at once is no stream
+                    # one that ended at once, unheard, is no stream; a quiet one that lasted is
+                    served = heard or time.monotonic() - began >= _MCP_QUIET_STREAM_SECONDS
+                    failed = 0 if served else failed + 1
                 except Exception as e:  # nothing may escape a thread of lich's: it would print
                     if exchange.cut is not None:  # closed
                         return
@@ -7021,11 +7039,15 @@ class _Terminal:
     def answer(self, text):
         """A whole answer on stdout."""
         if text:
+            with self._lock:
+                self._end_question()
             self.end_answer()
             shown = _visible(text) if self.stdout_tty else text
             self._write(sys.stdout, shown if shown.endswith("\n") else shown + "\n")
 
     def json_line(self, value):
+        with self._lock:
+            self._end_question()
         self._write(sys.stdout, _json_text(value) + "\n")
 
     # -- stderr: everything else
@@ -7143,11 +7165,16 @@ class _Terminal:
         """``text`` cut to the terminal's width (or, not on a terminal, to a log's line) less
         ``room`` for what follows it on the line (half the width at most), at a word where it
         can be."""
-        if self.fancy:
-            import shutil
-
-            # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal that was given no size.
-            width = shutil.get_terminal_size((100, 24)).columns or 100
+        if self.fancy:  # the width of stderr's terminal, where these lines go (stdout may be a pipe)
+            try:
+                width = int(os.environ.get("COLUMNS", "")) or 0
+            except ValueError:
+                width = 0
+            if not width:
+                try:  # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal given no size
+                    width = os.get_terminal_size(sys.stderr.fileno()).columns or 100
+                except (OSError, ValueError, AttributeError):
+                    width = 100
         else:
             width = _PLAIN_LINE_CHARS
         width = max(width - room, width // 2)
@@ -8368,7 +8395,8 @@ def main(argv=None) -> int:
     import signal as signals
 
     main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread and signals.getsignal(signals.SIGINT) is signals.SIG_DFL:  # the script's
+    if (main_thread and _SIGINT_KILLS_AS_IT_LOADS
+            and signals.getsignal(signals.SIGINT) is signals.SIG_DFL):  # the script's own
         signals.signal(signals.SIGINT, signals.default_int_handler)
     try:
         return _main(argv, main_thread)
