@@ -3859,7 +3859,7 @@ class _Root:
     def resolve(self, path):
         """The real path of ``path`` (relative to the root), which must lie inside the root."""
         if "\0" in path:
-            raise _ToolFailure(f"path contains a NUL character: {path!r}")
+            raise _ToolFailure(f"path contains a NUL character: {_shown_path(repr(path))}")
         real = os.path.realpath(os.path.join(self.path, path))
         if not self.inside(real):
             raise _ToolFailure(f"path is outside the workspace: {_shown_path(path)}")
@@ -3909,7 +3909,7 @@ class _Root:
             except OSError:
                 pass
         os.close(fd)
-        raise _ToolFailure(f"path is outside the workspace: {shown}")
+        raise _ToolFailure(f"path is outside the workspace: {_shown_path(shown)}")
 
     def files(self, top, wanted):
         """(sorted paths from the root of the files under the real folder ``top`` that
@@ -6645,7 +6645,6 @@ _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP ser
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-_BATCH_CHAT_RETRIES = 8  # as run_batch's spec chats: a batch's many workers meet rate limits
 _INTERRUPTED_NOTE = "[interrupted by the user]"
 _NO_MODEL_HELP = (
     "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
@@ -7014,8 +7013,8 @@ class _Terminal:
     def delta(self, text) -> bool:
         """Streamed answer text, to stdout on a terminal; whether it was shown. Else it is
         not shown as it comes: the answer goes to stdout whole, and what the model said
-        between tool calls to stderr after each call (streamed to stderr too, a piped answer
-        would be on the screen twice)."""
+        before its tool calls to stderr once the model has answered (streamed to stderr too,
+        a piped answer would be on the screen twice)."""
         if not text or not self.stdout_tty:
             return False
         self.stop_spinner()
@@ -7803,8 +7802,6 @@ class _Cli:
             options["on_delta"] = self._delta
         if self.args.base_url:
             options["base_url"] = self.args.base_url
-        if self.args.batch is not None:
-            options["retries"] = _BATCH_CHAT_RETRIES
         try:
             return chat_from_spec(spec, **options)
         except (ValueError, TypeError) as exc:
@@ -8002,7 +7999,7 @@ class _Cli:
                 if line is None:
                     return _EXIT_OK
                 command = line.strip()
-                if command.split(" ", 1)[0] in ("/exit", "/quit"):  # "/exit now" too
+                if command.split(" ", 1)[0] in ("/exit", "/quit") and "\n" not in command:  # "/exit now"
                     return _EXIT_OK
                 if command.startswith("/") and "\n" not in command:
                     history, session = self._command(command, history, session)
@@ -8207,6 +8204,14 @@ class _Cli:
             self.term.line(line, dim=True)
         return history
 
+    def _batch_spec(self):
+        """The model spec as run_batch takes it, which gives each worker its chats, retrying
+        as a batch does; --base-url goes into each spec without an @URL of its own."""
+        if not self.args.base_url:
+            return self.model
+        return ",".join(part if re.search(r"@https?://", part) else f"{part.strip()}@{self.args.base_url}"
+                        for part in self.model.split(","))
+
     def batch(self) -> int:
         """Every task of --batch, on --workers threads; resumed from --out."""
         tasks, numbers = _read_tasks(self.args.batch)
@@ -8237,7 +8242,8 @@ class _Cli:
             return self._tools(task.get("root") or self.root)
 
         def work():
-            return run_batch(tasks, chat=self.chat, tools=tools, workers=args.workers or _DEFAULT_WORKERS,
+            return run_batch(tasks, chat=self._batch_spec(), tools=tools,
+                workers=args.workers or _DEFAULT_WORKERS,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,

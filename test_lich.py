@@ -9746,17 +9746,16 @@ def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, 
     assert len(batch_server.requests) == requests
 
 
-def test_a_batch_from_the_command_line_retries_as_a_library_batch_does(batch_server, lich_model, cli, tmp_path,
-                                                                        workspace, monkeypatch):
-    asked = []
-    chat_from_spec = lich.chat_from_spec
-    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: asked.append(options.get("retries"))
-                        or chat_from_spec(spec, **options))
+def test_a_batch_from_the_command_line_rides_out_rate_limits_as_a_library_batch_does(server, cli, tmp_path,
+                                                                                   workspace):
+    limited = Reply(429, openai_error("slow down", type="rate_limit_error"), headers={"retry-after-ms": "10"})
+    queue(server, limited, limited, limited, openai_reply("made it"))  # one run's Router gives up after 2 retries
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n")
-    assert cli("--batch", str(prompts), "--root", str(workspace))[0] == 0
-    assert cli("--root", str(workspace), "--no-stream", "one")[0] == 0
-    assert asked == [8, None]  # a run alone: the Router's own 2
+    host = server.url.split("://")[1]  # --base-url reaches each worker's chat
+    code, out, _ = cli("--batch", str(prompts), "-m", "openai:gpt-test", "--base-url", f"http://{host}/v1",
+                       "--root", str(workspace))
+    assert (code, json.loads(out)["final"], len(server.requests)) == (0, "made it", 4)
 
 
 def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
