@@ -7546,7 +7546,7 @@ def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False):
     answer and answers once lich has. ``unframed`` streams without chunked encoding. Returns
     what it saw: {"sessions": n, "tools": [names], ...}."""
     seen = {"sessions": 0, "expired": False, "release": threading.Event(), "pinged": threading.Event(),
-            "tools": ["html", "ask", "expire", "slow", "pinged"]}
+            "tools": ["html", "ask", "expire", "slow", "pinged"], "listing": None}
 
     def answer(body, result):
         return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
@@ -7575,7 +7575,9 @@ def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False):
             seen["expired"] = False
             return Reply(404, "no such session")
         if method == "tools/list":
-            return answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
+            listed = answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
+            listed.hold = seen["listing"]  # an Event: the listing waits for it
+            return listed
         name = body["params"]["name"]
         if name == "html":
             return Reply(200, "<html>oops</html>", content_type="application/json")
@@ -7680,6 +7682,25 @@ def test_an_mcp_http_servers_get_stream_is_heard_until_close(server, unframed):
     tools.close()  # the stream is cut at once, and its thread ends
     eventually(lambda: listener not in [t.name for t in threading.enumerate()], seconds=2)
     assert time.monotonic() - started < 1
+
+
+def test_a_list_changed_that_overtakes_a_listing_under_way_is_not_lost(server):
+    changed = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
+    seen = mcp_over_http(server, stream=[changed])
+    seen["listing"] = threading.Event()
+    tools = lich.mcp_tools(server.url + "/mcp")
+    listed = []
+    lister = threading.Thread(target=lambda: listed.append([spec["name"] for spec in tools.specs()]))
+    lister.start()
+    eventually(lambda: any((r["json"] or {}).get("method") == "tools/list" for r in server.requests))
+    seen["tools"].append("new")  # changed while the old list is on its way
+    seen["release"].set()
+    time.sleep(0.5)  # the GET stream's list_changed is heard
+    seen["listing"].set()
+    lister.join(5)
+    assert listed == [["html", "ask", "expire", "slow", "pinged"]]  # what was asked for then
+    assert "new" in [spec["name"] for spec in tools.specs()]  # asked for again, not kept stale
+    tools.close()
 
 
 def test_an_mcp_http_server_without_a_get_stream_is_asked_once(server):
