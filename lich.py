@@ -6006,7 +6006,9 @@ class _HTTPServer:
                         return
                     _log.debug("the GET stream of the MCP server %s broke: %s", self.name,
                                _redact_secrets(str(e)))
-                    failed += 1
+                    # a proxy that cuts an idle stream breaks it: one that lasted served
+                    served = time.monotonic() - began >= _MCP_QUIET_STREAM_SECONDS
+                    failed = 0 if served else failed + 1
                 finally:
                     with self._lock:
                         self._exchanges.discard(exchange)
@@ -6645,6 +6647,7 @@ _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP ser
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_BATCH_CHAT_RETRIES = 8  # as run_batch's spec chats: a batch's many workers meet rate limits
 _INTERRUPTED_NOTE = "[interrupted by the user]"
 _NO_MODEL_HELP = (
     "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
@@ -7166,7 +7169,7 @@ class _Terminal:
         can be."""
         if self.fancy:  # the width of stderr's terminal, where these lines go (stdout may be a pipe)
             try:
-                width = int(os.environ.get("COLUMNS", "")) or 0
+                width = max(0, int(os.environ.get("COLUMNS", "")))
             except ValueError:
                 width = 0
             if not width:
@@ -7802,6 +7805,8 @@ class _Cli:
             options["on_delta"] = self._delta
         if self.args.base_url:
             options["base_url"] = self.args.base_url
+        if self.args.batch is not None:
+            options["retries"] = _BATCH_CHAT_RETRIES
         try:
             return chat_from_spec(spec, **options)
         except (ValueError, TypeError) as exc:
@@ -8204,14 +8209,6 @@ class _Cli:
             self.term.line(line, dim=True)
         return history
 
-    def _batch_spec(self):
-        """The model spec as run_batch takes it, which gives each worker its chats, retrying
-        as a batch does; --base-url goes into each spec without an @URL of its own."""
-        if not self.args.base_url:
-            return self.model
-        return ",".join(part if re.search(r"@https?://", part) else f"{part.strip()}@{self.args.base_url}"
-                        for part in self.model.split(","))
-
     def batch(self) -> int:
         """Every task of --batch, on --workers threads; resumed from --out."""
         tasks, numbers = _read_tasks(self.args.batch)
@@ -8242,7 +8239,7 @@ class _Cli:
             return self._tools(task.get("root") or self.root)
 
         def work():
-            return run_batch(tasks, chat=self._batch_spec(), tools=tools,
+            return run_batch(tasks, chat=self.chat, tools=tools,
                 workers=args.workers or _DEFAULT_WORKERS,
                 session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,

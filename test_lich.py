@@ -7686,7 +7686,8 @@ def test_an_mcp_http_servers_get_stream_is_heard_until_close(server, unframed):
 
 def test_a_list_changed_that_overtakes_a_listing_under_way_is_not_lost(server):
     changed = {"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}
-    seen = mcp_over_http(server, stream=[changed])
+    ping = {"jsonrpc": "2.0", "id": "p2", "method": "ping"}  # answered: what came before it was heard
+    seen = mcp_over_http(server, stream=[changed, ping])
     seen["listing"] = threading.Event()
     tools = lich.mcp_tools(server.url + "/mcp")
     listed = []
@@ -7695,7 +7696,7 @@ def test_a_list_changed_that_overtakes_a_listing_under_way_is_not_lost(server):
     eventually(lambda: any((r["json"] or {}).get("method") == "tools/list" for r in server.requests))
     seen["tools"].append("new")  # changed while the old list is on its way
     seen["release"].set()
-    time.sleep(0.5)  # the GET stream's list_changed is heard
+    eventually(lambda: {"jsonrpc": "2.0", "id": "p2", "result": {}} in [r["json"] for r in server.requests])
     seen["listing"].set()
     lister.join(5)
     assert listed == [["html", "ask", "expire", "slow", "pinged"]]  # what was asked for then
