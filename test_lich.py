@@ -1689,6 +1689,28 @@ def test_two_sessions_in_one_second_never_share_a_file(tmp_path):
         h.close()
 
 
+def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_path):
+    # No public name holds the lock that open_session takes; a thread of the parent may
+    # hold it at the fork, as this test does, and the child must not wait for it forever.
+    with lich._session_names_lock:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                lich.open_session(tmp_path / "child").close()
+                os._exit(0)
+            finally:
+                os._exit(4)
+    status, deadline = None, time.monotonic() + 5
+    while status is None and time.monotonic() < deadline:
+        done, code = os.waitpid(pid, os.WNOHANG)
+        status = code if done else time.sleep(0.01)
+    if status is None:  # it waited on its parent's lock
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert len(list((tmp_path / "child").iterdir())) == 1
+
+
 def test_concurrent_sessions_with_different_labels_get_different_counters(tmp_path):
     paths = []
 
@@ -7702,6 +7724,24 @@ def test_a_list_changed_that_overtakes_a_listing_under_way_is_not_lost(server):
     assert listed == [["html", "ask", "expire", "slow", "pinged"]]  # what was asked for then
     assert "new" in [spec["name"] for spec in tools.specs()]  # asked for again, not kept stale
     tools.close()
+
+
+def test_a_new_mcp_session_cuts_the_get_stream_of_the_old_one(server):
+    seen = mcp_over_http(server, stream=[])  # a GET stream that stays open, quiet
+    url = server.url + "/mcp"
+    listener = f"lich-mcp-listen {url}"
+    tools = lich.mcp_tools(url)
+    try:
+        eventually(lambda: [r["method"] for r in server.requests].count("GET") == 1)
+        assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")  # a new session
+        eventually(lambda: [r["method"] for r in server.requests].count("GET") == 2)
+        eventually(lambda: [t.name for t in threading.enumerate()].count(listener) == 1,
+                   what="the old session's listener lives on")
+        assert seen["sessions"] == 2
+    finally:
+        tools.close()
+        seen["release"].set()
 
 
 def test_an_mcp_http_server_without_a_get_stream_is_asked_once(server):
