@@ -8527,4 +8527,9 @@ def _run_cli(cli) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_code = main()
+    if _SIGINT_KILLS_AS_IT_LOADS:  # and as it ends: Python's shutdown has no word for one either
+        import signal as _signals
+
+        _signals.signal(_signals.SIGINT, _signals.SIG_DFL)
+    sys.exit(_exit_code)

@@ -10041,8 +10041,8 @@ seen, script = [], sys.argv[1]
 if sys.argv[2:] == ["ignored"]:  # as a shell's background job starts it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-def profile(frame, event, arg):  # the Ctrl-C handling in force when main() begins
-    if event == "call" and frame.f_code.co_name == "main" and frame.f_code.co_filename == script:
+def profile(frame, event, arg):  # the Ctrl-C handling in force as main() begins and ends
+    if event in ("call", "return") and frame.f_code.co_name == "main" and frame.f_code.co_filename == script:
         seen.append(signal.getsignal(signal.SIGINT))
 
 sys.setprofile(profile)
@@ -10058,14 +10058,15 @@ print(*[names[handler] for handler in seen], "then", names[signal.getsignal(sign
 
 
 def test_ctrl_c_as_lich_starts_ends_it_without_a_traceback(monkeypatch, capsys):
-    # while the script loads, a Ctrl-C kills it as Ctrl-C kills a program; main() gives
-    # Python's handling back, and a Ctrl-C before its own began is exit code 130
+    # while the script loads and once main() has returned, a Ctrl-C kills it as Ctrl-C kills
+    # a program; main() gives Python's handling back, and a Ctrl-C before its own began is
+    # exit code 130
     import signal as signals
 
     code, out, err = Process("-c", SIGINT_AS_LICH_LOADS, LICH_PY).wait()
-    assert (code, out.split("\n")[-2], err) == (0, "killed then KeyboardInterrupt", "")
+    assert (code, out.split("\n")[-2], err) == (0, "killed KeyboardInterrupt then killed", "")
     code, out, err = Process("-c", SIGINT_AS_LICH_LOADS, LICH_PY, "ignored").wait()  # ignored it stays
-    assert (code, out.split("\n")[-2], err) == (0, "ignored then ignored", "")
+    assert (code, out.split("\n")[-2], err) == (0, "ignored ignored then ignored", "")
     import argparse
 
     def interrupted(self, args=None, namespace=None):
