@@ -431,6 +431,10 @@ def _echo(value) -> str:
     return text if len(text) <= _ECHO_MAX_CHARS else text[:_ECHO_MAX_CHARS] + "..."
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_json_type(value, kind) -> bool:
     if kind == "integer":  # 2.0 too, as JSON Schema says: models write offsets so
         return (isinstance(value, int) and not isinstance(value, bool)
@@ -457,8 +461,9 @@ def _schema_check(value, schema, where, problems):
         return value
     if "enum" in schema:
         allowed = schema["enum"]
-        if any(value == a and type(value) is type(a) for a in allowed):  # True is not 1
-            return value
+        for a in allowed:  # True is not 1, and 2.0 is 2 (given back as the schema writes it)
+            if value == a and (type(value) is type(a) or _is_number(value) and _is_number(a)):
+                return a
         named = ", ".join(json.dumps(a) for a in allowed if a is not None)
         problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
                          _echo(value)))
@@ -2631,11 +2636,12 @@ def _closed_objects(schema):
         return [_closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {k: _closed_objects(v) if k in ("properties", "items", "anyOf", "allOf", "$defs",
-                                             "definitions", "additionalProperties") else v
+    closed = {k: _closed_objects(v) if k in ("items", "anyOf", "allOf", "oneOf", "not",
+                                             "additionalProperties") else v
               for k, v in schema.items()}
-    if isinstance(closed.get("properties"), dict):
-        closed["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
+    for named in ("properties", "$defs", "definitions"):  # maps of name -> schema
+        if isinstance(schema.get(named), dict):
+            closed[named] = {k: _closed_objects(v) for k, v in schema[named].items()}
     kinds = schema.get("type")
     if (kinds == "object" or (isinstance(kinds, list) and "object" in kinds)) \
             and "additionalProperties" not in schema:
@@ -2663,15 +2669,19 @@ def _anthropic_usage(usage, into):
     Later events of a stream repeat the counts so far: they replace, not add."""
     if not isinstance(usage, dict):
         return
-    inputs = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
-    if any(k in usage for k in inputs):
-        into["input_tokens"] = sum(_count(usage.get(k)) for k in inputs)
+    cached = ("cache_read_tokens", "cache_write_tokens")
+    uncached = into.get("input_tokens", 0) - sum(into.get(k, 0) for k in cached)
+    if "input_tokens" in usage:
+        uncached = _count(usage["input_tokens"])
     if "output_tokens" in usage:
         into["output_tokens"] = _count(usage["output_tokens"])
     for theirs, ours in (("cache_read_input_tokens", "cache_read_tokens"),
                          ("cache_creation_input_tokens", "cache_write_tokens")):
         if usage.get(theirs) is not None:
             into[ours] = _count(usage[theirs])
+    if any(k in usage for k in ("input_tokens", "cache_creation_input_tokens",
+                                "cache_read_input_tokens")):  # an event that leaves a count out
+        into["input_tokens"] = uncached + sum(into.get(k, 0) for k in cached)  # keeps the last
     details = usage.get("output_tokens_details")
     if isinstance(details, dict) and details.get("thinking_tokens") is not None:
         into["reasoning_tokens"] = _count(details["thinking_tokens"])
@@ -7944,16 +7954,19 @@ class _Cli:
         self._end_json("aborted", progress.usage, session)
         term.note("lich: stopped: interrupted")
 
-    def _end_json(self, stopped_reason, usage, session):
+    def _end_json(self, stopped_reason, usage, session, output=None):
         if self.args.json:
-            self.term.json_line({"type": "run_end", "stopped_reason": stopped_reason,
-                                 "usage": usage, "session_path": getattr(session, "path", None)})
+            end = {"type": "run_end", "stopped_reason": stopped_reason, "usage": usage,
+                   "session_path": getattr(session, "path", None)}
+            if self.schema is not None:  # the answer --schema asked for, parsed
+                end["output"] = output
+            self.term.json_line(end)
 
     def _show(self, run, session):
         """How a run ended, the same for one-shot runs and chat turns."""
         term, args = self.term, self.args
         if args.json:
-            self._end_json(run.stopped_reason, run.usage_total, session)
+            self._end_json(run.stopped_reason, run.usage_total, session, run.output)
             return
         if self.schema is not None:
             if run.stopped_reason == "final":

@@ -4230,6 +4230,30 @@ def test_anthropic_asks_for_structured_output_with_objects_closed(server):
     assert schema["properties"]["city"] == {"type": "object", "properties": {"name": {"type": "string"}}}
 
 
+def test_anthropic_closes_the_objects_of_defs_and_of_every_alternative(server):
+    item = {"type": "object", "properties": {"q": {"type": "string"}}}
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/It"}},
+                                               "one": {"oneOf": [item, {"type": "null"}]}},
+              "$defs": {"It": item}, "definitions": {"Old": item}}
+    server.reply(200, anthropic_reply(text_block('{"items": []}')))
+    anthropic_at(server, cache=False)(USER, response_format={"name": "output", "schema": schema})
+    sent = server.requests[0]["json"]["output_config"]["format"]["schema"]
+    closed = {**item, "additionalProperties": False}
+    assert (sent["$defs"], sent["definitions"], sent["properties"]["one"]["oneOf"][0]) == (
+        {"It": closed}, {"Old": closed}, closed)
+
+
+def test_anthropic_stream_usage_keeps_the_cached_counts_a_later_event_leaves_out(server):
+    start = message_start()
+    start["message"]["usage"] = {"input_tokens": 5, "cache_read_input_tokens": 100, "cache_creation_input_tokens": 20}
+    body = anthropic_sse(start, block_start(0, text_block("")), block_delta(0, type="text_delta", text="Hi"),
+                         {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                          "usage": {"input_tokens": 5, "output_tokens": 9}}, MESSAGE_STOP)
+    server.reply(200, chunks=[body])
+    assert anthropic_at(server, stream=True)(USER).usage == usage(
+        125, 9, cache_read_tokens=100, cache_write_tokens=20)  # the whole input, cached included
+
+
 @pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "array", "items": {"type": ["object", "null"]}}],
                          ids=["object", "array-of-objects"])
 def test_anthropic_gets_a_schema_with_an_object_listing_no_properties_in_the_system_prompt(server, schema):
@@ -5528,6 +5552,10 @@ def test_tools_run_accepts_already_decoded_arguments(sample_tools):
 
 def test_a_whole_number_written_with_a_point_is_an_integer_as_json_schema_says(sample_tools, ws):
     assert sample_tools.run(tool_call("add", {"a": 2.0, "b": 1})) == lich.ToolResult(ok=True, output="3")  # not "3.0"
+    assert sample_tools.run(tool_call("anything", {"x": 0, "level": 2.0})).ok  # Literal[1, 2]: 2.0 is 2
+    run = lich.run_agent("x", chat=ScriptedChat(lich.ChatResult(assistant('{"k": 2.0}'))), max_turns=1,
+                         output_schema={"type": "object", "properties": {"k": {"enum": [1, 2]}}})
+    assert (run.output, type(run.output["k"])) == ({"k": 2}, int)
     (ws / "f.txt").write_text("one\ntwo\n")
     assert run_tool(lich.coding_tools(ws), "read_file", path="f.txt", offset=2.0) == lich.ToolResult(
         ok=True, output="     2\ttwo")
@@ -8469,6 +8497,11 @@ def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_
     queue(server, openai_reply("Ada."))
     assert cli("who?")[1] == "Ada.\n"
     assert server.requests[1]["json"]["messages"][0]["content"].endswith(" Answer concisely in plain text.")
+    queue(server, openai_reply('```json\n{"name": "Ada", "age": 36.0}\n```'))
+    code, out, _ = cli("--json", "--schema", json.dumps(PERSON), "who?")  # the parsed answer ends the lines
+    assert (code, json.loads(out.splitlines()[-1])) == (0, {
+        "type": "run_end", "stopped_reason": "final", "usage": {"input_tokens": 7, "output_tokens": 3},
+        "session_path": json.loads(out.splitlines()[-1])["session_path"], "output": {"name": "Ada", "age": 36}})
     (tmp_path / "person.json").write_text(json.dumps(PERSON))
     queue(server, openai_reply("not json"), openai_reply('{"name": "Bo"}'))
     assert cli("--schema", f"@{tmp_path / 'person.json'}", "who?") == (
