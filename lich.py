@@ -6281,8 +6281,7 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
     kinds = trace.SpanKind
     common = {"gen_ai.provider.name": provider, "gen_ai.request.model": model}
     common = {k: v for k, v in common.items() if v is not None}
-    state = {"agent": None, "context": None, "chat": None, "tools": {}, "usage": _zero_usage(),
-             "thread": None}
+    runs = {}  # thread id -> the spans of the run in that thread: runs in threads stay apart
 
     def fail(span, exc_or_type, description=None):
         kind = exc_or_type if isinstance(exc_or_type, str) else (
@@ -6291,7 +6290,7 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
         span.set_status(trace.Status(trace.StatusCode.ERROR, _redact_secrets(
             description if description is not None else str(exc_or_type)) or None))
 
-    def end_run(error=None):
+    def end_run(state, error=None):
         agent = state["agent"]
         if agent is None:
             return
@@ -6305,20 +6304,21 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
         if error is not None:
             fail(agent, error)
         agent.end()
-        state.update(agent=None, context=None, chat=None, tools={}, usage=_zero_usage())
+        runs.pop(threading.get_ident(), None)
 
     def on_event(event):
         kind = event["type"]
-        if (kind == "turn_start" and event.get("turn") == 1 and state["agent"] is not None
-                and state["thread"] == threading.get_ident()):
-            end_run("interrupted")  # this thread's run before ended without its last events (Ctrl-C)
-        if kind == "turn_start" and state["agent"] is None:
-            state["thread"] = threading.get_ident()
+        state = runs.get(threading.get_ident())
+        if kind == "turn_start" and event.get("turn") == 1 and state is not None:
+            end_run(state, "interrupted")  # this thread's run before ended without its last events (Ctrl-C)
+            state = None
+        if kind == "turn_start" and state is None:
+            state = runs[threading.get_ident()] = {"chat": None, "tools": {}, "usage": _zero_usage()}
             state["agent"] = tracer.start_span(
                 "invoke_agent", context=otel_context.get_current(), kind=kinds.INTERNAL,
                 attributes={"gen_ai.operation.name": "invoke_agent", **common})
             state["context"] = trace.set_span_in_context(state["agent"])
-        elif state["agent"] is None:
+        elif state is None:
             return
         elif kind == "llm_start":
             state["chat"] = tracer.start_span(
@@ -6366,11 +6366,11 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
                 fail(state["chat"], error)
                 state["chat"].end()
                 state["chat"] = None
-            end_run(error)  # the loop emits nothing after an error
+            end_run(state, error)  # the loop emits nothing after an error
         elif kind == "budget_exhausted":
             state["agent"].set_attribute("lich.stopped_reason", "budget")
         elif kind == "turn_end":
-            end_run()
+            end_run(state)
 
     return emitter.on_any(on_event)
 

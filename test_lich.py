@@ -7921,6 +7921,29 @@ def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans
         ("chat m-1", None, "UNSET"), ("invoke_agent", None, "UNSET")]
 
 
+def test_runs_in_two_threads_on_one_emitter_are_traced_apart(spans):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()  # an app's one emitter, its requests in threads
+    lich.trace_otel(emitter, tracer=tracer, model="m-1")
+    together = threading.Barrier(2)
+
+    def chat_using(tokens):
+        def chat(messages, **options):
+            together.wait(5)  # each run's chat call is under way while the other's is
+            return lich.ChatResult(assistant("done"), usage={"input_tokens": tokens, "output_tokens": 1})
+        return chat
+
+    runs = [threading.Thread(target=lich.run_conversation, args=(chat_using(tokens), None, [user("go")]),
+                             kwargs={"max_turns": 1, "emitter": emitter}) for tokens in (10, 20)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join(5)
+    agents = [s for s in finished() if s[0] == "invoke_agent"]
+    assert sorted(s[3]["gen_ai.usage.input_tokens"] for s in agents) == [10, 20]  # each its own run's
+    assert [s[2] for s in finished() if s[0] == "chat m-1"] == ["invoke_agent", "invoke_agent"]
+
+
 def test_an_aborted_run_and_a_budget_end_are_traced(spans):
     tracer, finished = spans
     signal = threading.Event()
