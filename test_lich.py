@@ -250,6 +250,20 @@ def eventually(check, seconds=5.0, what="it never happened"):
         time.sleep(0.01)
 
 
+def exit_code_of_child(pid, seconds=5.0):
+    """The exit code of the forked child ``pid`` (minus its signal when one killed it), or
+    None when it has not ended within ``seconds``: it is killed then."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)  # SIGKILL
+    os.waitpid(pid, 0)
+    return None
+
+
 def wait_for_request(server, count=1, timeout=10):
     """Return once ``server`` has received ``count`` requests."""
     eventually(lambda: len(server.requests) >= count, timeout, "no request arrived")
@@ -1689,26 +1703,31 @@ def test_two_sessions_in_one_second_never_share_a_file(tmp_path):
         h.close()
 
 
-def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_path):
-    # No public name holds the lock that open_session takes; a thread of the parent may
-    # hold it at the fork, as this test does, and the child must not wait for it forever.
-    with lich._session_names_lock:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                lich.open_session(tmp_path / "child").close()
-                os._exit(0)
-            finally:
-                os._exit(4)
-    status, deadline = None, time.monotonic() + 5
-    while status is None and time.monotonic() < deadline:
-        done, code = os.waitpid(pid, os.WNOHANG)
-        status = code if done else time.sleep(0.01)
-    if status is None:  # it waited on its parent's lock
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
-    assert len(list((tmp_path / "child").iterdir())) == 1
+def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_path, monkeypatch):
+    naming, forked, namer = threading.Event(), threading.Event(), []
+    listdir = os.listdir
+
+    def slow_listdir(path):  # the namer stops inside open_session, holding what it holds there
+        if namer and threading.get_ident() == namer[0].ident:
+            naming.set()
+            forked.wait(5)
+        return listdir(path)
+
+    monkeypatch.setattr(os, "listdir", slow_listdir)
+    namer.append(threading.Thread(target=lambda: lich.open_session(tmp_path / "parent").close()))
+    namer[0].start()
+    assert naming.wait(5)
+    pid = os.fork()  # the child has only this thread: nothing in it will give back what the namer holds
+    if pid == 0:
+        try:
+            lich.open_session(tmp_path / "child").close()
+            os._exit(0)
+        finally:
+            os._exit(4)
+    forked.set()
+    namer[0].join(5)
+    assert exit_code_of_child(pid) == 0  # None: it waited on what its parent's namer held
+    assert len(list((tmp_path / "child").iterdir())) == 1 == len(list((tmp_path / "parent").iterdir()))
 
 
 def test_concurrent_sessions_with_different_labels_get_different_counters(tmp_path):
@@ -2193,7 +2212,7 @@ def fork(work, *args, kill_after=None):
     if kill_after is not None:
         time.sleep(kill_after)
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, 9)  # SIGKILL
         except ProcessLookupError:
             pass
     _, status = os.waitpid(pid, 0)
@@ -4725,16 +4744,10 @@ def test_a_pickled_limiter_is_let_go_and_a_forked_child_has_limiters_of_its_own(
             os._exit(0 if received is not limiter else 3)
         finally:
             os._exit(4)
-    status, deadline = None, time.monotonic() + 5
-    while status is None and time.monotonic() < deadline:
-        done, code = os.waitpid(pid, os.WNOHANG)
-        status = code if done else time.sleep(0.01)
-    if status is None:  # it hung on its parent's slot
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+    code = exit_code_of_child(pid)  # None: it hung on its parent's slot
     release.set()
     caller.join(5)
-    assert status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert code == 0
     gone = weakref.ref(limiter)
     del limiter
     gc.collect()
