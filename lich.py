@@ -763,18 +763,16 @@ def _unique_call_ids(calls, used, counters) -> list:
     """
     seen = set()  # ids of ``calls`` kept or given so far
     for call in calls:  # the common case, kept cheap: every id is fine
-        call_id = call.get("id") if isinstance(call, dict) else None
+        call_id = call.get("id")
         if not (isinstance(call_id, str) and call_id) or call_id in used or call_id in seen:
             break
         seen.add(call_id)
     else:
         return calls
     seen.clear()
-    taken = {c.get("id") for c in calls if isinstance(c, dict)}  # a fresh id takes none of them
+    taken = {c.get("id") for c in calls if isinstance(c.get("id"), str)}  # a fresh id takes none
     fixed = None
     for i, call in enumerate(calls):
-        if not isinstance(call, dict):
-            continue
         call_id = call.get("id")
         if isinstance(call_id, str) and call_id and call_id not in used and call_id not in seen:
             seen.add(call_id)
@@ -808,6 +806,26 @@ def _chat_extras(response_format):
     return {} if response_format is None else {"response_format": response_format}
 
 
+def _check_chat_result(result):
+    """A TypeError unless ``result`` is a ChatResult whose message the loop can use: the one
+    check of what a ChatFn returns, so that nothing later trips over its shape."""
+    if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
+        raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
+                        f"holding a message dict")
+    calls = result.message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise TypeError(f"the chat's tool_calls is a {type(calls).__name__}, not a list")
+    for i, call in enumerate(calls):
+        if not isinstance(call, dict):
+            raise TypeError(f"the chat's tool call {i} is a {type(call).__name__}, not a dict")
+        for key in ("name", "arguments"):
+            if not isinstance(call.get(key), str):
+                raise TypeError(f"the chat's tool call {i}: its {key} is a "
+                                f"{type(call.get(key)).__name__}, not a string")
+
+
 def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature, max_tokens,
                signal, emitter, response_format):
     """``call_chat`` with the history's call ids already known; ``used_ids`` grows by the answer's."""
@@ -816,19 +834,17 @@ def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
                       signal=signal, **extra)
-        if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
-            raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
-                            f"holding a message dict")
+        _check_chat_result(result)
     except BaseException as exc:  # Ctrl-C in a notebook too: a tracer's spans end
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
     calls = result.message.get("tool_calls")
-    if calls and isinstance(calls, list):
+    if calls:
         unique = _unique_call_ids(calls, used_ids, id_counters)
         if unique is not calls:
             result = replace(result, message={**result.message, "tool_calls": unique})
-        used_ids.update(c["id"] for c in unique if isinstance(c, dict))
+        used_ids.update(c["id"] for c in unique)
     _emit(emitter, {"type": "llm_end", "turn": turn, "result": result})
     return result
 
@@ -6461,11 +6477,12 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
             if chats is None:
                 chats = _batch_chats.chats = {}
             key = (chat, id(limiter))  # the cached Router holds the limiter: its id stays its own
-            if key not in chats:
+            cached = chats.pop(key, None)  # taken out and put back: the dict runs oldest-used first
+            if cached is None:
                 if len(chats) >= _BATCH_CHATS_KEPT:  # a pool serving batch after batch
-                    del chats[next(iter(chats))]  # the oldest goes, its connections with it
-                chats[key] = chat_from_spec(chat, limiter=limiter, retries=_BATCH_RETRIES)
-            chat = chats[key]
+                    del chats[next(iter(chats))]  # the least recently used goes, its connections with it
+                cached = chat_from_spec(chat, limiter=limiter, retries=_BATCH_RETRIES)
+            chat = chats[key] = cached
         elif limiter is not None:
             chat = limiter.wrap(chat)
         if tools is not None and not hasattr(tools, "specs") and callable(tools):
@@ -6504,30 +6521,43 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
 
 
 def _results_file(out, redo):
-    """(descriptor opened for appending, {id: BatchResult of the ok lines already there})."""
+    """(descriptor opened for appending, {id: BatchResult of the ok lines already there}).
+
+    The file stays locked (``flock``) while the batch runs: a second batch on it would run
+    the same pending tasks again, so it is refused.
+    """
     out = os.fspath(out)
-    done = {}
-    if not redo:
-        try:
-            with open(out, "rb") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                        result = BatchResult(**record)
-                    except (ValueError, TypeError, RecursionError):
-                        continue  # a line cut by a kill, or not ours
-                    if result.ok and isinstance(result.id, str):
-                        done[result.id] = result
-        except FileNotFoundError:
-            pass
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(out, flags | (os.O_TRUNC if redo else 0), 0o644)
-    size = os.fstat(fd).st_size
-    if size:
+    fd = os.open(out, flags, 0o644)
+    try:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock
+            pass
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise OSError(errno.EBUSY, "another batch is writing to it", out) from None
+        if redo:
+            os.ftruncate(fd, 0)
+        done = {}
         with open(out, "rb") as f:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
-                os.write(fd, b"\n")
+            for line in f:
+                try:
+                    result = BatchResult(**json.loads(line))
+                except (ValueError, TypeError, RecursionError):
+                    continue  # a line cut by a kill, or not ours
+                if result.ok and isinstance(result.id, str):
+                    done[result.id] = result
+            size = f.tell()
+            if size:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
+                    os.write(fd, b"\n")
+    except BaseException:
+        os.close(fd)
+        raise
     return fd, done
 
 
@@ -8267,6 +8297,11 @@ class _Cli:
             if bad is None:
                 raise
             raise bad from None
+        except OSError as e:  # --out cannot be opened, or another batch holds it
+            if e.filename != args.out:
+                raise
+            term.error(f"--out {args.out}: {e.strerror}")
+            return _EXIT_ERROR
         term.end_status()
         if total and done_before == total:
             term.note(f"lich: {_how_many(total, 'task was', 'tasks were')} done before, in {args.out}; "

@@ -165,7 +165,7 @@ class LoopbackServer:
             parsed = None
         request = {"method": handler.command, "path": handler.path,
                    "headers": {k.lower(): v for k, v in handler.headers.items()},
-                   "body": raw, "json": parsed}
+                   "body": raw, "json": parsed, "port": handler.client_address[1]}
         with self.lock:
             self.requests.append(request)
             if self.responder is not None:
@@ -1525,6 +1525,21 @@ def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
     with pytest.raises(TypeError, match="^the chat returned dict, not a ChatResult holding a message dict$"):
         lich.run_conversation(lambda messages, **kw: {"role": "assistant"}, None, [user("x")],
                               max_turns=1, emitter=emitter)
+    assert types(events) == ["turn_start", "llm_start", "error"]
+
+
+@pytest.mark.parametrize("calls, problem", [
+    ("abc", "the chat's tool_calls is a str, not a list"),
+    ({"id": "x"}, "the chat's tool_calls is a dict, not a list"),
+    ([{"id": "a", "name": "echo", "arguments": "{}"}, None], "the chat's tool call 1 is a NoneType, not a dict"),
+    ([{"id": "a", "arguments": "{}"}], "the chat's tool call 0: its name is a NoneType, not a string"),
+    ([{"id": "a", "name": "echo", "arguments": {"x": 1}}], "the chat's tool call 0: its arguments is a dict, not a string"),
+], ids=["text", "one-dict", "none-in-list", "no-name", "arguments-dict"])
+def test_a_chat_whose_tool_calls_are_of_the_wrong_shape_is_a_clear_type_error(calls, problem):
+    emitter, events = recorder_emitter()
+    chat = ScriptedChat(lich.ChatResult({"role": "assistant", "content": "", "tool_calls": calls}))
+    with pytest.raises(TypeError, match=f"^{re.escape(problem)}$"):
+        lich.run_conversation(chat, EchoTools(), [user("x")], max_turns=2, emitter=emitter)
     assert types(events) == ["turn_start", "llm_start", "error"]
 
 
@@ -8148,6 +8163,26 @@ def test_an_answer_with_a_lone_surrogate_is_written_to_out_and_read_back(tmp_pat
     assert lich.run_batch(["a", "b"], chat=ScriptedChat(), max_turns=1, out=out) == results  # both done
 
 
+def test_a_second_batch_on_an_out_file_in_use_is_refused_before_it_runs_anything(server, tmp_path):
+    import errno
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "0", "cut by a kill')
+    with open(out, "ab") as held:  # a batch running in another process holds it so
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(OSError) as caught:
+            lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out)
+        assert (caught.value.errno, caught.value.strerror, caught.value.filename) == (
+            errno.EBUSY, "another batch is writing to it", str(out))
+        with pytest.raises(OSError, match="another batch"):
+            lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out, redo=True)
+    assert (server.requests, out.read_text()) == ([], '{"id": "0", "cut by a kill')  # untouched
+    queue(server, openai_reply("fine"))
+    assert lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out)[0].final == "fine"
+    assert out.read_text().split("\n")[0] == '{"id": "0", "cut by a kill'
+
+
 def test_a_pool_serving_batch_after_batch_lets_the_old_batches_chats_go(batch_server):
     import concurrent.futures
     import gc
@@ -8163,6 +8198,19 @@ def test_a_pool_serving_batch_after_batch_lets_the_old_batches_chats_go(batch_se
             lich.run_batch(["fail b"], chat=spec, executor=pool, limiter=lich.Limiter(max_concurrent=1), max_turns=1)
         gc.collect()
         assert gone() is None  # its Router and their connections with it
+
+
+def test_a_worker_thread_keeps_the_chats_it_used_last(server):
+    import concurrent.futures
+
+    server.responder = lambda request: Reply(200, openai_reply("fine"))
+    specs = [f"openai:gpt-test-{i}@{server.url}/v1" for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for spec in specs[1:]:  # the first spec between each of five others: it is never the oldest used
+            for chat in (specs[0], spec):
+                assert lich.run_batch(["x"], chat=chat, executor=pool, max_turns=1)[0].ok
+    ports = [r["port"] for r in server.requests if r["json"]["model"] == "gpt-test-0"]
+    assert len(ports) == 5 and len(set(ports)) == 1  # one Router, one connection, all along
 
 
 class EndingChat:
@@ -9894,6 +9942,18 @@ def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, t
     prompts.write_text("one\n")
     code, stdout, _ = cli("--batch", str(prompts), "--max-turns", "2", "--root", str(workspace))
     assert (code, json.loads(stdout)["stopped_reason"]) == (3, "budget")
+
+
+def test_a_batch_whose_out_file_another_batch_holds_says_so(server, lich_model, cli, tmp_path, workspace):
+    import fcntl
+
+    (tmp_path / "prompts.txt").write_text("one\n")
+    with open(tmp_path / "out.jsonl", "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert cli("--batch", str(tmp_path / "prompts.txt"), "--out", str(tmp_path / "out.jsonl"),
+                   "--root", str(workspace)) == (1, "", f"lich: --out {tmp_path / 'out.jsonl'}: another batch is "
+                                                        f"writing to it\n")
+    assert server.requests == []
 
 
 def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server, lich_model, tmp_path, workspace):
