@@ -946,6 +946,11 @@ def _check_run_options(max_turns, output_schema):
             raise ValueError(problem)
 
 
+def _not_json(name):
+    """Python's json reads NaN and Infinity; JSON has neither."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _parse_output(text, schema):
     """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
 
@@ -953,7 +958,7 @@ def _parse_output(text, schema):
     """
     fenced = re.match(_FENCED_JSON, text)
     try:
-        value = json.loads(fenced.group(1) if fenced else text)
+        value = json.loads(fenced.group(1) if fenced else text, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:
         return None, f"it is not valid JSON ({e})"
     problems = []
@@ -1257,26 +1262,39 @@ class _Recorder:
         except Exception as exc:
             _log.warning("session recording stopped: %s: %s: %s",
                          getattr(self.session, "id", "?"), type(exc).__name__, exc)
+            _sessions_with_a_gap.mark(self.session)  # later runs would write after the gap
             self.session = None
 
 
-_sessions_holding_history = {}  # id(session) -> weakref: run_agent wrote a whole history there
-_sessions_lock = threading.Lock()
+class _SessionMarks:
+    """Session objects of this process that something was noted of, held weakly (strongly
+    when they take no weak reference) and told apart by identity, not equality."""
+
+    def __init__(self):
+        self._marked = {}  # id(session) -> weakref to it, or the session itself
+        self._lock = threading.Lock()
+
+    def mark(self, session) -> bool:
+        """Note ``session``; True when it was not noted before."""
+        key = id(session)
+        with self._lock:
+            known = self._marked.get(key)
+            if known is not None and (known() if isinstance(known, weakref.ref) else known) is session:
+                return False
+            try:
+                self._marked[key] = weakref.ref(session, lambda _, key=key: self._marked.pop(key, None))
+            except TypeError:  # no weak references to it: kept for the life of the process
+                self._marked[key] = session
+            return True
+
+    def __contains__(self, session) -> bool:
+        with self._lock:
+            known = self._marked.get(id(session))
+        return known is not None and (known() if isinstance(known, weakref.ref) else known) is session
 
 
-def _first_history_in(session) -> bool:
-    """True the first time in this process that run_agent records a history into ``session``."""
-    key = id(session)
-    with _sessions_lock:
-        known = _sessions_holding_history.get(key)
-        if known is not None and (known() if callable(known) else known) is session:
-            return False
-        try:
-            _sessions_holding_history[key] = weakref.ref(
-                session, lambda _, key=key: _sessions_holding_history.pop(key, None))
-        except TypeError:  # no weak references to it: kept for the life of the process
-            _sessions_holding_history[key] = session
-        return True
+_sessions_holding_history = _SessionMarks()  # run_agent wrote a whole history there
+_sessions_with_a_gap = _SessionMarks()  # a record of a run failed to go there: no more go
 
 
 def _seeding_additions(previous: list, seeded: list) -> list:
@@ -1308,7 +1326,8 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
     usage -- or ``run_error`` before the exception propagates. A session that run_agent
     already wrote to in this process gets only what seeding added (pass the previous run's
     ``messages`` as ``history``). Recording never fails the run: the first failing write
-    logs a warning and recording stops.
+    logs a warning and recording stops, in that session for good (a later run's records
+    would follow a gap).
     """
     _check_loop_keywords("run_agent", loop_params)  # before a session file is made for nothing
     if "max_turns" not in loop_params:
@@ -1324,6 +1343,11 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
         except OSError as exc:
             _log.warning("session recording is off: cannot create a session file: %s: %s",
                          type(exc).__name__, exc)
+    if session is not None and session in _sessions_with_a_gap:
+        _log.warning("session recording is off: %s: a record of an earlier run could not be "
+                     "written, and what follows would not make a whole history",
+                     getattr(session, "id", "?"))
+        session = None
     recorder = _Recorder(session)
     try:
         if session is not None:
@@ -1332,7 +1356,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
                            "history_size": len(previous), "cwd": _tools_root(tools),
                            "model": model if isinstance(model, str) else None,
                            "lich": __version__})
-            fresh = owned or _first_history_in(session)
+            fresh = owned or _sessions_holding_history.mark(session)
             for message in seeded if fresh else _seeding_additions(previous, seeded):
                 recorder.message(message)
         # The run's own emitter: the recorder hears this run only, also when the caller's
@@ -2827,7 +2851,12 @@ class AnthropicChat(_HTTPChat):
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
                          stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
-    def __call__(self, messages, *, response_format=None, **options):
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 response_format=None):
+        """Send one chat request (see ``_HTTPChat.__call__``). Structured output goes as
+        Anthropic's ``output_config``; where this model refuses it, as an instruction."""
+        options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
+                   "signal": signal}
         if response_format is None:
             return super().__call__(messages, **options)
         if not self._format_refused and _lists_its_properties(response_format["schema"]):
@@ -7001,6 +7030,11 @@ def _visible(text) -> str:
     return re.sub(_CONTROL, lambda m: repr(m.group())[1:-1], text)
 
 
+def _one_line(text) -> str:
+    """``_visible(text)`` with newlines and tabs spelled out too: a cell of a table row."""
+    return _visible(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _count_text(n) -> str:
     """12345 as "12.3k", 1234567 as "1.2M"."""
     if n < 1000:
@@ -7558,7 +7592,7 @@ class _LazySession:
     def _append(self, method, record):
         if self.waiting:
             self.waiting.append((method, record))
-        elif self.handle is not None:
+        elif self.waiting is not None and self.handle is not None:
             getattr(self.handle, method)(record)
 
     def _write_waiting(self):
@@ -7577,7 +7611,14 @@ class _LazySession:
                 return
         waiting, self.waiting = self.waiting, []
         for method, record in waiting:
-            getattr(self.handle, method)(record)
+            try:
+                getattr(self.handle, method)(record)
+            except (OSError, ValueError) as e:  # a full disk: nothing after the gap is written
+                self.term.error(f"warning: session recording is off: cannot write to "
+                                f"{self.handle.path}: {getattr(e, 'strerror', None) or e}; it "
+                                f"keeps the chat before this turn")
+                self.waiting = None
+                return
 
     def close(self):
         if self.handle is not None:
@@ -7620,8 +7661,10 @@ def _session_summary(path) -> dict:
     if not isinstance(when, str):  # no record says: the file's time
         mtime = os.path.getmtime(path)
         when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(mtime)) + f".{int(mtime % 1 * 1000):03d}Z"
+    folder, model = start.get("cwd"), start.get("model")  # a file edited by hand may hold anything
     return {"id": os.path.splitext(os.path.basename(path))[0], "path": path, "when": when,
-            "folder": start.get("cwd"), "model": start.get("model"), "messages": count,
+            "folder": folder if isinstance(folder, str) else None,
+            "model": model if isinstance(model, str) else None, "messages": count,
             "prompt": prompt[:_PROMPT_SHOWN_CHARS]}
 
 
@@ -7636,13 +7679,17 @@ def _session_folder(path):
     return None
 
 
-def _latest_session_in(session_dir, folder):
+def _latest_session_in(session_dir, folder, term):
+    """The newest session of ``folder`` among the user's own; one that cannot be read is
+    passed over with a warning (it may be the newest)."""
     for path in list_sessions(session_dir):
         try:
-            if _session_folder(path) == folder:
+            if os.stat(path).st_uid == os.geteuid() and _session_folder(path) == folder:
                 return path
-        except OSError:
+        except FileNotFoundError:  # removed meanwhile
             continue
+        except OSError as e:
+            term.error(f"warning: passed over {path}: cannot read it: {e.strerror or e}")
     return None
 
 
@@ -8235,7 +8282,7 @@ class _Cli:
     def load_session(self, ref, *, folder):
         """The history of a session (``folder``: the latest of this --root), shown briefly."""
         if folder and ref == "latest":
-            path = _latest_session_in(self.sessions_home, self.root)
+            path = _latest_session_in(self.sessions_home, self.root, self.term)
             if path is None:
                 raise SessionNotFound("no session in this folder")
         else:
@@ -8378,13 +8425,19 @@ def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
     for path in paths if as_json else paths[:_LIST_SESSIONS_LIMIT]:
         try:
             summary = _session_summary(path)
-        except OSError:  # removed meanwhile
+        except FileNotFoundError:  # removed meanwhile
             continue
+        except OSError as e:
+            summary = {"id": os.path.splitext(os.path.basename(path))[0], "path": path,
+                       "error": f"cannot read it: {e.strerror or e}"}
         if as_json:
             term.json_line(summary)
             continue
+        if "error" in summary:
+            rows.append([_one_line(summary["id"]), "-", "-", "-", "", f"({summary['error']})"])
+            continue
         count = summary["messages"]
-        rows.append([_visible(text) for text in (  # piped too
+        rows.append([_one_line(text) for text in (  # piped too
             summary["id"], summary["when"][:16].replace("T", " "),  # UTC, as the ids
             summary["folder"] or "-", summary["model"] or "-",
             f"{count:>4} {'message' if count == 1 else 'messages'}",
