@@ -676,7 +676,10 @@ def compress_messages(chat, messages, *, signal=None):
                {"role": "user", "content": _transcript(older)}]
     try:
         summary = chat(request, tools=None, signal=signal).message.get("content") or ""
-    except AbortError:  # the caller's signal: a stop, not a failure to tell of
+    except AbortError as exc:
+        if signal is None or not signal.is_set():  # not the caller's stop: a failure to tell of
+            _log.warning("history compression failed, keeping the full history: %s: %s",
+                         type(exc).__name__, exc)
         return messages, 0
     except Exception as exc:
         _log.warning("history compression failed, keeping the full history: %s: %s",

@@ -1127,13 +1127,22 @@ def test_compress_transcript_is_cut_at_24000_chars():
 
 
 @pytest.mark.parametrize("failure", [lich.ProviderError("down", "server"), RuntimeError("bug"),
-                                     assistant("   ")], ids=["provider-error", "bug", "empty-summary"])
+                                     assistant("   "), lich.AbortError("the summariser's own")],
+                         ids=["provider-error", "bug", "empty-summary", "abort-not-by-the-signal"])
 def test_compress_falls_back_to_the_original_messages(failure, caplog):
     history = long_history(12)
     with caplog.at_level("WARNING", logger="lich"):
-        new, chars = lich.compress_messages(ScriptedChat(failure), history)
+        new, chars = lich.compress_messages(ScriptedChat(failure), history, signal=threading.Event())
     assert (new, chars) == (history, 0)
     assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+def test_compression_stopped_by_the_signal_falls_back_untold(caplog):
+    history, stop = long_history(12), threading.Event()
+    stop.set()
+    with caplog.at_level("WARNING", logger="lich"):
+        assert lich.compress_messages(ScriptedChat(lich.AbortError("aborted")), history, signal=stop) == (history, 0)
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("budget, messages, attempted", [
