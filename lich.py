@@ -2011,6 +2011,17 @@ def _new_http_session(url):
     return session
 
 
+def _http_session_of_this_thread(local, url):
+    """The requests session kept in ``local`` (a ``threading.local``) for ``url``, made on
+    first use and made again in a forked child: the parent's pooled connections are not
+    the child's to use (two processes on one socket read each other's answers)."""
+    session = getattr(local, "session", None)
+    if session is None or local.session_pid != os.getpid():
+        session = local.session = _new_http_session(url)
+        local.session_pid = os.getpid()
+    return session
+
+
 def _assistant_message(text, tool_calls, reasoning=None):
     """The assistant message; with tool calls, the provider's ``reasoning`` ({key: value})
     too, which the provider wants back with them on the next turn."""
@@ -2152,12 +2163,9 @@ class _HTTPChat:
     # -- the HTTP exchange --
 
     def _http(self):
-        if self._session is not None:
+        if self._session is not None:  # the caller's: theirs to keep apart across a fork
             return self._session
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = _new_http_session(self._url)
-        return session
+        return _http_session_of_this_thread(self._local, self._url)
 
     def _send(self, body, exchange):
         """POST ``body``; the response once its headers are in, or a ProviderError."""
@@ -4711,7 +4719,7 @@ class _SearchWorkers:
                 worker = self._idle.pop()
                 if worker.poll() is None:
                     return worker
-                self._finalizers.pop(worker.pid).detach()
+                self._retire(worker)
         source = globals().get("__file__")
         if not (sys.executable and source and os.path.isfile(source)
                 and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
@@ -4725,7 +4733,7 @@ class _SearchWorkers:
             return None
         # Killed when this object goes (or at exit) unless it ended before: its group id
         # may by then be another process's.
-        self._finalizers[worker.pid] = weakref.finalize(self, _kill_group, worker.pid)
+        self._finalizers[worker.pid] = weakref.finalize(self, _stop_search_worker, worker, os.getpid())
         return worker
 
     def _keep(self, worker):
@@ -4733,14 +4741,34 @@ class _SearchWorkers:
             if len(self._idle) < _SEARCH_WORKERS_KEPT:
                 self._idle.append(worker)
                 return
-        worker.stdin.close()
-        worker.wait()
-        self._finalizers.pop(worker.pid).detach()
+        worker.stdin.close()  # it ends at the end of its input
+        self._retire(worker)
 
     def _end(self, worker):
         _kill_group(worker.pid)
-        worker.wait()
+        self._retire(worker)
+
+    def _retire(self, worker):
+        """Reap an ending worker, close its pipes and forget its finalizer."""
         self._finalizers.pop(worker.pid).detach()
+        _close_worker(worker)
+
+
+def _close_worker(worker):
+    for pipe in (worker.stdin, worker.stdout):
+        try:
+            pipe.close()
+        except OSError:  # a write to a worker that died
+            pass
+    worker.wait()
+
+
+def _stop_search_worker(worker, owner):
+    """A search worker kept idle, when its searcher goes or at exit: killed, by the process
+    that started it only (a forked child that exits leaves its parent's workers be)."""
+    if os.getpid() == owner:
+        _kill_group(worker.pid)
+        _close_worker(worker)
 
 
 def _shown_line(line, column):
@@ -5924,10 +5952,7 @@ class _HTTPServer:
         self._streams = set()  # the GET streams' exchanges, which a new session's cuts
 
     def _http(self):
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = self._local.session = _new_http_session(self.url)
-        return session
+        return _http_session_of_this_thread(self._local, self.url)
 
     def _headers(self):
         headers = {"Accept": "application/json, text/event-stream",
@@ -6147,9 +6172,17 @@ class MCPTools:
         self._changes = 0  # list_changed notifications heard: a listing they overtook is old
         self._names = {}  # a name offered to the model -> the server's name, where they differ
         self._handshaking = threading.Lock()
+        self._pid = os.getpid()  # a forked child must not speak on its parent's connection
 
     def __repr__(self):
         return f"MCPTools({self.name!r})"
+
+    def _not_ours(self):
+        """Why this process may not use the server (a forked child's), or None."""
+        if os.getpid() == self._pid:
+            return None
+        return (f"the MCP server {self.name} was started by process {self._pid}; start one in "
+                f"this process with mcp_tools()")
 
     def __enter__(self):
         return self
@@ -6175,7 +6208,9 @@ class MCPTools:
         self._tools = None
 
     def specs(self) -> list:
-        """The server's tools as tool specs, names prefixed."""
+        """The server's tools as tool specs, names prefixed; a RuntimeError in a forked child."""
+        if self._not_ours():
+            raise RuntimeError(self._not_ours())
         tools = self._tools
         if tools is None:
             tools, cursor, changes = [], None, self._changes
@@ -6216,6 +6251,8 @@ class MCPTools:
 
     def run(self, call: dict, signal: Optional[threading.Event] = None) -> ToolResult:
         """Call the tool on the server; never raises."""
+        if self._not_ours():
+            return ToolResult(ok=False, error=self._not_ours())
         try:
             name = call.get("name") if isinstance(call, dict) else None
             real = self._names.get(name) if isinstance(name, str) else None
@@ -6243,8 +6280,10 @@ class MCPTools:
         return ToolResult(ok=True, output=text)
 
     def close(self) -> None:
-        """End the server: close its input, wait, terminate, kill (stdio); DELETE (HTTP)."""
-        self._server.close()
+        """End the server: close its input, wait, terminate, kill (stdio); DELETE (HTTP).
+        In a forked child it does nothing: the server is the parent's."""
+        if not self._not_ours():
+            self._server.close()
 
 
 def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix="") -> MCPTools:

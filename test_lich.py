@@ -2654,6 +2654,35 @@ def test_every_chat_class_says_the_chatfn_keywords_in_its_signature(make):
         (name, "KEYWORD_ONLY", None) for name in ("tools", "temperature", "max_tokens", "signal", "response_format")]
 
 
+def in_a_forked_child(work):
+    """``work()``'s text (or its exception's type and message), as a forked child returns it."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            try:
+                text = work()
+            except Exception as e:
+                text = f"{type(e).__name__}: {e}"
+            os.write(write, text.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert exit_code_of_child(pid) == 0
+    with os.fdopen(read, "rb") as f:
+        return f.read().decode()
+
+
+def test_a_forked_child_opens_connections_of_its_own(server):
+    server.responder = lambda request: Reply(200, openai_reply(request["json"]["messages"][-1]["content"]))
+    chat = openai_at(server)
+    assert chat([user("parent")]).message["content"] == "parent"  # its connection is kept for the next call
+    assert in_a_forked_child(lambda: chat([user("child")]).message["content"]) == "child"
+    assert chat([user("parent again")]).message["content"] == "parent again"
+    first, child, again = (r["port"] for r in server.requests)
+    assert first == again != child
+
+
 def tool_use_block(id, name, input):
     return {"type": "tool_use", "id": id, "name": name, "input": input}
 
@@ -6836,6 +6865,43 @@ def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_pat
     assert not marker.exists()
 
 
+SEARCH_THEN_FORK = r"""
+import gc, os, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+tools = lich.coding_tools(sys.argv[2])
+call = {"id": "1", "name": "search", "arguments": '{"pattern": "needle"}'}
+print(tools.run(call).output)
+workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_of(p) == os.getpid()]
+pid = os.fork()
+if pid == 0:  # a child that ends as Python ends: its exit handlers run (its warnings are its own)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    sys.exit(0)
+os.waitpid(pid, 0)
+print(len(workers) > 0, all(os.path.exists(f"/proc/{w}") for w in workers))  # the parent's live on
+print(tools.run(call).output)
+del tools
+gc.collect()  # the kept workers go with their tools, without a warning
+print([w for w in workers if os.path.exists(f"/proc/{w}")])
+tools = lich.coding_tools(sys.argv[2])
+print(tools.run(call).output)  # and at exit
+"""
+
+
+def test_search_workers_outlive_a_forked_child_and_go_without_a_warning(ws, monkeypatch):
+    hide_ripgrep(monkeypatch)
+    (ws / "a.txt").write_text("a needle\n")
+    code, out, err = Process("-X", "dev", "-W", "error", "-c", SEARCH_THEN_FORK, HERE, ws).wait()
+    assert (code, out, err) == (0, "a.txt:1: a needle\nTrue True\na.txt:1: a needle\n[]\na.txt:1: a needle\n", "")
+
+
 def test_a_search_in_a_long_minified_line_shows_the_match_with_what_is_around_it(ws, engine):
     (ws / "app.min.js").write_text("var a=1;" * 5000 + "needlé" + ";b=2" * 5000 + "\n")
     (ws / "short.js").write_text("x" * 60 + "needlé\n")  # 60 bytes before, then a 2-byte character
@@ -7447,6 +7513,27 @@ def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_th
         assert tools.run(tool_call("spew")) == lich.ToolResult(ok=True, output="spewing")
         assert finishes(lambda: tools.run(tool_call("big", {"blob": "y" * 300_000}))) == lich.ToolResult(
             ok=False, error="Unknown tool: big (MCP error -32602)")
+
+
+def test_an_mcp_server_is_the_process_that_started_its_own(fake_mcp):
+    command, log = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        assert [s["name"] for s in tools.specs()] == ["first", "second"]
+        refusal = (f"the MCP server {os.path.basename(sys.executable)} was started by process {os.getpid()}; "
+                   f"start one in this process with mcp_tools()")
+
+        def child():
+            result = tools.run(tool_call("change"))
+            tools.close()  # the parent's server: left alone
+            try:
+                tools.specs()
+            except RuntimeError as e:
+                return f"{result.error}|{e}"
+            return "specs answered"
+
+        assert in_a_forked_child(child) == f"{refusal}|{refusal}"
+        assert tools.run(tool_call("change")) == lich.ToolResult(ok=True, output="changed")
+    assert [m.get("method") for m in received(log)].count("tools/call") == 1
 
 
 def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp):
