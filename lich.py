@@ -1682,6 +1682,8 @@ def _error_fields(data):
     """(text or None, codes) from a parsed error object: OpenAI's, Anthropic's, FastAPI's..."""
     text = None
     codes = ()
+    if isinstance(data, list) and len(data) == 1:  # Google's: the error object in an array
+        data = data[0]
     if isinstance(data, dict):
         error = data.get("error")
         if isinstance(error, dict):
@@ -2454,6 +2456,17 @@ def _openai_usage(usage) -> dict:
     return counts
 
 
+def _choice_error(chat, choice):
+    """The ProviderError of a choice that failed mid-generation, or None: OpenRouter answers
+    200 and then says so with ``finish_reason: "error"`` and an ``error`` in the choice."""
+    if choice.get("finish_reason") != "error" and not isinstance(choice.get("error"), dict):
+        return None
+    text, codes = _error_fields(choice)
+    label = f" ({codes[0]})" if codes else ""
+    return chat._error(f"the answer failed mid-generation{label}: "
+                       f"{_redact_secrets(text) if text else 'no reason given'}", "server")
+
+
 class _OpenAIStream:
     """The state of one streamed Chat Completions answer."""
 
@@ -2477,6 +2490,9 @@ class _OpenAIStream:
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue
+            failure = _choice_error(self.chat, choice)
+            if failure is not None:
+                raise failure
             delta = choice.get("delta")
             if delta:
                 text = _content_text(delta.get("content"))
@@ -2629,6 +2645,9 @@ class OpenAIChat(_HTTPChat):
             raise self._body_error(data, "in a 2xx body")
         choices = data["choices"]
         choice = next((c for c in choices if c.get("index", 0) == 0), choices[0])
+        failure = _choice_error(self, choice)
+        if failure is not None:
+            raise failure
         message = choice["message"]
         content = _content_text(message.get("content"))
         if not content:

@@ -2907,6 +2907,42 @@ def test_a_2xx_body_that_is_not_the_expected_json_is_an_invalid_response(server,
     assert str(err).startswith(f"{at}: ")
 
 
+GENERATION_ERROR = {"code": 502, "message": "Provider disconnected"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_answer_that_failed_mid_generation_is_a_retryable_server_error(server, stream):
+    failed = {"index": 0, "finish_reason": "error", "error": GENERATION_ERROR}
+    if stream:
+        server.reply(200, openai_sse(delta_chunk(role="assistant"), {"choices": [{**failed, "delta": {}}]}),
+                     content_type="text/event-stream")
+    else:
+        server.reply(200, {"choices": [{**failed, "message": {"role": "assistant", "content": ""}}]})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=stream)(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable, info.value.after_output) == (
+        "openai: the answer failed mid-generation (502): Provider disconnected", "server", True, False)
+
+
+def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
+    server.reply(200, openai_sse(delta_chunk(content="The answer is"), delta_chunk(finish="error")),
+                 content_type="text/event-stream")
+    shown = []
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True, on_delta=shown.append)(USER)
+    assert (str(info.value), info.value.retryable, info.value.after_output, shown) == (
+        "openai: the answer failed mid-generation: no reason given", False, True, ["The answer is"])
+
+
+def test_an_error_body_in_an_array_is_read_as_google_sends_it(server):
+    server.reply(400, [{"error": {"code": 400, "message": "Function call is missing a thought_signature",
+                                  "status": "INVALID_ARGUMENT"}}])
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (str(info.value), info.value.kind) == (
+        "openai: HTTP 400 (400): Function call is missing a thought_signature", "bad_request")
+
+
 def test_invalid_response_message_quotes_the_body(server):
     server.reply(200, b"<html>Welcome to nginx</html>", content_type="text/html")
     with pytest.raises(lich.ProviderError) as info:
