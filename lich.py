@@ -1549,6 +1549,9 @@ def resolve_session(session_dir, ref) -> str:
 # ============================================================================
 
 _OPENAI_BASE_URL = "https://api.openai.com/v1"
+# Azure OpenAI takes its key in an ``api-key`` header: its hosts, or its deployments' path
+_AZURE_URL = (r"^https?://[^/?#]*\.(?:openai\.azure\.com|cognitiveservices\.azure\.com|"
+              r"services\.ai\.azure\.com)(?::\d+)?(?:[/?#]|$)|/openai/deployments/")
 _ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 _ANTHROPIC_VERSION = "2023-06-01"
 _DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
@@ -2456,6 +2459,15 @@ def _openai_usage(usage) -> dict:
     return counts
 
 
+def _openai_call(call_id, name, arguments, extra_content):
+    """A ToolCall; with the ``extra_content`` a server attached to it (Gemini's thought
+    signature, which it wants back with the call on the next turn)."""
+    call = {"id": call_id, "name": name, "arguments": arguments}
+    if isinstance(extra_content, dict):
+        call["extra_content"] = extra_content
+    return call
+
+
 def _choice_error(chat, choice):
     """The ProviderError of a choice that failed mid-generation, or None: OpenRouter answers
     200 and then says so with ``finish_reason: "error"`` and an ``error`` in the choice."""
@@ -2534,9 +2546,11 @@ class _OpenAIStream:
             if slot is None:
                 if not (call.get("id") or function.get("name")):
                     raise ValueError(f"a tool-call delta for index {key!r} that was never opened")
-                slot = self.slots[key] = [None, None, []]
+                slot = self.slots[key] = [None, None, [], None]
             if call.get("id") and not slot[0]:
                 slot[0] = call["id"]
+            if isinstance(call.get("extra_content"), dict):
+                slot[3] = call["extra_content"]
             if function.get("name") and not slot[1]:
                 slot[1] = function["name"]
             arguments = function.get("arguments")
@@ -2551,12 +2565,12 @@ class _OpenAIStream:
 
     def calls(self):
         calls = []
-        for i, (call_id, name, fragments) in enumerate(self.slots.values()):
+        for i, (call_id, name, fragments, extra) in enumerate(self.slots.values()):
             if not name:
                 raise self.chat._error(f"invalid response: streamed tool call {i} has no name",
                                        "invalid_response")
-            calls.append({"id": call_id or f"call_{i}", "name": name,
-                          "arguments": "".join(fragments) or "{}"})
+            calls.append(_openai_call(call_id or f"call_{i}", name, "".join(fragments) or "{}",
+                                      extra))
         return calls
 
 
@@ -2586,12 +2600,35 @@ class OpenAIChat(_HTTPChat):
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
                          stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
+    def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
+                 response_format=None):
+        """Send one chat request (see ``_HTTPChat.__call__``). A server that refuses
+        ``stream_options`` (older Azure API versions, some proxies) is asked again without
+        it, and from then on: its streamed answers then come without usage counts."""
+        options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
+                   "signal": signal, "response_format": response_format}
+        try:
+            return super().__call__(messages, **options)
+        except ProviderError as e:
+            if not (self.stream and not self._usage_refused and e.kind == "bad_request"
+                    and "stream_options" in str(e)):
+                raise
+            self._usage_refused = True
+            _log.info("%s refuses stream_options; streaming without usage counts", self._shown_url)
+        return super().__call__(messages, **options)
+
+    def _setup(self):
+        self._usage_refused = False  # the server refused stream_options: asked without it
+        super()._setup()
+
     def _key_required(self):
         return self.base_url == _OPENAI_BASE_URL
 
     def _wire_headers(self):
         headers = {"Content-Type": "application/json"}
-        if self._api_key:
+        if self._api_key and re.search(_AZURE_URL, self.base_url):
+            headers["api-key"] = self._api_key
+        elif self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers
 
@@ -2602,15 +2639,20 @@ class OpenAIChat(_HTTPChat):
                     "content": m.get("content") or ""}
         elif role == "assistant" and m.get("tool_calls"):
             wire = {"role": "assistant", "content": m.get("content") or None,
-                    "tool_calls": [{"id": c["id"], "type": "function",
-                                    "function": {"name": c["name"],
-                                                 "arguments": c.get("arguments") or "{}"}}
-                                   for c in m["tool_calls"]]}
+                    "tool_calls": [self._call_to_wire(c) for c in m["tool_calls"]]}
             if isinstance(m.get("reasoning_content"), str) and self._sends_reasoning(m):
                 wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
         else:
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
+
+    @staticmethod
+    def _call_to_wire(call):
+        wire = {"id": call["id"], "type": "function",
+                "function": {"name": call["name"], "arguments": call.get("arguments") or "{}"}}
+        if isinstance(call.get("extra_content"), dict):
+            wire["extra_content"] = call["extra_content"]
+        return wire
 
     def _assemble(self, encoded):
         return {"messages": b"[" + b",".join(entry[3] for entry in encoded) + b"]"}
@@ -2637,7 +2679,8 @@ class OpenAIChat(_HTTPChat):
                 "name": response_format["name"], "schema": response_format["schema"]}}
         if self.stream:
             fields["stream"] = True
-            fields["stream_options"] = {"include_usage": True}
+            if not self._usage_refused:
+                fields["stream_options"] = {"include_usage": True}
         return fields
 
     def _from_wire(self, data):
@@ -2665,8 +2708,8 @@ class OpenAIChat(_HTTPChat):
                 arguments = "{}" if arguments is None else json.dumps(arguments,
                                                                        ensure_ascii=False)
             call_id = call.get("id")
-            calls.append({"id": call_id if isinstance(call_id, str) and call_id else f"call_{i}",
-                          "name": name, "arguments": arguments or "{}"})
+            calls.append(_openai_call(call_id if isinstance(call_id, str) and call_id else f"call_{i}",
+                                      name, arguments or "{}", call.get("extra_content")))
         thought = message.get("reasoning_content")
         usage = data.get("usage") or (data.get("x_groq") or {}).get("usage")
         return ChatResult(message=_assistant_message(content, calls, {"reasoning_content": thought}

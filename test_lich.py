@@ -3191,6 +3191,59 @@ def test_extra_body_takes_a_field_away_with_none(server):
     assert server.requests[0]["json"] == {"model": "gpt-test", "messages": USER, "stream": True, "seed": 7}
 
 
+def test_a_server_that_refuses_stream_options_is_asked_again_without_them(server):
+    refused = Reply(400, openai_error("Unrecognized request argument supplied: stream_options"))
+    server.replies = [refused, Reply(200, stream_reply_body("Hi")), Reply(200, stream_reply_body("Again"))]
+    chat = openai_at(server, stream=True)
+    assert chat(USER).message == assistant("Hi")
+    assert chat(USER).message == assistant("Again")  # not asked with them again
+    assert [r["json"].get("stream_options") for r in server.requests] == [{"include_usage": True}, None, None]
+    server.reply(400, openai_error("Unrecognized request argument supplied: stream_options"))
+    with pytest.raises(lich.ProviderError, match="stream_options"):  # refused without them: said as it is
+        chat(USER)
+    assert len(server.requests) == 4
+
+
+@pytest.mark.parametrize("base_url, header, path", [
+    ("http://my-res.openai.azure.com/openai/v1", "api-key",  # through the loopback server as a proxy
+     "http://my-res.openai.azure.com/openai/v1/chat/completions"),
+    ("http://{host}/openai/deployments/gpt4o?api-version=2024-02-01", "api-key",
+     "/openai/deployments/gpt4o/chat/completions?api-version=2024-02-01"),
+    ("http://{host}/v1", "authorization", "/v1/chat/completions"),
+], ids=["azure-host", "azure-deployment-path", "elsewhere"])
+def test_azure_openai_gets_its_key_in_an_api_key_header(server, monkeypatch, base_url, header, path):
+    monkeypatch.setenv("HTTP_PROXY", server.url)
+    server.reply(200, openai_reply("ok"))
+    lich.OpenAIChat("gpt4o", base_url=base_url.format(host=server.url.split("://")[1]), api_key=KEY, timeout=5)(USER)
+    sent = server.requests[0]["headers"]
+    assert (sent.get(header), "api-key" in sent and "authorization" in sent) == (
+        KEY if header == "api-key" else f"Bearer {KEY}", False)
+    assert server.requests[0]["path"] == path
+
+
+SIGNED = {"google": {"thought_signature": "c2lnbmVk"}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, stream):
+    wire_call = {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"},
+                 "extra_content": SIGNED}
+    if stream:
+        server.reply(200, openai_sse(delta_chunk(role="assistant", tool_calls=[{"index": 0, **wire_call}]),
+                                     delta_chunk(finish="tool_calls")), content_type="text/event-stream")
+    else:
+        server.reply(200, {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None, "tool_calls": [wire_call]}}]})
+    chat = openai_at(server, stream=stream)
+    answer = chat(USER).message
+    assert answer == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "name": "clock", "arguments": "{}", "extra_content": SIGNED}]}
+    server.reply(200, stream_reply_body("Noon.") if stream else openai_reply("Noon."),
+                 content_type="text/event-stream" if stream else None)
+    chat([*USER, answer, tool_msg("c1", "12:00", name="clock")])
+    assert server.requests[1]["json"]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [wire_call]}
+
+
 def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
     import gzip
     body = gzip.compress(_as_bytes(stream_reply_body("Hello ", "there.")))
