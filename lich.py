@@ -2300,6 +2300,7 @@ class _HTTPChat:
         """Assemble a ChatResult from SSE events with the dialect's ``_Stream``."""
         state = self._Stream(self)
         parts = []
+        held = ""  # a high surrogate that ended an event: its pair's other half comes next
         for event, data in events:
             if data == b"[DONE]":
                 state.done = True
@@ -2315,12 +2316,20 @@ class _HTTPChat:
             except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
                 raise self._invalid(f"unexpected event shape ({type(e).__name__}: {e})",
                                     data) from e
+            if text and (held or "\ud800" <= text[-1] <= "\udfff"):
+                text = _paired_surrogates(held + text)
+                held = text[-1] if "\ud800" <= text[-1] <= "\udbff" else ""
+                text = text[:-1] if held else text
             if text:
                 parts.append(text)
                 if on_delta is not None:
                     on_delta(text)
             if state.done:
                 break
+        if held:
+            parts.append(held)
+            if on_delta is not None:
+                on_delta(held)
         if not state.complete():
             raise self._error(f"invalid response: stream ended before {state.end_marker}",
                               "invalid_response")
@@ -2415,6 +2424,12 @@ class _HTTPChat:
     # model and messages, bytes values being JSON already; _assemble(encoded): the fields made
     # of the messages, from their (message, content, tool_calls, encoding) entries;
     # _from_wire(data): the ChatResult of a whole answer.
+
+
+def _paired_surrogates(text):
+    """``text`` with each pair of surrogates made the one character it encodes (JSON spells
+    an emoji as two escapes, which a stream may split between events); a lone one stays."""
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
 
 
 def _content_text(content):
@@ -7371,7 +7386,11 @@ class _Terminal:
 
     def _write(self, stream, text):
         try:
-            stream.write(text)
+            try:
+                stream.write(text)
+            except UnicodeEncodeError:  # a lone surrogate, or a terminal that is not UTF-8
+                encoding = getattr(stream, "encoding", None) or "utf-8"
+                stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
             stream.flush()
         except BrokenPipeError:
             if stream is sys.stdout:

@@ -3958,6 +3958,16 @@ def test_openai_finish_reason_function_call_is_normalised(server):
     assert openai_at(server)(USER).stop_reason == "tool_calls"
 
 
+def test_an_emoji_split_between_stream_events_comes_whole(server):
+    server.reply(200, 'data: {"choices": [{"index": 0, "delta": {"content": "Smile \\ud83d"}}]}\n\n'
+                      'data: {"choices": [{"index": 0, "delta": {"content": "\\ude00 done \\udc80"}}]}\n\n'
+                      'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n',
+                 content_type="text/event-stream")
+    deltas = []
+    answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (answer.message["content"], deltas) == ("Smile \U0001f600 done \udc80", ["Smile ", "\U0001f600 done \udc80"])
+
+
 def test_openai_stream_text_deltas_usage_and_request_flags(server):
     body = openai_sse(delta_chunk(role="assistant", content=""), delta_chunk(content="Hel"),
                       delta_chunk(content="lo"), delta_chunk(finish="stop"),
@@ -10609,6 +10619,14 @@ def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(ser
     assert (code, out) == (130, ""), err
     assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)", "→ sleep ✗ aborted",
                                 "→ first ✗ not run: interrupted", "lich: stopped: interrupted"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_answer_holding_a_lone_surrogate_is_printed_not_dropped(server, lich_model, stream):
+    content = "Here \ud83d and more"
+    queue(server, stream_reply(content) if stream else openai_reply(content))
+    assert Process(LICH_PY, *(() if stream else ("--no-stream",)), "-q", "hi").wait() == (
+        0, "Here \\ud83d and more\n", "")
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
