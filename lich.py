@@ -2446,6 +2446,9 @@ def _content_text(content):
 _NAME_ALPHABET = re.compile(r"[A-Za-z0-9_-]+\Z")
 
 
+_TOOL_NAME_MAX_CHARS = 64  # what providers take, of the alphabet _in_name_alphabet keeps
+
+
 def _in_name_alphabet(text, max_chars=None):
     """``text`` as providers take a tool's name or a call's id (only ``[A-Za-z0-9_-]``, at
     most ``max_chars``): as it is when it fits, else its other characters made '_', cut,
@@ -2457,6 +2460,28 @@ def _in_name_alphabet(text, max_chars=None):
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     kept = re.sub(r"[^A-Za-z0-9_-]", "_", text)
     return (kept if max_chars is None else kept[:max_chars - len(digest) - 1]) + "_" + digest
+
+
+def _tool_input(arguments):
+    """A ToolCall's raw arguments text as the JSON object a provider takes back in the
+    history: arguments that are not one (cut at the output limit, say) are kept, for the
+    model to see its mistake, as ``{"_raw_arguments": text}``. A provider that got them
+    back as they were would refuse the whole history, for good (Ollama, Anthropic)."""
+    if not arguments or not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        value = None
+    if isinstance(value, dict):
+        return value
+    return {_RAW_ARGUMENTS_KEY: arguments}
+
+
+def _wire_tool_name(name):
+    """A tool call's name as providers take it back in the history: a model's mistaken name
+    (``functions.read_file``) in their alphabet, or they refuse the whole history."""
+    return _in_name_alphabet(name, _TOOL_NAME_MAX_CHARS) if isinstance(name, str) and name else "_"
 
 
 # --- OpenAI ---
@@ -2663,8 +2688,14 @@ class OpenAIChat(_HTTPChat):
 
     @staticmethod
     def _call_to_wire(call):
+        arguments = call.get("arguments") or ""
+        as_object = _tool_input(arguments)
+        if not arguments.strip():
+            arguments = "{}"
+        elif as_object.get(_RAW_ARGUMENTS_KEY) is arguments:  # not a JSON object: sent wrapped
+            arguments = json.dumps(as_object, ensure_ascii=False)
         wire = {"id": call["id"], "type": "function",
-                "function": {"name": call["name"], "arguments": call.get("arguments") or "{}"}}
+                "function": {"name": _wire_tool_name(call["name"]), "arguments": arguments}}
         if isinstance(call.get("extra_content"), dict):
             wire["extra_content"] = call["extra_content"]
         return wire
@@ -2741,20 +2772,6 @@ def _anthropic_tool_id(call_id):
     """A call's id as Anthropic accepts it: another provider's ``functions.add:0`` becomes
     ``functions_add_0_`` and a digest, the same for the call and its result."""
     return _in_name_alphabet(call_id) if isinstance(call_id, str) else call_id
-
-
-def _tool_input(arguments):
-    """Anthropic's ``input`` object for a ToolCall's raw arguments text."""
-    if not arguments or not arguments.strip():
-        return {}
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        value = None
-    if isinstance(value, dict):
-        return value
-    # Anthropic accepts only an object; keep what the model wrote so it can see its mistake.
-    return {_RAW_ARGUMENTS_KEY: arguments}
 
 
 def _closed_objects(schema):
@@ -2989,7 +3006,8 @@ class AnthropicChat(_HTTPChat):
                               and b.get("type") in _THINKING_BLOCKS]
             for call in m.get("tool_calls") or () if role == "assistant" else ():
                 blocks.append({"type": "tool_use", "id": _anthropic_tool_id(call["id"]),
-                               "name": call["name"], "input": _tool_input(call.get("arguments"))})
+                               "name": _wire_tool_name(call["name"]),
+                               "input": _tool_input(call.get("arguments"))})
         as_text = _wire_json(content) if len(blocks) == 1 and blocks[0]["type"] == "text" else None
         return role, [(block, _wire_json(block)) for block in blocks], as_text
 
@@ -3410,7 +3428,6 @@ def chat_from_spec(spec, **options):
 # ============================================================================
 
 DEFAULT_MAX_OUTPUT_CHARS = 50_000
-_TOOL_NAME_MAX_CHARS = 64  # what providers take, of the alphabet _in_name_alphabet keeps
 _TOOL_NAME_RE = rf"[A-Za-z0-9_-]{{1,{_TOOL_NAME_MAX_CHARS}}}\Z"
 _ARGS_HEADERS = ("args:", "arguments:", "parameters:", "params:", "keyword args:",
                  "keyword arguments:")

@@ -3843,7 +3843,7 @@ def test_openai_request_carries_every_message_kind_and_tool_specs(server):
                 {"id": "c1", "type": "function",
                  "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
                 {"id": "c2", "type": "function",
-                 "function": {"name": "weather", "arguments": '{"city": Rome'}},
+                 "function": {"name": "weather", "arguments": json.dumps({"_raw_arguments": '{"city": Rome'})}},
                 {"id": "c3", "type": "function",
                  "function": {"name": "clock", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "18C"},
@@ -3956,6 +3956,26 @@ def test_openai_refusal_with_null_content_is_the_answer_text(server):
 def test_openai_finish_reason_function_call_is_normalised(server):
     server.reply(200, openai_reply("x", finish="function_call"))
     assert openai_at(server)(USER).stop_reason == "tool_calls"
+
+
+MISTAKEN = [user("read it"), assistant("", ("c1", "functions.read_file", '{"path": "REA')),
+            tool_msg("c1", TOOL_ERROR, name="functions.read_file", is_error=True)]
+
+
+def test_a_models_mistaken_tool_call_goes_back_in_a_shape_openai_servers_take(server):
+    server.reply(200, openai_reply("Sorry."))
+    openai_at(server)(MISTAKEN)
+    [call] = server.requests[0]["json"]["messages"][1]["tool_calls"]
+    assert re.fullmatch(r"functions_read_file_[0-9a-f]{8}", call["function"]["name"]), call
+    assert json.loads(call["function"]["arguments"]) == {"_raw_arguments": '{"path": "REA'}
+
+
+def test_a_models_mistaken_tool_call_goes_back_in_a_shape_anthropic_takes(server):
+    server.reply(200, anthropic_reply(text_block("Sorry.")))
+    anthropic_at(server)(MISTAKEN)
+    [block] = server.requests[0]["json"]["messages"][1]["content"]
+    assert re.fullmatch(r"functions_read_file_[0-9a-f]{8}", block["name"]), block
+    assert block["input"] == {"_raw_arguments": '{"path": "REA'}
 
 
 def test_an_emoji_split_between_stream_events_comes_whole(server):
