@@ -2682,6 +2682,8 @@ class OpenAIChat(_HTTPChat):
                     "tool_calls": [self._call_to_wire(c) for c in m["tool_calls"]]}
             if isinstance(m.get("reasoning_content"), str) and self._sends_reasoning(m):
                 wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
+        elif role == "assistant" and not (m.get("content") or "").strip():
+            return b""  # an answer of nothing is left out: Mistral refuses it, for good
         else:
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
@@ -2701,7 +2703,7 @@ class OpenAIChat(_HTTPChat):
         return wire
 
     def _assemble(self, encoded):
-        return {"messages": b"[" + b",".join(entry[3] for entry in encoded) + b"]"}
+        return {"messages": b"[" + b",".join(entry[3] for entry in encoded if entry[3]) + b"]"}
 
     def _tools_to_wire(self, tools):
         return [{"type": "function", "function": {

@@ -3978,6 +3978,12 @@ def test_a_models_mistaken_tool_call_goes_back_in_a_shape_anthropic_takes(server
     assert block["input"] == {"_raw_arguments": '{"path": "REA'}
 
 
+def test_an_answer_of_nothing_is_left_out_of_what_openai_servers_get(server):
+    server.reply(200, openai_reply("Hello."))
+    openai_at(server)([user("hi"), assistant(""), user("anyone?"), assistant(" \n"), user("well?")])
+    assert server.requests[0]["json"]["messages"] == [user("hi"), user("anyone?"), user("well?")]
+
+
 def test_an_emoji_split_between_stream_events_comes_whole(server):
     server.reply(200, 'data: {"choices": [{"index": 0, "delta": {"content": "Smile \\ud83d"}}]}\n\n'
                       'data: {"choices": [{"index": 0, "delta": {"content": "\\ude00 done \\udc80"}}]}\n\n'
