@@ -2242,7 +2242,7 @@ class _HTTPChat:
         if len(content) > _BODY_MAX_BYTES:
             raise self._invalid(f"body larger than {_BODY_MAX_BYTES} bytes", content[:100])
         try:
-            data = json.loads(content)
+            data = _json_of(content)
         except (ValueError, RecursionError):  # nested too deeply: a hostile body
             raise self._invalid("body is not JSON", content) from None
         try:
@@ -2306,7 +2306,7 @@ class _HTTPChat:
                 state.done = True
                 break
             try:
-                payload = json.loads(data)
+                payload = _json_of(data)
             except (ValueError, RecursionError):
                 raise self._invalid("SSE data is not JSON", data) from None
             if not isinstance(payload, dict):
@@ -2424,6 +2424,15 @@ class _HTTPChat:
     # model and messages, bytes values being JSON already; _assemble(encoded): the fields made
     # of the messages, from their (message, content, tool_calls, encoding) entries;
     # _from_wire(data): the ChatResult of a whole answer.
+
+
+def _json_of(data: bytes):
+    """``json.loads`` of a body or event; a byte that is not UTF-8 becomes U+FFFD rather
+    than losing the whole answer."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError:
+        return json.loads(data.decode("utf-8", "replace"))
 
 
 def _paired_surrogates(text):

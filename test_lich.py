@@ -3984,6 +3984,18 @@ def test_an_answer_of_nothing_is_left_out_of_what_openai_servers_get(server):
     assert server.requests[0]["json"]["messages"] == [user("hi"), user("anyone?"), user("well?")]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_byte_that_is_not_utf8_in_an_answer_is_replaced_not_fatal(server, stream):
+    if stream:
+        server.reply(200, b'data: {"choices": [{"index": 0, "delta": {"content": "caf\xc3\xa9 \xff"}}]}\n\n'
+                          b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n'
+                          b'data: [DONE]\n\n', content_type="text/event-stream")
+    else:
+        server.reply(200, b'{"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", '
+                          b'"content": "caf\xc3\xa9 \xff"}}]}', content_type="application/json")
+    assert openai_at(server, stream=stream)(USER).message == assistant("caf\u00e9 \ufffd")
+
+
 def test_an_emoji_split_between_stream_events_comes_whole(server):
     server.reply(200, 'data: {"choices": [{"index": 0, "delta": {"content": "Smile \\ud83d"}}]}\n\n'
                       'data: {"choices": [{"index": 0, "delta": {"content": "\\ude00 done \\udc80"}}]}\n\n'
