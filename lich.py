@@ -727,6 +727,9 @@ def compress_if_needed(chat, history, *, context_budget_tokens, compress_thresho
 _ABORT_MESSAGE = "agent loop aborted"
 _NO_TOOLS_ERROR = "no tools are available; answer without calling tools"
 _MAX_TOOL_CALLS_PER_ANSWER = 128  # the rest of a longer batch fail unrun: a history stays small
+_CUT_CALL_ERROR = ("not run: the answer reached its output token limit while writing this call, "
+                   "so its arguments may be incomplete; ask for less in one call (a long file "
+                   "in parts)")
 _OUTPUT_FORMAT_NAME = "output"
 _FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z"
 
@@ -987,8 +990,10 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     of tools. A turn whose assistant message has no tool calls is the final answer
     (``stopped_reason="final"``). A signal set before a turn stops the run
     (``"aborted"``, after an ``error`` event carrying AbortError). Tool calls asked for
-    on the last allowed turn are not run (``"budget"``). A chat failure emits ``error``
-    and propagates; a tool failure is a tool message the model reads.
+    on the last allowed turn are not run (``"budget"``). Of an answer cut at its output
+    token limit (``stop_reason="length"``) the last tool call is not run either: its
+    arguments may end short. A chat failure emits ``error`` and propagates; a tool failure
+    is a tool message the model reads.
 
     With ``output_schema`` (a JSON Schema object) the chat is also given
     ``response_format={"name": "output", "schema": output_schema}``, and a final answer
@@ -1048,7 +1053,12 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
                                 emitter=emitter)
             break
         else:
-            run_tool_calls(tools, calls, history, turn=turn, signal=signal, emitter=emitter)
+            cut = calls[-1] if result.stop_reason == "length" else None  # its arguments end short
+            run_tool_calls(tools, calls[:-1] if cut else calls, history, turn=turn, signal=signal,
+                           emitter=emitter)
+            if cut:
+                _skip_tool_call(cut, history, turn=turn, emitter=emitter, error="aborted" if (
+                    signal is not None and signal.is_set()) else _CUT_CALL_ERROR)
         if context_budget_tokens is not None:
             estimated += sum(map(_estimate_message_tokens, history[grown:]))
     _emit(emitter, {"type": "budget_exhausted", "turns_used": max_turns})
@@ -6951,6 +6961,8 @@ def _build_parser():
     add("--base-url", metavar="URL", help="the provider's base URL (for each spec without an @URL)")
     add("-s", "--system", metavar="TEXT", help="the system prompt")
     add("--temperature", type=_finite_number, metavar="T", help="sampling temperature")
+    add("--max-tokens", type=_positive_int, metavar="N",
+        help="the longest answer, in tokens (default: the provider's; Anthropic's is 4096)")
     add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
         help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
     add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
@@ -8129,6 +8141,7 @@ class _Cli:
             return run_agent(prompt, chat=self.chat, tools=self.tools, history=history,
                              session=session, emitter=emitter, max_turns=args.max_turns,
                              system_prompt=self.system_prompt, temperature=args.temperature,
+                             max_tokens=args.max_tokens,
                              context_budget_tokens=args.context_budget or None, signal=signal,
                              output_schema=self.schema)
 
@@ -8486,6 +8499,7 @@ class _Cli:
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
                 system_prompt=self.system_prompt, temperature=args.temperature,
+                max_tokens=args.max_tokens,
                 context_budget_tokens=args.context_budget or None, output_schema=self.schema)
 
         try:

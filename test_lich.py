@@ -1451,6 +1451,22 @@ def test_a_repeated_call_id_is_renamed_on_every_turn_from_where_the_last_rename_
     assert_history_is_paired(outcome.messages)
 
 
+def test_the_last_call_of_an_answer_cut_at_its_output_limit_is_not_run():
+    cut = lich.ChatResult(assistant("", ("c1", "echo", '{"a": 1}'), ("c2", "echo", '{"content": "import os\\n')),
+                          stop_reason="length")
+    tools = EchoTools()
+    emitter, events = recorder_emitter()
+    outcome = lich.run_conversation(ScriptedChat(cut, assistant("done")), tools, [user("x")], max_turns=3,
+                                    emitter=emitter)
+    assert outcome.stopped_reason == "final"
+    assert outcome.messages[2:4] == [tool_msg("c1", 'echo:{"a": 1}'), tool_msg("c2", json.dumps({
+        "ok": False, "output": "", "error": "not run: the answer reached its output token limit while writing "
+        "this call, so its arguments may be incomplete; ask for less in one call (a long file in parts)"}),
+        is_error=True)]
+    assert [(e["type"], e["call"]["id"], e.get("cancelled")) for e in events if e["type"].startswith("tool")] == [
+        ("tool_call_start", "c1", None), ("tool_call_end", "c1", False), ("tool_call_end", "c2", True)]
+
+
 def test_a_tool_result_without_output_is_empty_text():
     class NoOutput(EchoTools):
         def run(self, call, signal=None):
@@ -8695,10 +8711,11 @@ def test_main_returns_codes_in_process(cli):
 def test_options_reach_the_request(server, cli):
     queue(server, openai_reply("ok"))
     assert cli("-m", "openai:my-model", "--base-url", server.url + "/v1", "-s", "Be brief.",
-               "--temperature", "0.25", "--no-stream", "hi", env={"LICH_MODEL": ""}) == (0, "ok\n", USAGE_LINE)
+               "--temperature", "0.25", "--max-tokens", "9000", "--no-stream", "hi", env={"LICH_MODEL": ""}) == (
+        0, "ok\n", USAGE_LINE)
     body = server.requests[0]["json"]
-    assert (body["model"], body["temperature"], body["messages"][0]) == (
-        "my-model", 0.25, {"role": "system", "content": "Be brief."})
+    assert (body["model"], body["temperature"], body["max_tokens"], body["messages"][0]) == (
+        "my-model", 0.25, 9000, {"role": "system", "content": "Be brief."})
 
 
 def test_write_and_shell_tools_are_offered_only_when_allowed(server, lich_model, cli):
@@ -10507,7 +10524,7 @@ def test_help_lists_the_options():
     # argparse prints the script's help and exits: the process's own output and exit code
     code, out, err = Process(LICH_PY, "--help").wait()
     assert (code, err) == (0, "") and out.startswith("usage: lich ")
-    for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature",
+    for option in ("--model", "--base-url", "--system", "--max-turns", "--context-budget", "--temperature", "--max-tokens",
                    "--session-dir", "--no-session", "--label", "--resume", "--continue", "--list-sessions",
                    "--allow", "--yolo", "--root", "--json", "--no-stream", "--quiet", "--verbose", "--version"):
         assert option in out
