@@ -22,8 +22,9 @@ resumed. No asyncio; ``requests`` is its only dependency, imported when first us
 ``python lich.py "prompt"`` is a command-line agent on the same module.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: with it, a dataclass looks its module up in
+# sys.modules, and a plug-in host that loads this file as a module of its own may not put
+# it there.
 import sys
 
 __version__ = "0.2.0"
@@ -1771,7 +1772,13 @@ def _arriving_chunks(response):
 
 def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
-    import requests
+    try:
+        import requests
+    except ModuleNotFoundError as e:
+        if e.name != "requests":
+            raise
+        raise ModuleNotFoundError("lich's providers need the requests package: pip install "
+                                  "requests", name="requests") from None
     return requests
 
 

@@ -10530,6 +10530,26 @@ def test_help_lists_the_options():
         assert option in out
 
 
+PLUG_IN_HOST = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("host.vendor.lich", sys.argv[1])
+module = importlib.util.module_from_spec(spec)  # loaded as hosts do, not put in sys.modules
+spec.loader.exec_module(module)
+print(module.ToolResult(ok=True, output="loaded"), "host.vendor.lich" in sys.modules)
+sys.modules["requests"] = None  # a host without requests: what using a provider says
+try:
+    module.OpenAIChat("m", base_url="http://127.0.0.1:9")([{"role": "user", "content": "hi"}])
+except ModuleNotFoundError as e:
+    print(e)
+"""
+
+
+def test_a_plug_in_host_loads_lich_py_as_a_module_of_its_own():
+    assert Process("-c", PLUG_IN_HOST, LICH_PY).wait() == (0, (
+        "ToolResult(ok=True, output='loaded', error=None) False\n"
+        "lich's providers need the requests package: pip install requests\n"), "")
+
+
 def test_import_does_not_import_requests():
     assert Process("-c", "import sys, lich; print('requests' in sys.modules)", cwd=HERE).wait() == (
         0, "False\n", "")
