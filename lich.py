@@ -3618,6 +3618,21 @@ def _json_ready(value):
     return True
 
 
+def _docstring(fn):
+    """``inspect.getdoc(fn)``; under ``python -OO``, which drops docstrings, read from the
+    source when it is at hand, so that the model still gets each tool's description."""
+    doc = inspect.getdoc(fn)
+    if doc is not None or sys.flags.optimize < 2:
+        return doc
+    import ast
+    import textwrap
+    try:
+        [node] = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
+        return ast.get_docstring(node)
+    except (OSError, TypeError, SyntaxError, ValueError):  # no source, or not one function's
+        return None
+
+
 def _function_tool(fn, name, description):
     """(spec, signal parameter, call parameter) of a function, from its signature and docstring."""
     if not callable(fn):
@@ -3634,7 +3649,7 @@ def _function_tool(fn, name, description):
     wrapped = fn
     while isinstance(wrapped, functools.partial):  # its docstring is partial's own
         wrapped = wrapped.func
-    doc_description, arg_docs = _parse_docstring(inspect.getdoc(wrapped))
+    doc_description, arg_docs = _parse_docstring(_docstring(wrapped))
     properties, required = {}, []
     signal_param = call_param = None
     for param in signature.parameters.values():

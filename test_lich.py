@@ -7018,6 +7018,38 @@ def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_pat
     assert not marker.exists()
 
 
+SPECS_OF_TOOLS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+tools = lich.coding_tools(".", allow_write=True, allow_shell=True)
+
+
+@tools.tool
+def greet(name: str) -> str:
+    \"\"\"Say hello.
+
+    Args:
+        name: who to greet
+    \"\"\"
+    return "hi " + name
+
+
+print(json.dumps(tools.specs()))
+"""
+
+
+def test_under_python_oo_tools_keep_their_descriptions(tmp_path):
+    script = tmp_path / "specs.py"
+    script.write_text(SPECS_OF_TOOLS)
+    code, plain, _ = Process(script, HERE).wait()
+    assert (code, Process("-OO", script, HERE).wait()) == (0, (0, plain, ""))
+    greet = json.loads(plain)[-1]
+    assert (greet["description"], greet["parameters"]["properties"]["name"]["description"]) == (
+        "Say hello.", "who to greet")
+    assert all(spec["description"] for spec in json.loads(plain))
+
+
 SEARCH_THEN_FORK = r"""
 import gc, os, sys
 sys.path.insert(0, sys.argv[1])
