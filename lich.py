@@ -155,12 +155,17 @@ class MCPError(Exception):
 
 _REDACTED = "[redacted]"
 _SECRET_WINDOW = 8  # no run of this many characters of a key may be shown anywhere
-_secrets = {}  # API key in use -> a regex finding any _SECRET_WINDOW of its characters
+# API key in use -> the set of its runs of _SECRET_WINDOW characters. Changed by copy (under
+# _secrets_lock): a reader takes the dict as it is, without the lock.
+_secrets = {}
 _secret_users = {}  # API key in use -> how many live objects hold it
 # A key for each holder gone: finalizers only append (the collector may run them in a thread
 # that holds _secrets_lock), and the counts are brought down under the lock.
 _secret_holders_gone = deque()
 _secrets_lock = threading.Lock()
+# What _redact_secrets looks for, made anew when _secrets changes: (that _secrets, the
+# windows of all its keys, a regex of the runs of the characters its keys are made of)
+_secret_index = ({}, frozenset(), None)
 
 
 def _add_secret(key: str, holder) -> None:
@@ -168,20 +173,16 @@ def _add_secret(key: str, holder) -> None:
     and what providers say never show a piece of it. (A key shorter than that is no secret
     worth the damage hiding it would do.) So a server that makes a chat per request, with
     its user's key, looks for the keys of live chats only."""
+    global _secrets
     if len(key) < _SECRET_WINDOW:
         return
+    windows = frozenset(key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1))
     with _secrets_lock:
         _count_secret_holders_gone()
-        known = key in _secrets
         _secret_users[key] = _secret_users.get(key, 0) + 1
+        if key not in _secrets:
+            _secrets = {**_secrets, key: windows}
     weakref.finalize(holder, _secret_holders_gone.append, key)
-    if known:
-        return
-    windows = {key[i:i + _SECRET_WINDOW] for i in range(len(key) - _SECRET_WINDOW + 1)}
-    pattern = re.compile("(?=(" + "|".join(map(re.escape, windows)) + "))")
-    with _secrets_lock:
-        if key in _secret_users:  # its holders may all be gone already
-            _secrets[key] = pattern
     if _redact_log_record not in _log.filters:  # from the first key on, logs are redacted too
         _log.addFilter(_redact_log_record)
 
@@ -189,6 +190,7 @@ def _add_secret(key: str, holder) -> None:
 def _count_secret_holders_gone() -> None:
     """Bring the counts of holders down (``_secrets_lock`` held); a key none holds any more
     is no longer looked for."""
+    global _secrets
     while _secret_holders_gone:
         key = _secret_holders_gone.popleft()
         left = _secret_users.get(key, 0) - 1
@@ -196,7 +198,8 @@ def _count_secret_holders_gone() -> None:
             _secret_users[key] = left
         else:
             _secret_users.pop(key, None)
-            _secrets.pop(key, None)
+            if key in _secrets:
+                _secrets = {k: v for k, v in _secrets.items() if k != key}
 
 
 def _redact_log_record(record) -> bool:
@@ -220,6 +223,18 @@ def _redact_log_record(record) -> bool:
 _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
 
 
+def _secrets_to_find():
+    """``_secret_index`` for the keys in use now; the windows of many keys are found in one
+    pass, so a server holding the keys of 500 users redacts as fast as one holding one."""
+    global _secret_index
+    secrets, index = _secrets, _secret_index
+    if index[0] is not secrets:
+        characters = "".join(sorted(set("".join(secrets))))
+        runs = re.compile(f"[{re.escape(characters)}]{{{_SECRET_WINDOW},}}") if secrets else None
+        index = _secret_index = (secrets, frozenset().union(*secrets.values()), runs)
+    return index
+
+
 def _redact_secrets(text: str) -> str:
     """``text`` with every run of 8 characters of a key in use (also \\u-escaped) redacted."""
     if _secret_holders_gone and _secrets_lock.acquire(blocking=False):  # never waits: a
@@ -227,15 +242,20 @@ def _redact_secrets(text: str) -> str:
             _count_secret_holders_gone()
         finally:
             _secrets_lock.release()
-    if not _secrets or not text:
+    secrets, windows, runs = _secrets_to_find()
+    if not secrets or not text:
         return text
     original = text
     if "\\u" in text:  # a key echoed as JSON escapes (\\u0073k-...) shows once decoded
         text = re.sub(_JSON_ESCAPE, lambda m: chr(int(m.group(1), 16)), text)
-    # Where any key shows, found in the same text for every key: keys that share characters
-    # (sk-...-0123456789-...) are each found whole, and the runs found are joined.
-    starts = sorted(found.start() for pattern in list(_secrets.values())
-                    for found in pattern.finditer(text))
+    # Where any key shows, for every key at once: only runs of the characters keys are made
+    # of can hold one, and each window of such a run is looked up in the set of all windows.
+    # Keys that share characters (sk-...-0123456789-...) are each found whole, and the
+    # windows found are joined.
+    last = _SECRET_WINDOW
+    starts = [found.start() + i for found in runs.finditer(text)
+              for i in range(found.end() - found.start() - last + 1)
+              if text[found.start() + i:found.start() + i + last] in windows]
     if not starts:
         return original  # text without a key is given back as it was
     runs = []  # [start, end] of the text hidden

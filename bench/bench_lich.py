@@ -1290,6 +1290,43 @@ def bench_tracing(args):
             ]}
 
 
+# ---------------------------------------------------------------------------- 15. redaction
+
+@row("redaction")
+def bench_redaction(args):
+    """A server that makes a chat per request with its user's key holds many keys at once;
+    every tool result is redacted of all of them. Per 50 KB tool result (a Python source
+    text, one key in it), with 1 and with 500 chats alive."""
+    import random
+    import string
+
+    source = sysconfig.get_paths()["stdlib"]
+    text = "".join(open(os.path.join(source, name)).read() for name in ("json/decoder.py", "json/encoder.py",
+                                                                       "json/scanner.py", "argparse.py"))[:50_000]
+    tools = lich.Tools()
+    tools.register(lambda: shown, name="show", description="The text.")
+    rng = random.Random(7)
+    chats, keys_made, figures, table = [], [], {}, []
+    rounds = 10 if args.quick else 40
+    for keys in (1, 500):
+        while len(chats) < keys:
+            key = "sk-" + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(48))
+            chats.append(lich.OpenAIChat("m", api_key=key, base_url="http://127.0.0.1:9/v1"))
+            keys_made.append(key)
+        shown = f"token {keys_made[keys // 2]} here\n{text}"
+
+        def run():
+            history = []
+            lich.run_tool_calls(tools, [{"id": "c1", "name": "show", "arguments": "{}"}], history, turn=1)
+            assert "[redacted]" in history[0]["content"]
+
+        figures[keys] = median(alternate({"run": run}, rounds)["run"]) * 1000
+    ratio = figures[500] / figures[1]
+    table.append(("15 redaction, 500 keys vs 1", f"{ratio:.2f}x ({figures[500]:.2f} vs {figures[1]:.2f} ms "
+                                                  f"per 50 KB result)", "<= 1.5x", ratio <= 1.5))
+    return {"ms_per_result": figures, "ratio": ratio, "table": table}
+
+
 # ---------------------------------------------------------------------------- report
 
 def lich_digest():
