@@ -5433,7 +5433,7 @@ def sample_tools():
 
     @tools.tool
     def pick(mode: Literal["r", "w"],
-             n: Optional[int] = None,  # noqa: FA100
+             n: Optional[int] = None,
              tags: Dict[str, int] = {}):  # noqa: B006, UP006
         """Echo a choice."""
         return {"mode": mode, "n": n, "tags": tags}
@@ -5504,21 +5504,21 @@ def _f_typing_dict(x: Dict): pass  # noqa: UP006
 def _f_dict_str_int(x: Dict[str, int]): pass  # noqa: UP006
 def _f_dict_of_lists(x: Dict[str, List[str]]): pass  # noqa: UP006
 def _f_dict_any(x: Dict[str, Any]): pass  # noqa: UP006
-def _f_optional(x: Optional[str]): pass  # noqa: FA100
-def _f_optional_default(x: Optional[int] = None): pass  # noqa: FA100
+def _f_optional(x: Optional[str]): pass
+def _f_optional_default(x: Optional[int] = None): pass
 def _f_literal(x: Literal["r", "w"]): pass
 def _f_literal_int(x: Literal[1, 2, 3]): pass
 def _f_literal_mixed(x: Literal["a", 1]): pass
-def _f_optional_literal(x: Optional[Literal["r", "w"]] = None): pass  # noqa: FA100
-def _f_list_optional(x: List[Optional[int]]): pass  # noqa: FA100, UP006
+def _f_optional_literal(x: Optional[Literal["r", "w"]] = None): pass
+def _f_list_optional(x: List[Optional[int]]): pass  # noqa: UP006
 def _f_no_hint(x): pass
 def _f_any(x: Any): pass
 def _f_defaults(n: int = 3, s: str = "s", flag: bool = False, xs: list = [1]): pass  # noqa: B006
 def _f_implicit_optional(x: int = None, y: Literal["a"] = None): pass  # noqa: RUF013
-def _f_unencodable_default(x: Optional[dict] = _SENTINEL): pass  # noqa: FA100
+def _f_unencodable_default(x: Optional[dict] = _SENTINEL): pass
 def _f_keyword_only(a: str, *, b: int, c: float = 1.5): pass
 def _f_signal(x: int, signal: threading.Event): pass
-def _f_optional_signal(x: int, signal: Optional[threading.Event] = None): pass  # noqa: FA100
+def _f_optional_signal(x: int, signal: Optional[threading.Event] = None): pass
 def _f_none(): pass
 
 
@@ -5673,7 +5673,7 @@ def _bad_set(x: set): pass
 def _bad_tuple(x: tuple): pass
 def _bad_class(x: lich.ToolResult): pass
 def _bad_dict_keys(x: Dict[int, str]): pass  # noqa: UP006
-def _bad_union(x: Union[int, str]): pass  # noqa: FA100
+def _bad_union(x: Union[int, str]): pass
 def _bad_nested(x: List[set]): pass  # noqa: UP006
 def _bad_literal(x: Literal[b"raw"]): pass
 
@@ -6154,7 +6154,7 @@ def test_a_parameter_annotated_toolcall_receives_the_call_and_is_not_offered():
     assert tools.run(tool_call("whoami", {"x": 2}, call_id="c9")) == lich.ToolResult(ok=True, output="c9 2 whoami")
 
 
-def _module_tool(mode: Literal["r", "w"], tags: Dict[str, List[float]], level: Optional[int] = None) -> str:  # noqa: UP006, FA100
+def _module_tool(mode: Literal["r", "w"], tags: Dict[str, List[float]], level: Optional[int] = None) -> str:  # noqa: UP006
     """A tool at module level: it pickles."""
     return json.dumps([mode, tags, level])
 

@@ -1301,8 +1301,11 @@ def bench_redaction(args):
     import string
 
     source = sysconfig.get_paths()["stdlib"]
-    text = "".join(open(os.path.join(source, name)).read() for name in ("json/decoder.py", "json/encoder.py",
-                                                                       "json/scanner.py", "argparse.py"))[:50_000]
+    text = ""
+    for name in ("json/decoder.py", "json/encoder.py", "json/scanner.py", "argparse.py"):
+        with open(os.path.join(source, name)) as f:
+            text += f.read()
+    text = text[:50_000]
     tools = lich.Tools()
     tools.register(lambda: shown, name="show", description="The text.")
     rng = random.Random(7)
@@ -1322,8 +1325,8 @@ def bench_redaction(args):
 
         figures[keys] = median(alternate({"run": run}, rounds)["run"]) * 1000
     ratio = figures[500] / figures[1]
-    table.append(("15 redaction, 500 keys vs 1", f"{ratio:.2f}x ({figures[500]:.2f} vs {figures[1]:.2f} ms "
-                                                  f"per 50 KB result)", "<= 1.5x", ratio <= 1.5))
+    shown_ratio = f"{ratio:.2f}x ({figures[500]:.2f} vs {figures[1]:.2f} ms per 50 KB result)"
+    table.append(("15 redaction, 500 keys vs 1", shown_ratio, "<= 1.5x", ratio <= 1.5))
     return {"ms_per_result": figures, "ratio": ratio, "table": table}
 
 
