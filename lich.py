@@ -3619,6 +3619,15 @@ def _type_hints(fn, fn_name):
     try:
         return typing.get_type_hints(target)
     except NameError as e:
+        # The return hint plays no part in the tool's schema: one that names what only a
+        # type checker imports (``if TYPE_CHECKING:``) is let be.
+        annotations = dict(getattr(target, "__annotations__", None) or {})
+        if annotations.pop("return", None) is not None:
+            try:
+                return typing.get_type_hints(types.SimpleNamespace(
+                    __annotations__=annotations, __globals__=getattr(target, "__globals__", {})))
+            except NameError:
+                pass
         raise TypeError(f"cannot register {fn_name}: a type hint cannot be resolved: {e}") from e
     except TypeError as e:
         if target is fn and inspect.isfunction(fn):  # a hint Python cannot evaluate here

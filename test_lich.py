@@ -5697,6 +5697,17 @@ def _positional_only(a: int, /): pass
 def _unresolvable(x: "Nowhere"): pass  # noqa: F821
 
 
+def test_a_return_hint_only_a_type_checker_can_resolve_is_let_be():
+    tools = lich.Tools()
+
+    @tools.tool
+    def fetch(url: str, retries: "int" = 2) -> "Response":  # noqa: F821  (imported under TYPE_CHECKING)
+        """Fetch a page."""
+
+    assert tools.specs()[0]["parameters"]["properties"] == {"url": {"type": "string"},
+                                                           "retries": {"type": "integer", "default": 2}}
+
+
 @pytest.mark.parametrize("fn,message", [
     (_varargs, ("cannot register _varargs: parameter 'items' is variadic positional; a tool "
                 "takes keyword arguments")),
