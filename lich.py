@@ -8269,8 +8269,10 @@ class _Cli:
             term.end_answer()
             term.answer(run.final.get("content") or "")
         if run.stopped_reason == "budget":
+            how = ('say "go on" to continue' if self.interactive else
+                   "raise --max-turns" + (" or continue with -c" if session is not None else ""))
             term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before a "
-                      f"final answer; raise --max-turns or continue with -c")
+                      f"final answer; {how}")
         elif run.stopped_reason == "final" and run.result.stop_reason == "length":
             term.note("lich: the answer was cut short: the model reached its output limit")
         elif run.stopped_reason == "final" and run.result.stop_reason in _DECLINED:

@@ -9132,6 +9132,10 @@ def test_max_turns_budget_exits_3_with_no_answer_on_stdout(server, lich_model, c
         "lich: stopped: the turn budget (2) ran out before a final answer; raise --max-turns or continue with -c",
         "tokens: 14 in, 6 out"]
     assert len(server.requests) == 2
+    queue(server, Reply(200, openai_reply("", call, finish="tool_calls")))
+    code, _, err = cli("--no-stream", "--no-session", "--max-turns", "1", "--root", str(workspace), "look")
+    assert (code, err.splitlines()[-2]) == (  # nothing recorded: nothing to continue
+        3, "lich: stopped: the turn budget (1) ran out before a final answer; raise --max-turns")
 
 
 def test_provider_error_exits_1_without_traceback(server, lich_model, cli, tmp_path):
@@ -9750,6 +9754,16 @@ def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(serve
     assert term.close() == 0
     sent = [m["content"] for m in server.requests[-1]["json"]["messages"][1:]]
     assert sent[0] == "[context summary of earlier turns]\nthe summary\n[end summary]" and sent[-1] == "next"
+
+
+def test_a_chat_turn_out_of_turns_says_to_go_on(server, lich_model, tmp_path, workspace):
+    queue(server, Reply(200, openai_reply("", ("c1", "list_files", "{}"), finish="tool_calls")))
+    term = chat_pty("--max-turns", "1", "--root", str(workspace), tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("look")
+    assert 'ran out before a final answer; say "go on" to continue\n' in term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
 
 
 def test_compact_says_whether_there_was_nothing_to_compress_or_it_failed(server, lich_model, tmp_path):
