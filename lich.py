@@ -168,6 +168,16 @@ _secrets_lock = threading.Lock()
 _secret_index = ({}, frozenset(), None)
 
 
+def _free_secrets_lock():
+    """A forked child's lock is free: a thread of its parent may have held it."""
+    global _secrets_lock
+    _secrets_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_free_secrets_lock)
+
+
 def _add_secret(key: str, holder) -> None:
     """Remember ``key`` as in use while ``holder`` (a chat, an MCP server) lives: tool results
     and what providers say never show a piece of it. (A key shorter than that is no secret
@@ -230,8 +240,9 @@ def _secrets_to_find():
     secrets, index = _secrets, _secret_index
     if index[0] is not secrets:
         characters = "".join(sorted(set("".join(secrets))))
-        runs = re.compile(f"[{re.escape(characters)}]{{{_SECRET_WINDOW},}}") if secrets else None
-        index = _secret_index = (secrets, frozenset().union(*secrets.values()), runs)
+        key_characters = (re.compile(f"[{re.escape(characters)}]{{{_SECRET_WINDOW},}}")
+                          if secrets else None)
+        index = _secret_index = (secrets, frozenset().union(*secrets.values()), key_characters)
     return index
 
 
@@ -242,7 +253,7 @@ def _redact_secrets(text: str) -> str:
             _count_secret_holders_gone()
         finally:
             _secrets_lock.release()
-    secrets, windows, runs = _secrets_to_find()
+    secrets, windows, key_characters = _secrets_to_find()
     if not secrets or not text:
         return text
     original = text
@@ -253,7 +264,7 @@ def _redact_secrets(text: str) -> str:
     # Keys that share characters (sk-...-0123456789-...) are each found whole, and the
     # windows found are joined.
     last = _SECRET_WINDOW
-    starts = [found.start() + i for found in runs.finditer(text)
+    starts = [found.start() + i for found in key_characters.finditer(text)
               for i in range(found.end() - found.start() - last + 1)
               if text[found.start() + i:found.start() + i + last] in windows]
     if not starts:
@@ -978,6 +989,14 @@ def _not_json(name):
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(text):
+    """A JSON number as a float; one too large for a float (1e400) is refused, not infinity."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is too large a number")
+    return value
+
+
 def _parse_output(text, schema):
     """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
 
@@ -985,7 +1004,8 @@ def _parse_output(text, schema):
     """
     fenced = re.match(_FENCED_JSON, text)
     try:
-        value = json.loads(fenced.group(1) if fenced else text, parse_constant=_not_json)
+        value = json.loads(fenced.group(1) if fenced else text, parse_constant=_not_json,
+                           parse_float=_finite_float)
     except (ValueError, RecursionError) as e:
         return None, f"it is not valid JSON ({e})"
     problems = []
@@ -1581,8 +1601,7 @@ def resolve_session(session_dir, ref) -> str:
 
 _OPENAI_BASE_URL = "https://api.openai.com/v1"
 # Azure OpenAI takes its key in an ``api-key`` header: its hosts, or its deployments' path
-_AZURE_URL = (r"^https?://[^/?#]*\.(?:openai\.azure\.com|cognitiveservices\.azure\.com|"
-              r"services\.ai\.azure\.com)(?::\d+)?(?:[/?#]|$)|/openai/deployments/")
+_AZURE_HOSTS = (".openai.azure.com", ".cognitiveservices.azure.com", ".services.ai.azure.com")
 _ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 _ANTHROPIC_VERSION = "2023-06-01"
 _DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
@@ -2475,6 +2494,8 @@ def _json_of(data: bytes):
 def _paired_surrogates(text):
     """``text`` with each pair of surrogates made the one character it encodes (JSON spells
     an emoji as two escapes, which a stream may split between events); a lone one stays."""
+    if text.isascii():
+        return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
 
 
@@ -2545,6 +2566,18 @@ def _openai_usage(usage) -> dict:
     return counts
 
 
+_NO_ANSWER = "(no answer)"  # what an empty answer says on the wire
+
+
+def _is_azure(url):
+    """Whether ``url`` is Azure OpenAI's: one of its hosts, or a deployment's path."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return ((parts.hostname or "").endswith(_AZURE_HOSTS)  # urlsplit lower-cases the host
+            or "/openai/deployments/" in parts.path.lower())
+
+
 def _openai_call(call_id, name, arguments, extra_content):
     """A ToolCall; with the ``extra_content`` a server attached to it (Gemini's thought
     signature, which it wants back with the call on the next turn)."""
@@ -2561,8 +2594,12 @@ def _choice_error(chat, choice):
         return None
     text, codes = _error_fields(choice)
     label = f" ({codes[0]})" if codes else ""
+    kind, retryable = "server", None
+    if codes and codes[0].isdigit() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
+        _, kind, retryable, _ = _classify_http_error(int(codes[0]), b"", {})
     return chat._error(f"the answer failed mid-generation{label}: "
-                       f"{_redact_secrets(text) if text else 'no reason given'}", "server")
+                       f"{_redact_secrets(text) if text else 'no reason given'}", kind,
+                       retryable=retryable)
 
 
 class _OpenAIStream:
@@ -2655,8 +2692,8 @@ class _OpenAIStream:
             if not name:
                 raise self.chat._error(f"invalid response: streamed tool call {i} has no name",
                                        "invalid_response")
-            calls.append(_openai_call(call_id or f"call_{i}", name, "".join(fragments) or "{}",
-                                      extra))
+            arguments = _paired_surrogates("".join(fragments))  # an emoji split between events
+            calls.append(_openai_call(call_id or f"call_{i}", name, arguments or "{}", extra))
         return calls
 
 
@@ -2699,9 +2736,17 @@ class OpenAIChat(_HTTPChat):
             if not (self.stream and not self._usage_refused and e.kind == "bad_request"
                     and "stream_options" in str(e)):
                 raise
-            self._usage_refused = True
-            _log.info("%s refuses stream_options; streaming without usage counts", self._shown_url)
-        return super().__call__(messages, **options)
+            refusal = e
+        self._usage_refused = True
+        try:
+            answer = super().__call__(messages, **options)
+        except ProviderError as e:
+            if e.kind == "bad_request":  # refused without them too: it was not about them
+                self._usage_refused = False
+                raise refusal from None
+            raise
+        _log.info("%s refuses stream_options; streaming without usage counts", self._shown_url)
+        return answer
 
     def _setup(self):
         self._usage_refused = False  # the server refused stream_options: asked without it
@@ -2712,7 +2757,7 @@ class OpenAIChat(_HTTPChat):
 
     def _wire_headers(self):
         headers = {"Content-Type": "application/json"}
-        if self._api_key and re.search(_AZURE_URL, self.base_url):
+        if self._api_key and _is_azure(self.base_url):
             headers["api-key"] = self._api_key
         elif self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
@@ -2729,7 +2774,9 @@ class OpenAIChat(_HTTPChat):
             if isinstance(m.get("reasoning_content"), str) and self._sends_reasoning(m):
                 wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
         elif role == "assistant" and not (m.get("content") or "").strip():
-            return b""  # an answer of nothing is left out: Mistral refuses it, for good
+            # An answer of nothing: Mistral refuses it, for good, and leaving it out would set
+            # two user messages side by side, which strict chat templates refuse.
+            wire = {"role": "assistant", "content": _NO_ANSWER}
         else:
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
@@ -2749,7 +2796,7 @@ class OpenAIChat(_HTTPChat):
         return wire
 
     def _assemble(self, encoded):
-        return {"messages": b"[" + b",".join(entry[3] for entry in encoded if entry[3]) + b"]"}
+        return {"messages": b"[" + b",".join(entry[3] for entry in encoded) + b"]"}
 
     def _tools_to_wire(self, tools):
         return [{"type": "function", "function": {
@@ -2960,7 +3007,7 @@ class _AnthropicStream:
         for block in self.blocks.values():
             if block is not None:
                 call_id, name, fragments, start_input = block
-                arguments = "".join(fragments)
+                arguments = _paired_surrogates("".join(fragments))  # an emoji split between events
                 if not arguments.strip():
                     arguments = json.dumps(start_input or {}, ensure_ascii=False)
                 calls.append({"id": call_id, "name": name, "arguments": arguments})
@@ -5967,19 +6014,23 @@ class _StdioServer:
         import select
         poller = select.poll()  # its own: the readers' is used under self._reading only
         poller.register(self.proc.stdout.fileno(), select.POLLIN)
-        while not self._eof.is_set():
-            if not poller.poll(_MCP_WATCH_SECONDS * 1000) and self._closed:
-                return  # closed, and quiet: an escaped child of the server holds its output
-            if not self._reading.acquire(blocking=False):  # a caller reads: look again later
-                self._eof.wait(_WATCH_SECONDS)
-                continue
-            try:
-                if self._lines:
-                    self._take_in()
-                while not self._eof.is_set() and poller.poll(0):
-                    self._read_output()
-            finally:
-                self._leave_reading()
+        try:
+            while not self._eof.is_set():
+                if not poller.poll(_MCP_WATCH_SECONDS * 1000) and self._closed:
+                    return  # closed, and quiet: an escaped child of the server holds its output
+                if not self._reading.acquire(blocking=False):  # a caller reads: look again later
+                    self._eof.wait(_WATCH_SECONDS)
+                    continue
+                try:
+                    if self._lines:
+                        self._take_in()
+                    while not self._eof.is_set() and poller.poll(0):
+                        self._read_output()
+                finally:
+                    self._leave_reading()
+        finally:  # the output ended or the server is closed: no reader reads it again
+            with self._reading:
+                self.proc.stdout.close()
 
     def _read_output(self):
         """Read what the server wrote, and take in each whole line (the reader does this)."""
@@ -6043,14 +6094,15 @@ class _StdioServer:
             self.on_list_changed()
 
     def _read_stderr(self):
-        for line in iter(self.proc.stderr.readline, b""):
-            text = _redact_secrets(line.decode("utf-8", "replace").rstrip())
-            _log.debug("mcp %s: %s", self.name, text)
-            with self._lock:
-                self._stderr.append(text)
-                self._stderr_size += len(text)
-                while self._stderr_size > _MCP_STDERR_KEEP and len(self._stderr) > 1:
-                    self._stderr_size -= len(self._stderr.popleft())
+        with self.proc.stderr:  # closed at its end (unless an escaped child holds it open)
+            for line in iter(self.proc.stderr.readline, b""):
+                text = _redact_secrets(line.decode("utf-8", "replace").rstrip())
+                _log.debug("mcp %s: %s", self.name, text)
+                with self._lock:
+                    self._stderr.append(text)
+                    self._stderr_size += len(text)
+                    while self._stderr_size > _MCP_STDERR_KEEP and len(self._stderr) > 1:
+                        self._stderr_size -= len(self._stderr.popleft())
 
     def stderr_tail(self, lead=""):
         with self._lock:
@@ -6757,15 +6809,35 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
                        output=run.output, usage=run.usage_total, session_path=run.session_path)
 
 
+_batch_out_files = set()  # descriptors of the out files of the batches running in this process
+
+
+def _close_batch_out_files_after_fork():
+    """A forked child (a process pool's worker) lets go of its parent's out files: its copy
+    would hold their lock after the parent's batch ended."""
+    for fd in list(_batch_out_files):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _batch_out_files.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_batch_out_files_after_fork)
+
+
 def _results_file(out, redo):
     """(descriptor opened for appending, {id: BatchResult of the ok lines already there}).
 
     The file stays locked (``flock``) while the batch runs: a second batch on it would run
-    the same pending tasks again, so it is refused.
+    the same pending tasks again, so it is refused. (Where the file system has no locks, it
+    goes unlocked.) The caller closes the descriptor with ``_close_results_file``.
     """
     out = os.fspath(out)
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(out, flags, 0o644)
+    _batch_out_files.add(fd)
     try:
         try:
             import fcntl
@@ -6776,6 +6848,8 @@ def _results_file(out, redo):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise OSError(errno.EBUSY, "another batch is writing to it", out) from None
+            except OSError as e:  # ENOLCK, EOPNOTSUPP: some network and FUSE file systems
+                _log.debug("batch out file %s goes unlocked: %s", out, e)
         if redo:
             os.ftruncate(fd, 0)
         done = {}
@@ -6793,9 +6867,14 @@ def _results_file(out, redo):
                 if f.read(1) != b"\n":  # a line cut by a kill: the next starts on its own
                     os.write(fd, b"\n")
     except BaseException:
-        os.close(fd)
+        _close_results_file(fd)
         raise
     return fd, done
+
+
+def _close_results_file(fd):
+    _batch_out_files.discard(fd)
+    os.close(fd)
 
 
 def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=None, out=None,
@@ -6827,12 +6906,17 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
     tasks = _batch_tasks(tasks)
-    fd, done = _results_file(out, redo) if out is not None else (None, {})
-    results = dict(done)
-    pending = [task for task in tasks if task["id"] not in results]
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
         if own else executor
+    try:
+        fd, done = _results_file(out, redo) if out is not None else (None, {})
+    except BaseException:
+        if own:
+            pool.shutdown()
+        raise
+    results = dict(done)
+    pending = [task for task in tasks if task["id"] not in results]
     # Tasks in this process stop on this event: set by the caller's signal, or on the way
     # out by an exception (Ctrl-C in the caller, a failing on_result), so none runs on.
     stopping = threading.Event()
@@ -6889,7 +6973,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
         if own:
             pool.shutdown(wait=True)
         if fd is not None:
-            os.close(fd)
+            _close_results_file(fd)
     why = "the signal was set" if signal is not None and signal.is_set() else broken or \
         f"{errors} {'task' if errors == 1 else 'tasks'} failed (max_errors={max_errors})"
     return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
@@ -7898,7 +7982,8 @@ def _latest_session_in(session_dir, folder, term):
     passed over with a warning (it may be the newest)."""
     for path in list_sessions(session_dir):
         try:
-            if os.stat(path).st_uid == os.geteuid() and _session_folder(path) == folder:
+            owner = getattr(os, "geteuid", None)  # not on Windows
+            if (owner is None or os.stat(path).st_uid == owner()) and _session_folder(path) == folder:
                 return path
         except FileNotFoundError:  # removed meanwhile
             continue

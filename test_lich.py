@@ -1600,14 +1600,15 @@ def test_a_structured_answer_that_does_not_fit_is_corrected_within_the_budget():
 
 def test_a_structured_answer_with_nan_or_infinity_is_not_json():
     chat = ScriptedChat(assistant('{"city": "Lima", "temp": NaN}'), assistant('{"city": "Lima", "temp": -Infinity}'),
-                        assistant('{"city": "Lima", "temp": 19}'))
+                        assistant('{"city": "Lima", "temp": 1e400}'), assistant('{"city": "Lima", "temp": 19}'))
     emitter, events = recorder_emitter()
-    outcome = lich.run_conversation(chat, None, [user("weather?")], max_turns=3, output_schema=SCHEMA,
+    outcome = lich.run_conversation(chat, None, [user("weather?")], max_turns=4, output_schema=SCHEMA,
                                     emitter=emitter)
-    assert (outcome.turns_used, outcome.output) == (3, {"city": "Lima", "temp": 19})
+    assert (outcome.turns_used, outcome.output) == (4, {"city": "Lima", "temp": 19})
     assert [e["message"]["content"].split(". Answer again")[0] for e in events if e["type"] == "output_invalid"] == [
         "Your answer cannot be used: it is not valid JSON (NaN is not a JSON value)",
-        "Your answer cannot be used: it is not valid JSON (-Infinity is not a JSON value)"]
+        "Your answer cannot be used: it is not valid JSON (-Infinity is not a JSON value)",
+        "Your answer cannot be used: it is not valid JSON (1e400 is too large a number)"]
 
 
 def test_a_structured_answer_that_never_fits_ends_on_the_budget():
@@ -2412,6 +2413,28 @@ def test_a_failing_session_object_warns_once_per_run_and_the_run_goes_on(caplog)
     assert warnings == ["session recording stopped: memory-1: ConnectionError: the database went away"]
 
 
+def test_a_session_that_missed_a_record_gets_none_of_a_later_runs(caplog):
+    class FullOnce(MemorySession):  # the disk fills during the first run, then is freed
+        def _add(self, record):
+            if len(self.records) == 3 and not self.failed:
+                self.failed = True
+                raise OSError(28, "No space left on device")
+            super()._add(record)
+
+    session = FullOnce()
+    session.failed = False
+    run = lich.run_agent("hi", chat=ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("ok")),
+                         tools=EchoTools(), max_turns=3, session=session)
+    assert (run.stopped_reason, [r[1].get("role") for r in session.records]) == ("final", [None, "user", "assistant"])
+    again = lich.run_agent("more", chat=ScriptedChat(assistant("fine")), max_turns=1, session=session,
+                           history=run.messages)
+    assert (again.final["content"], again.session_path, len(session.records)) == ("fine", None, 3)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "session recording stopped: memory-1: OSError: [Errno 28] No space left on device",
+        ("session recording is off: memory-1: a record of an earlier run could not be written, and what "
+         "follows would not make a whole history")]
+
+
 def test_run_start_names_the_tools_root_and_the_model(tmp_path, server):
     root = tmp_path / "proj"
     root.mkdir()
@@ -2940,6 +2963,17 @@ def test_an_answer_that_failed_mid_generation_is_a_retryable_server_error(server
         "openai: the answer failed mid-generation (502): Provider disconnected", "server", True, False)
 
 
+@pytest.mark.parametrize("code, kind, retryable", [(429, "rate_limit", True), (400, "bad_request", False),
+                                                   ("provider_error", "server", True)])
+def test_an_answer_that_failed_mid_generation_is_of_the_kind_its_code_says(server, code, kind, retryable):
+    server.reply(200, {"choices": [{"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
+                                    "error": {"code": code, "message": "upstream said no"}}]})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        f"openai: the answer failed mid-generation ({code}): upstream said no", kind, retryable)
+
+
 def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
     server.reply(200, openai_sse(delta_chunk(content="The answer is"), delta_chunk(finish="error")),
                  content_type="text/event-stream")
@@ -3218,15 +3252,25 @@ def test_a_server_that_refuses_stream_options_is_asked_again_without_them(server
     with pytest.raises(lich.ProviderError, match="stream_options"):  # refused without them: said as it is
         chat(USER)
     assert len(server.requests) == 4
+    other = openai_at(server, stream=True)  # a 400 that only echoes the field: not a refusal of it
+    server.replies = [Reply(400, openai_error("bad messages; got stream_options and messages")),
+                      Reply(400, openai_error("bad messages")), Reply(200, stream_reply_body("Fine"))]
+    with pytest.raises(lich.ProviderError, match="got stream_options"):
+        other(USER)
+    assert other(USER).message == assistant("Fine")
+    assert [r["json"].get("stream_options") for r in server.requests[4:]] == [{"include_usage": True}, None,
+                                                                               {"include_usage": True}]
 
 
 @pytest.mark.parametrize("base_url, header, path", [
     ("http://my-res.openai.azure.com/openai/v1", "api-key",  # through the loopback server as a proxy
      "http://my-res.openai.azure.com/openai/v1/chat/completions"),
+    ("HTTP://My-Res.OpenAI.Azure.com/openai/v1", "api-key", "http://my-res.openai.azure.com/openai/v1/chat/completions"),
+    ("http://{host}/v1?route=/openai/deployments/x", "authorization", "/v1/chat/completions?route=/openai/deployments/x"),
     ("http://{host}/openai/deployments/gpt4o?api-version=2024-02-01", "api-key",
      "/openai/deployments/gpt4o/chat/completions?api-version=2024-02-01"),
     ("http://{host}/v1", "authorization", "/v1/chat/completions"),
-], ids=["azure-host", "azure-deployment-path", "elsewhere"])
+], ids=["azure-host", "azure-host-in-capitals", "a-query-naming-that-path", "azure-deployment-path", "elsewhere"])
 def test_azure_openai_gets_its_key_in_an_api_key_header(server, monkeypatch, base_url, header, path):
     monkeypatch.setenv("HTTP_PROXY", server.url)
     server.reply(200, openai_reply("ok"))
@@ -3994,10 +4038,11 @@ def test_a_models_mistaken_tool_call_goes_back_in_a_shape_anthropic_takes(server
     assert block["input"] == {"_raw_arguments": '{"path": "REA'}
 
 
-def test_an_answer_of_nothing_is_left_out_of_what_openai_servers_get(server):
+def test_an_answer_of_nothing_goes_to_openai_servers_as_saying_so(server):
     server.reply(200, openai_reply("Hello."))
     openai_at(server)([user("hi"), assistant(""), user("anyone?"), assistant(" \n"), user("well?")])
-    assert server.requests[0]["json"]["messages"] == [user("hi"), user("anyone?"), user("well?")]
+    assert server.requests[0]["json"]["messages"] == [user("hi"), assistant("(no answer)"), user("anyone?"),
+                                                      assistant("(no answer)"), user("well?")]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -4020,6 +4065,31 @@ def test_an_emoji_split_between_stream_events_comes_whole(server):
     deltas = []
     answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
     assert (answer.message["content"], deltas) == ("Smile \U0001f600 done \udc80", ["Smile ", "\U0001f600 done \udc80"])
+
+
+def test_an_emoji_split_between_the_events_of_tool_arguments_comes_whole(server):
+    server.reply(200, openai_sse(
+        delta_chunk(tool_calls=[call_delta(0, '{"content": "hi \ud83d', id="c1", name="write_file")]),
+        delta_chunk(tool_calls=[call_delta(0, '\ude00"}')]), delta_chunk(finish="tool_calls")),
+        content_type="text/event-stream")
+    [call] = openai_at(server, stream=True)(USER).message["tool_calls"]
+    assert json.loads(call["arguments"]) == {"content": "hi \U0001f600"}
+    server.reply(200, anthropic_sse(
+        message_start(), block_start(0, tool_use_block("t1", "write_file", {})),
+        block_delta(0, type="input_json_delta", partial_json='{"content": "hi \ud83d'),
+        block_delta(0, type="input_json_delta", partial_json='\ude00"}'),
+        {"type": "content_block_stop", "index": 0}, message_delta("tool_use", 9), {"type": "message_stop"}),
+        content_type="text/event-stream")
+    [call] = anthropic_at(server, stream=True)(USER).message["tool_calls"]
+    assert json.loads(call["arguments"]) == {"content": "hi \U0001f600"}
+
+
+def test_a_high_surrogate_at_the_end_of_a_stream_is_not_lost(server):
+    server.reply(200, 'data: {"choices": [{"index": 0, "delta": {"content": "cut \\ud83d"}, '
+                      '"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n', content_type="text/event-stream")
+    deltas = []
+    assert openai_at(server, stream=True, on_delta=deltas.append)(USER).message["content"] == "cut \ud83d"
+    assert deltas == ["cut ", "\ud83d"]
 
 
 def test_openai_stream_text_deltas_usage_and_request_flags(server):
@@ -7711,6 +7781,27 @@ def test_a_large_mcp_call_while_the_server_writes_much_neither_side_waits_for_th
             ok=False, error="Unknown tool: big (MCP error -32602)")
 
 
+MCP_OPEN_AND_CLOSE = """
+import gc, json, sys, threading
+sys.path.insert(0, sys.argv[1])
+import lich
+with lich.mcp_tools(json.loads(sys.argv[2])) as tools:
+    print(tools.run({"id": "1", "name": "change", "arguments": "{}"}).output)
+    threads = set(threading.enumerate())
+del tools
+for thread in threads:  # its readers end with the server
+    if thread.name == "lich-mcp":
+        thread.join(5)
+gc.collect()
+"""
+
+
+def test_a_closed_mcp_server_leaves_no_pipe_open(fake_mcp):
+    command, _ = fake_mcp
+    assert Process("-X", "dev", "-W", "error", "-c", MCP_OPEN_AND_CLOSE, HERE, json.dumps(command)).wait() == (
+        0, "changed\n", "")
+
+
 def test_an_mcp_server_is_the_process_that_started_its_own(fake_mcp):
     command, log = fake_mcp
     with lich.mcp_tools(command) as tools:
@@ -8499,6 +8590,35 @@ def test_a_second_batch_on_an_out_file_in_use_is_refused_before_it_runs_anything
     queue(server, openai_reply("fine"))
     assert lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out)[0].final == "fine"
     assert out.read_text().split("\n")[0] == '{"id": "0", "cut by a kill'
+
+
+def test_the_out_file_is_let_go_with_its_batch_by_a_process_pool_and_by_a_batch_that_fails(server, tmp_path):
+    import concurrent.futures
+    import multiprocessing
+
+    server.responder = lambda request: Reply(200, openai_reply("fine"))
+    out, spec = tmp_path / "out.jsonl", f"openai:gpt-test@{server.url}/v1"
+    forking = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=forking) as pool:  # its workers fork mid-batch
+        for prompts in (["a"], ["a", "b"], ["a", "b", "c"]):
+            assert [r.final for r in lich.run_batch(prompts, chat=spec, executor=pool, out=out, max_turns=1)] == [
+                "fine"] * len(prompts)
+    with pytest.raises(ValueError, match="max_workers must be greater than 0"):
+        lich.run_batch(["d"], chat=spec, workers=0, out=out, max_turns=1)
+    assert lich.run_batch(["a", "b", "c", "d"], chat=spec, workers=1, out=out, max_turns=1)[3].final == "fine"
+    assert len(server.requests) == 4
+
+
+def test_an_out_file_where_locks_are_not_supported_goes_unlocked(server, tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def unsupported(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)  # as some network and FUSE file systems answer
+    queue(server, openai_reply("fine"))
+    assert lich.run_batch(["a"], chat=openai_at(server), max_turns=1, out=tmp_path / "out.jsonl")[0].final == "fine"
 
 
 def test_a_pool_serving_batch_after_batch_lets_the_old_batches_chats_go(batch_server):
@@ -10185,28 +10305,6 @@ def test_a_full_disk_as_a_turn_begins_leaves_no_gap_in_the_session(server, lich_
     code, out, _ = Process(LICH_PY, "-q", "--no-stream", "-c", "-s", system, "--root", workspace, "go on").wait()
     assert (code, out) == (0, "Resumed.\n")
     assert server.requests[-1]["json"]["messages"] == [{"role": "system", "content": system}, user("go on")]
-
-
-def test_a_session_that_missed_a_record_gets_none_of_a_later_runs(caplog):
-    class FullOnce(MemorySession):  # the disk fills during the first run, then is freed
-        def _add(self, record):
-            if len(self.records) == 3 and not self.failed:
-                self.failed = True
-                raise OSError(28, "No space left on device")
-            super()._add(record)
-
-    session = FullOnce()
-    session.failed = False
-    run = lich.run_agent("hi", chat=ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("ok")),
-                         tools=EchoTools(), max_turns=3, session=session)
-    assert (run.stopped_reason, [r[1].get("role") for r in session.records]) == ("final", [None, "user", "assistant"])
-    again = lich.run_agent("more", chat=ScriptedChat(assistant("fine")), max_turns=1, session=session,
-                           history=run.messages)
-    assert (again.final["content"], again.session_path, len(session.records)) == ("fine", None, 3)
-    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        "session recording stopped: memory-1: OSError: [Errno 28] No space left on device",
-        ("session recording is off: memory-1: a record of an earlier run could not be written, and what "
-         "follows would not make a whole history")]
 
 
 def test_continue_picks_the_latest_session_of_this_folder(server, lich_model, cli, tmp_path):
