@@ -1467,6 +1467,14 @@ def test_the_last_call_of_an_answer_cut_at_its_output_limit_is_not_run():
         ("tool_call_start", "c1", None), ("tool_call_end", "c1", False), ("tool_call_end", "c2", True)]
 
 
+def test_the_cut_call_of_an_answer_stopped_meanwhile_says_aborted():
+    stop = threading.Event()
+    cut = lich.ChatResult(assistant("", ("c1", "stop", "{}"), ("c2", "echo", '{"a": ')), stop_reason="length")
+    outcome = lich.run_conversation(ScriptedChat(cut), SignallingTools(stop), [user("x")], max_turns=3, signal=stop)
+    assert (outcome.stopped_reason, outcome.messages[-1]) == ("aborted", tool_msg("c2", json.dumps(
+        {"ok": False, "output": "", "error": "aborted"}), is_error=True))
+
+
 def test_a_tool_result_without_output_is_empty_text():
     class NoOutput(EchoTools):
         def run(self, call, signal=None):
