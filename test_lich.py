@@ -7937,7 +7937,7 @@ def time_server():
 
     command = shutil.which("mcp-server-time")
     if command is None:
-        pytest.skip("mcp-server-time is not installed (pip install -e '.[test]' brings it)")
+        pytest.skip("mcp-server-time is not installed (pip install -e '.[test]' brings it on Python 3.10 and later)")
     return [command, "--local-timezone", "Europe/Warsaw"]
 
 
