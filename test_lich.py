@@ -910,6 +910,85 @@ def test_a_key_in_use_is_redacted_in_lichs_logs_message_and_traceback(caplog):
     assert record.exc_text.endswith("ValueError: the key was [redacted]")
 
 
+def as_the_model_sees(tools, name):
+    """What the model reads of the tool ``name``'s result: the loop redacts it first."""
+    history = []
+    lich.run_tool_calls(tools, [tool_call(name)], history, turn=1)
+    return history[0]["content"]
+
+
+def test_a_key_of_eight_characters_and_keys_side_by_side_are_redacted(server):
+    eight, first, second = "zq8chars", "zq-side-A-1234567890", "zq-side-B-0987654321"
+    kept = [lich.OpenAIChat("m", api_key=key) for key in (eight, first, second)]
+    said = lich.Tools()
+    said.register(lambda: f"<{eight}> <{first}{second}>", name="say", description="Say the keys.")
+    assert as_the_model_sees(said, "say") == "<[redacted]> <[redacted]>"
+    assert kept
+
+
+def test_a_urls_credentials_are_secrets_and_its_other_query_values_are_not():
+    url = "http://127.0.0.1:9/v1?sig=zq-SIGNATURE-0001&session=zq-SESSION-00002&api-version=2024-06-01"
+    kept = lich.OpenAIChat("m", base_url=url)
+    said = lich.Tools()
+    said.register(lambda: "zq-SIGNATURE-0001 zq-SESSION-00002 2024-06-01", name="say", description="Say them.")
+    assert as_the_model_sees(said, "say") == "[redacted] [redacted] 2024-06-01"
+    assert kept
+
+
+def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_chat_lives():
+    import gc
+
+    first, second = "zq-live-QWERTYUIOP-aaaaaaaa", "zq-test-QWERTYUIOP-bbbbbbbb"  # no other test's
+    said = lich.Tools()
+
+    @said.tool
+    def say() -> str:
+        """Say both keys."""
+        return f"1={first} 2={second}"
+
+    def shown():
+        return as_the_model_sees(said, "say")
+
+    chats = [lich.OpenAIChat("m", api_key=first), lich.OpenAIChat("m", api_key=second)]
+    assert shown() == "1=[redacted] 2=[redacted]"
+    chats.pop()
+    gc.collect()
+    # a key no live chat holds is not looked for: only what it shares with the first is hidden
+    assert shown() == "1=[redacted] 2=zq-test[redacted]bbbbbbbb"
+
+
+def test_a_chat_the_collector_frees_while_a_key_is_being_added_hangs_nothing():
+    import gc
+
+    class Handler:  # a chat per request whose on_delta is its holder's: a reference cycle
+        def __init__(self, key):
+            self.chat = lich.OpenAIChat("m", api_key=key, on_delta=self.show)
+
+        def show(self, text):
+            pass
+
+    Handler("zq-cycle-" + "x" * 20)  # garbage, freed by the collector only
+
+    def collect_where_python_may():  # Python 3.12 can collect inside _add_secret's lock
+        with lich._secrets_lock:
+            return gc.collect()
+
+    assert finishes(collect_where_python_may) > 0
+
+
+def test_redaction_leaves_text_without_a_key_exactly_as_it_was(server):
+    keep_in_use(api_key=KEY)
+    source = 'print("caf\\u00e9")  # \\ud83d and \\\\u00e9 stay as written\n'
+    shower = lich.Tools()
+
+    @shower.tool
+    def show() -> str:
+        """Show a source file."""
+        return source
+
+    assert as_the_model_sees(shower, "show") == source
+
+
 def test_session_not_found_is_a_lookup_error():
     assert issubclass(lich.SessionNotFound, LookupError)
     assert str(lich.SessionNotFound("session not found: x")) == "session not found: x"
@@ -951,6 +1030,15 @@ def test_emitter_delivers_by_type_and_to_any_in_subscription_order():
     emitter.emit({"type": "turn_start", "turn": 1})
     emitter.emit({"type": "turn_end", "turn": 1})
     assert seen == [("typed", 1), ("any", "turn_start"), ("any", "turn_end")]
+
+
+def test_a_handler_subscribed_twice_is_unsubscribed_once_at_a_time():
+    emitter, seen = lich.AgentEmitter(), []
+    first = emitter.on("x", seen.append)
+    emitter.on("x", seen.append)
+    first()
+    emitter.emit({"type": "x"})
+    assert seen == [{"type": "x"}]
 
 
 def test_emitter_unsubscribe_is_idempotent():
@@ -1137,6 +1225,21 @@ def test_compress_falls_back_to_the_original_messages(failure, caplog):
     assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
+def test_a_signal_set_while_the_summary_is_made_stops_the_run_before_its_chat_call():
+    stop = threading.Event()
+
+    class Summariser(ScriptedChat):
+        def __call__(self, messages, **options):
+            stop.set()  # Ctrl-C as the summary comes
+            return super().__call__(messages, **options)
+
+    chat, (emitter, events) = Summariser(assistant("sum")), recorder_emitter()
+    outcome = lich.run_conversation(chat, None, long_history(12), max_turns=3, context_budget_tokens=1,
+                                    signal=stop, emitter=emitter)
+    assert (outcome.stopped_reason, outcome.turns_used, len(chat.calls)) == ("aborted", 0, 1)
+    assert types(events) == ["turn_start", "compress_start", "compress_end", "error"]
+
+
 def test_compression_stopped_by_the_signal_falls_back_untold(caplog):
     history, stop = long_history(12), threading.Event()
     stop.set()
@@ -1164,6 +1267,16 @@ def test_compress_if_needed_gates(budget, messages, attempted):
                            *messages[2:]]
     else:
         assert (chars, events, chat.calls, history) == (None, [], [], messages)
+
+
+@pytest.mark.parametrize("below, attempted", [(0, True), (1, False)], ids=["at-the-threshold", "one-below"])
+def test_compress_if_needed_compresses_from_the_threshold_on(below, attempted):
+    messages = long_history(9)
+    estimate = lich.estimate_messages_tokens(messages)
+    chat = ScriptedChat(assistant("sum"))
+    chars = lich.compress_if_needed(chat, list(messages), context_budget_tokens=estimate + below,
+                                    compress_threshold=1.0)
+    assert (chars, len(chat.calls)) == ((3, 1) if attempted else (None, 0))
 
 
 def test_compress_if_needed_skips_when_only_a_tool_batch_is_left():
@@ -1207,7 +1320,8 @@ def test_scenario_a_tool_then_final():
     outcome, events, chat = run_loop(assistant("", ("c1", "echo", '{"x":1}')), assistant("done"),
                                      tools=tools)
     call = {"id": "c1", "name": "echo", "arguments": '{"x":1}'}
-    final_result = outcome.result
+    final_result = lich.ChatResult(message=assistant("done"), usage={"input_tokens": 10, "output_tokens": 2},
+                                   model="scripted", stop_reason="stop")
     assert types(events) == ["turn_start", "llm_start", "llm_end", "tool_call_start",
                              "tool_call_end", "turn_start", "llm_start", "llm_end", "final",
                              "turn_end"]
@@ -1224,8 +1338,7 @@ def test_scenario_a_tool_then_final():
     assert outcome == lich.LoopOutcome(
         messages=[user("hi"), assistant("", ("c1", "echo", '{"x":1}')),
                   tool_msg("c1", 'echo:{"x":1}'), assistant("done")],
-        final=assistant("done"), result=outcome.result, turns_used=2, stopped_reason="final")
-    assert outcome.result.message == assistant("done")
+        final=assistant("done"), result=final_result, turns_used=2, stopped_reason="final")
     assert tools.calls == [call]
     assert chat.calls[0]["tools"] == tools.specs()
 
@@ -1606,6 +1719,17 @@ def test_a_structured_answer_that_does_not_fit_is_corrected_within_the_budget():
         "turn_start", "llm_start", "llm_end", "final", "turn_end"]
 
 
+def test_a_structured_answer_wrong_in_many_places_is_told_the_first_ten():
+    fields = [f"f{i:02d}" for i in range(12)]
+    schema = {"type": "object", "properties": {f: {"type": "string"} for f in fields}, "required": fields}
+    chat = ScriptedChat(assistant(json.dumps({f: i for i, f in enumerate(fields)})), assistant("{}"))
+    emitter, events = recorder_emitter()
+    lich.run_conversation(chat, None, [user("x")], max_turns=2, output_schema=schema, emitter=emitter)
+    [invalid] = [e["error"] for e in events if e["type"] == "output_invalid"]
+    assert invalid == "it does not match the schema: " + "; ".join(
+        f'answer["{f}"] must be a string, not an integer' for f in fields[:10])
+
+
 def test_a_structured_answer_with_nan_or_infinity_is_not_json():
     chat = ScriptedChat(assistant('{"city": "Lima", "temp": NaN}'), assistant('{"city": "Lima", "temp": -Infinity}'),
                         assistant('{"city": "Lima", "temp": 1e400}'), assistant('{"city": "Lima", "temp": 19}'))
@@ -1666,62 +1790,6 @@ def test_no_response_format_reaches_a_chat_when_no_schema_is_asked_for():
         return lich.ChatResult(assistant("ok"))  # an older ChatFn: no response_format keyword
 
     assert lich.run_conversation(strict_chat, None, [user("x")], max_turns=1).stopped_reason == "final"
-
-
-def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_chat_lives():
-    import gc
-
-    first, second = "zq-live-QWERTYUIOP-aaaaaaaa", "zq-test-QWERTYUIOP-bbbbbbbb"  # no other test's
-    said = lich.Tools()
-
-    @said.tool
-    def say() -> str:
-        """Say both keys."""
-        return f"1={first} 2={second}"
-
-    def shown():
-        outcome, _, _ = run_loop(assistant("", ("c1", "say", "{}")), assistant("done"), tools=said)
-        return outcome.messages[2]["content"]
-
-    chats = [lich.OpenAIChat("m", api_key=first), lich.OpenAIChat("m", api_key=second)]
-    assert shown() == "1=[redacted] 2=[redacted]"
-    chats.pop()
-    gc.collect()
-    # a key no live chat holds is not looked for: only what it shares with the first is hidden
-    assert shown() == "1=[redacted] 2=zq-test[redacted]bbbbbbbb"
-
-
-def test_a_chat_the_collector_frees_while_a_key_is_being_added_hangs_nothing():
-    import gc
-
-    class Handler:  # a chat per request whose on_delta is its holder's: a reference cycle
-        def __init__(self, key):
-            self.chat = lich.OpenAIChat("m", api_key=key, on_delta=self.show)
-
-        def show(self, text):
-            pass
-
-    Handler("zq-cycle-" + "x" * 20)  # garbage, freed by the collector only
-
-    def collect_where_python_may():  # Python 3.12 can collect inside _add_secret's lock
-        with lich._secrets_lock:
-            return gc.collect()
-
-    assert finishes(collect_where_python_may) > 0
-
-
-def test_redaction_leaves_text_without_a_key_exactly_as_it_was(server):
-    keep_in_use(api_key=KEY)
-    source = 'print("caf\\u00e9")  # \\ud83d and \\\\u00e9 stay as written\n'
-    shower = lich.Tools()
-
-    @shower.tool
-    def show() -> str:
-        """Show a source file."""
-        return source
-
-    outcome, _, _ = run_loop(assistant("", ("c1", "show", "{}")), assistant("done"), tools=shower)
-    assert outcome.messages[2]["content"] == source
 
 
 # ============================================================================
@@ -2796,6 +2864,8 @@ ERROR_CASES = [
     ("413", "anthropic", 413, anthropic_error("request_too_large", "Request exceeds the maximum "
                                               "allowed number of bytes."), {},
      "overflow", False, None),
+    ("413-plain", "openai", 413, "<html><body>413 Request Entity Too Large</body></html>", {},
+     "overflow", False, None),
     ("openai-context-code", "openai", 400,
      openai_error("Your input exceeds the context window", code="context_length_exceeded"), {},
      "overflow", False, None),
@@ -2823,6 +2893,10 @@ ERROR_CASES = [
      {"Retry-After": "7"}, "rate_limit", True, 7.0),
     ("429-retry-after-ms", "openai", 429, openai_error("Slow down"),
      {"retry-after-ms": "1500", "Retry-After": "2"}, "rate_limit", True, 1.5),
+    ("429-negative-retry-after-ms", "openai", 429, openai_error("Slow down"),
+     {"retry-after-ms": "-5", "Retry-After": "2"}, "rate_limit", True, 2.0),
+    ("429-huge-retry-after-ms", "openai", 429, openai_error("Slow down"),
+     {"retry-after-ms": "1e15", "Retry-After": "2"}, "rate_limit", True, 2.0),
     ("429-bad-retry-after", "openai", 429, openai_error("Slow down"),
      {"Retry-After": "soon"}, "rate_limit", True, None),
     ("429-insufficient-quota", "openai", 429,
@@ -6325,6 +6399,19 @@ def test_read_file_refusals(ws, tmp_path):
         ok=False, error="path is not a regular file: pipe")
 
 
+def test_a_sibling_folder_whose_name_begins_with_the_roots_is_outside(ws, tmp_path):
+    (tmp_path / "ws2").mkdir()
+    (tmp_path / "ws2" / "s.txt").write_text("TOPSECRET\n")
+    os.symlink(tmp_path / "ws2" / "s.txt", ws / "via-link.txt")
+    tools = lich.coding_tools(ws, allow_write=True)
+    for name, arguments in (("read_file", {"path": "../ws2/s.txt"}), ("read_file", {"path": "via-link.txt"}),
+                            ("write_file", {"path": "../ws2/s.txt", "content": "x"}),
+                            ("list_files", {"path": "../ws2"})):
+        result = run_tool(tools, name, **arguments)
+        assert (result.ok, result.error.startswith("path is outside the workspace: ")) == (False, True), result
+    assert (tmp_path / "ws2" / "s.txt").read_text() == "TOPSECRET\n"
+
+
 def test_read_file_refuses_a_device_file(ws):
     try:
         os.mknod(ws / "null", 0o20666, os.makedev(1, 3))  # a character device: /dev/null's twin
@@ -6538,9 +6625,13 @@ def test_list_files(ws, arguments, output):
 
 
 def test_list_files_caps_its_answer(ws):
-    for i in range(505):
+    for i in range(500):
         (ws / f"f{i:03}.txt").write_text("")
-    output = run_tool(lich.coding_tools(ws), "list_files").output
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "list_files").output.split("\n") == [f"f{i:03}.txt" for i in range(500)]  # all of them
+    for i in range(500, 505):
+        (ws / f"f{i:03}.txt").write_text("")
+    output = run_tool(tools, "list_files").output
     assert output.split("\n") == [f"f{i:03}.txt" for i in range(500)] + ["... 5 more"]
 
 
@@ -7445,6 +7536,8 @@ def test_lich_with_tools_is_not_dumpable_so_its_environ_cannot_be_read(server, r
         if subprocess.run([*prefix, sys.executable, "-c", "import requests"], capture_output=True,
                           check=False).returncode != 0:
             pytest.skip("an ordinary user cannot read this Python's packages (make its folder 755)")
+        if subprocess.run([*prefix, "test", "-r", str(LICH_PY)], check=False).returncode != 0:
+            pytest.skip(f"an ordinary user cannot read {LICH_PY} (make its folders 755)")
     else:
         prefix = []
     import tempfile
@@ -8322,6 +8415,18 @@ def test_a_two_tool_round_run_as_spans(spans):
                                             "gen_ai.usage.output_tokens": 6}, "UNSET", None)]
 
 
+def test_cached_tokens_and_captured_arguments_reach_the_spans_as_they_may(spans):
+    tracer, finished = spans
+    keep_in_use(api_key=SECRET)
+    cached = lich.ChatResult(assistant("", ("c1", "echo", json.dumps({"key": SECRET}))),
+                             usage={"input_tokens": 10, "output_tokens": 2, "cache_read_tokens": 8})
+    traced_run(tracer, cached, assistant("done"), capture=True)
+    chat, tool = finished()[0][3], finished()[1][3]
+    assert chat["gen_ai.usage.cache_read.input_tokens"] == 8
+    assert tool["gen_ai.tool.call.arguments"] == '{"key": "[redacted]"}'
+    assert SECRET not in json.dumps([span[3] for span in finished()])
+
+
 def test_content_is_captured_only_when_asked(spans):
     tracer, finished = spans
     traced_run(tracer, assistant("let me see", ("c1", "echo", '{"a": 1}')), assistant("done"), capture=True)
@@ -8555,6 +8660,12 @@ def test_after_max_errors_no_task_starts(batch_server, workspace):
     results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
                              max_errors=1, max_turns=5)
     assert [(r.ok, r.error) for r in results[1:]] == [(False, "not started: 1 task failed (max_errors=1)")] * 3
+
+
+def test_tasks_that_ran_out_of_turns_are_not_errors_for_max_errors(batch_server, workspace):
+    results = lich.run_batch(["a", "b", "c"], chat=openai_at(batch_server), tools=lich.coding_tools(workspace),
+                             workers=1, max_errors=1, max_turns=1)  # each asks for a tool on its only turn
+    assert [(r.ok, r.stopped_reason, r.error) for r in results] == [(False, "budget", None)] * 3
 
 
 def test_a_failed_or_aborted_task_points_at_the_session_it_wrote(tmp_path):
@@ -9229,12 +9340,11 @@ def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
     assert sessions_in(tmp_path) == []  # a run that never reached a model leaves no session
     assert lines[3] == {"type": "run_end", "stopped_reason": None,
                         "usage": {"input_tokens": 0, "output_tokens": 0}, "session_path": None}
-    assert lines[2]["error"] == {"type": "ProviderError", "message": lines[2]["error"]["message"],
-                                 "kind": "bad_request", "status": 400, "retryable": False,
-                                 "retry_after": None}
-    assert "bad thing" in lines[2]["error"]["message"]
+    message = "openai: HTTP 400 (invalid_request_error): bad thing"
+    assert lines[2]["error"] == {"type": "ProviderError", "message": message, "kind": "bad_request", "status": 400,
+                                 "retryable": False, "retry_after": None}
     assert code == 1
-    assert err == f"lich: error: bad_request: {lines[2]['error']['message']}\n"
+    assert err == f"lich: error: bad_request: {message}\n"
 
 
 def test_one_shot_runs_allowed_tools_without_asking(server, lich_model, cli, workspace):
@@ -10148,13 +10258,13 @@ def test_resume_by_id_prefix_latest_and_continue(server, lich_model, cli, tmp_pa
     [first] = sessions_in(tmp_path)
     first_id = first.name[:-len(".jsonl")]
     for ref_args in (["--resume", first_id], ["--resume", first_id[:-4]], ["--resume", "latest"], ["-c"]):
-        resumed = lich.read_session_messages(first if "--resume" in ref_args[:1] and ref_args[1] != "latest"
-                                             else sessions_in(tmp_path)[-1])
+        source = first if "--resume" in ref_args[:1] and ref_args[1] != "latest" else sessions_in(tmp_path)[-1]
+        resumed = lich.read_session_messages(source)
         queue(server, openai_reply("again"))
         code, out, err = cli("--no-stream", *ref_args, "next")
         assert (code, out) == (0, "again\n"), ref_args
         # where it goes on from: the last request and its answer
-        assert err == (f"resumed {err.split()[1][:-1]}: {len(resumed)} messages\n"
+        assert err == (f"resumed {source.name[:-len('.jsonl')]}: {len(resumed)} messages\n"
                        f"you: {resumed[-2]['content']}\nlich: {resumed[-1]['content']}\n" + USAGE_LINE)
         assert server.requests[-1]["json"]["messages"][1:] == [
             {"role": m["role"], "content": m["content"]} for m in resumed[1:]] + [
