@@ -2587,11 +2587,14 @@ def _openai_call(call_id, name, arguments, extra_content):
     return call
 
 
-def _choice_error(chat, choice):
+def _choice_error(chat, choice, beside=None):
     """The ProviderError of a choice that failed mid-generation, or None: OpenRouter answers
-    200 and then says so with ``finish_reason: "error"`` and an ``error`` in the choice."""
+    200 and then says so with ``finish_reason: "error"`` and an ``error`` in the choice, or
+    ``beside`` it (the chunk's or body's own ``error``)."""
     if choice.get("finish_reason") != "error" and not isinstance(choice.get("error"), dict):
         return None
+    if not isinstance(choice.get("error"), dict) and isinstance(beside, dict):
+        choice = {**choice, "error": beside}
     text, codes = _error_fields(choice)
     label = f" ({codes[0]})" if codes else ""
     kind, retryable = "server", None
@@ -2617,6 +2620,10 @@ class _OpenAIStream:
         self.thoughts = []  # reasoning_content pieces
 
     def feed(self, event, chunk):
+        for choice in chunk.get("choices") or ():  # an error that ended the answer: its kind
+            failure = _choice_error(self.chat, choice, chunk.get("error"))
+            if failure is not None and choice.get("index", 0) == 0:
+                raise failure
         if event == b"error" or chunk.get("error"):
             raise self.chat._body_error(chunk, "event in stream")
         if self.model is None:
@@ -2625,9 +2632,6 @@ class _OpenAIStream:
         for choice in chunk.get("choices") or ():
             if choice.get("index", 0) != 0:
                 continue
-            failure = _choice_error(self.chat, choice)
-            if failure is not None:
-                raise failure
             delta = choice.get("delta")
             if delta:
                 text = _content_text(delta.get("content"))
@@ -2829,7 +2833,7 @@ class OpenAIChat(_HTTPChat):
             raise self._body_error(data, "in a 2xx body")
         choices = data["choices"]
         choice = next((c for c in choices if c.get("index", 0) == 0), choices[0])
-        failure = _choice_error(self, choice)
+        failure = _choice_error(self, choice, data.get("error"))
         if failure is not None:
             raise failure
         message = choice["message"]
@@ -7347,13 +7351,14 @@ def _usage_line(usage) -> str:
 
 
 def _json_text(value) -> str:
-    """``value`` as JSON that is valid UTF-8: a lone surrogate (from a file name that is not
-    UTF-8, say) is written as its ``\\u`` escape, not as a stray byte."""
+    """``value`` as JSON that is valid UTF-8 and that every reader takes: a lone surrogate
+    (from a file name that is not UTF-8, or half an emoji) is written as U+FFFD. Its own
+    ``\\u`` escape is JSON too, but jq 1.6 and others refuse the whole line."""
     text = json.dumps(value, ensure_ascii=False, default=repr)
     try:
         text.encode()
     except UnicodeEncodeError:
-        text = json.dumps(value, default=repr)
+        text = re.sub("[\ud800-\udfff]", "\ufffd", text)
     return text
 
 
@@ -8596,7 +8601,7 @@ class _Cli:
         except OSError as e:  # unreadable: as unusable as a missing one
             raise SessionNotFound(f"cannot read the session {ref}: {e.strerror or e}") from None
         shown = os.path.splitext(os.path.basename(path))[0]
-        self.term.note(f"resumed {shown}: {len(history)} messages")
+        self.term.note(f"resumed {shown}: {_how_many(len(history), 'message', 'messages')}")
         for line in _recap(history):
             self.term.line(line, dim=True)
         return history

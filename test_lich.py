@@ -3056,6 +3056,22 @@ def test_an_answer_that_failed_mid_generation_is_of_the_kind_its_code_says(serve
         f"openai: the answer failed mid-generation ({code}): upstream said no", kind, retryable)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_openrouters_error_beside_the_choice_it_ended_is_of_its_codes_kind(server, stream):
+    # as OpenRouter documents it: the error at the top, the choice ended with "error"
+    error = {"code": "server_error", "message": "Provider disconnected unexpectedly"}
+    if stream:
+        server.reply(200, openai_sse({"id": "gen-1", "error": error, "choices": [
+            {"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}), content_type="text/event-stream")
+    else:
+        server.reply(200, {"id": "gen-1", "error": error, "choices": [
+            {"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""}}]})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=stream)(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        "openai: the answer failed mid-generation (server_error): Provider disconnected unexpectedly", "server", True)
+
+
 def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
     server.reply(200, openai_sse(delta_chunk(content="The answer is"), delta_chunk(finish="error")),
                  content_type="text/event-stream")
@@ -9327,8 +9343,7 @@ def test_json_lines_are_utf8_whatever_the_file_names(server, lich_model, tmp_pat
     code, out, err = Process(LICH_PY, "--json", "--no-session", "--root", ws, "go", input=b"").wait()
     assert (code, err) == (0, b"")
     lines = [json.loads(line.decode("utf-8")) for line in out.splitlines()]  # strict UTF-8
-    assert lines[4]["result"]["output"] == "caf\udce9.txt"
-    assert b"caf\\udce9.txt" in out
+    assert lines[4]["result"]["output"] == "caf\ufffd.txt"  # no lone surrogate's escape: jq, serde refuse it
 
 
 def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
@@ -10975,6 +10990,14 @@ def test_an_answer_holding_a_lone_surrogate_is_printed_not_dropped(server, lich_
     queue(server, stream_reply(content) if stream else openai_reply(content))
     assert Process(LICH_PY, *(() if stream else ("--no-stream",)), "-q", "hi").wait() == (
         0, "Here \\ud83d and more\n", "")
+
+
+def test_json_lines_hold_a_lone_surrogate_as_every_json_reader_takes_it(server, lich_model):
+    queue(server, openai_reply("Here \ud83d and more"))
+    code, out, _ = Process(LICH_PY, "--json", "hi").wait()
+    [final] = [line for line in out.splitlines() if json.loads(line)["type"] == "final"]
+    assert (code, json.loads(final)["message"]["content"]) == (0, "Here \ufffd and more")
+    assert "\\ud83d" not in out  # jq 1.6 refuses the whole line over the escape
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8:surrogateescape"], ids=["strict", "surrogateescape"])
