@@ -2599,7 +2599,7 @@ def _choice_error(chat, choice, beside=None):
     label = f" ({codes[0]})" if codes else ""
     kind, retryable = "server", None
     if codes and codes[0].isdigit() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
-        _, kind, retryable, _ = _classify_http_error(int(codes[0]), b"", {})
+        _, kind, retryable, _ = _classify_http_error(int(codes[0]), json.dumps(choice).encode(), {})
     return chat._error(f"the answer failed mid-generation{label}: "
                        f"{_redact_secrets(text) if text else 'no reason given'}", kind,
                        retryable=retryable)
@@ -2744,9 +2744,9 @@ class OpenAIChat(_HTTPChat):
         self._usage_refused = True
         try:
             answer = super().__call__(messages, **options)
-        except ProviderError as e:
-            if e.kind == "bad_request":  # refused without them too: it was not about them
-                self._usage_refused = False
+        except BaseException as e:  # not answered without them: they stay asked for
+            self._usage_refused = False
+            if isinstance(e, ProviderError) and e.kind == "bad_request":  # not about them
                 raise refusal from None
             raise
         _log.info("%s refuses stream_options; streaming without usage counts", self._shown_url)
@@ -6913,12 +6913,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
         if own else executor
-    try:
-        fd, done = _results_file(out, redo) if out is not None else (None, {})
-    except BaseException:
-        if own:
-            pool.shutdown()
-        raise
+    # opened once the pool is made (a mistaken ``workers`` raises first), before it has a thread
+    fd, done = _results_file(out, redo) if out is not None else (None, {})
     results = dict(done)
     pending = [task for task in tasks if task["id"] not in results]
     # Tasks in this process stop on this event: set by the caller's signal, or on the way

@@ -917,7 +917,7 @@ def as_the_model_sees(tools, name):
     return history[0]["content"]
 
 
-def test_a_key_of_eight_characters_and_keys_side_by_side_are_redacted(server):
+def test_a_key_of_eight_characters_and_keys_side_by_side_are_redacted():
     eight, first, second = "zq8chars", "zq-side-A-1234567890", "zq-side-B-0987654321"
     kept = [lich.OpenAIChat("m", api_key=key) for key in (eight, first, second)]
     said = lich.Tools()
@@ -955,6 +955,29 @@ def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_ch
     gc.collect()
     # a key no live chat holds is not looked for: only what it shares with the first is hidden
     assert shown() == "1=[redacted] 2=zq-test[redacted]bbbbbbbb"
+
+
+def test_a_child_forked_while_a_thread_held_the_keys_lock_can_add_a_key():
+    held, forked = threading.Event(), threading.Event()
+
+    def holder():
+        with lich._secrets_lock:  # as _add_secret holds it in a thread of a server
+            held.set()
+            forked.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            lich.OpenAIChat("m", api_key="zq-forked-child-key-0001")
+            os._exit(0)
+        finally:
+            os._exit(4)
+    forked.set()
+    thread.join(5)
+    assert exit_code_of_child(pid, seconds=3) == 0  # None: it waited on what its parent's thread held
 
 
 def test_a_chat_the_collector_frees_while_a_key_is_being_added_hangs_nothing():
@@ -1267,6 +1290,18 @@ def test_compress_if_needed_gates(budget, messages, attempted):
                            *messages[2:]]
     else:
         assert (chars, events, chat.calls, history) == (None, [], [], messages)
+
+
+@pytest.mark.parametrize("below, attempted", [(0, True), (1, False)], ids=["at-the-threshold", "one-below"])
+def test_the_loop_compresses_from_the_threshold_on(below, attempted):
+    messages = long_history(9)
+    estimate = lich.estimate_messages_tokens(messages)
+    chat, (emitter, events) = ScriptedChat(assistant("sum"), assistant("done")), recorder_emitter()
+    if not attempted:
+        chat.script.pop(0)
+    lich.run_conversation(chat, None, messages, max_turns=1, context_budget_tokens=estimate + below,
+                          compress_threshold=1.0, emitter=emitter)
+    assert ("compress_start" in types(events), len(chat.calls)) == ((True, 2) if attempted else (False, 1))
 
 
 @pytest.mark.parametrize("below, attempted", [(0, True), (1, False)], ids=["at-the-threshold", "one-below"])
@@ -3045,15 +3080,17 @@ def test_an_answer_that_failed_mid_generation_is_a_retryable_server_error(server
         "openai: the answer failed mid-generation (502): Provider disconnected", "server", True, False)
 
 
-@pytest.mark.parametrize("code, kind, retryable", [(429, "rate_limit", True), (400, "bad_request", False),
-                                                   ("provider_error", "server", True)])
-def test_an_answer_that_failed_mid_generation_is_of_the_kind_its_code_says(server, code, kind, retryable):
+@pytest.mark.parametrize("code, said, kind, retryable", [
+    (429, "upstream said no", "rate_limit", True), (400, "upstream said no", "bad_request", False),
+    (400, "This endpoint's maximum context length is 8192 tokens", "overflow", False),
+    ("provider_error", "upstream said no", "server", True)])
+def test_an_answer_that_failed_mid_generation_is_of_the_kind_its_code_says(server, code, said, kind, retryable):
     server.reply(200, {"choices": [{"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
-                                    "error": {"code": code, "message": "upstream said no"}}]})
+                                    "error": {"code": code, "message": said}}]})
     with pytest.raises(lich.ProviderError) as info:
         openai_at(server)(USER)
     assert (str(info.value), info.value.kind, info.value.retryable) == (
-        f"openai: the answer failed mid-generation ({code}): upstream said no", kind, retryable)
+        f"openai: the answer failed mid-generation ({code}): {said}", kind, retryable)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -3357,6 +3394,13 @@ def test_a_server_that_refuses_stream_options_is_asked_again_without_them(server
         other(USER)
     assert other(USER).message == assistant("Fine")
     assert [r["json"].get("stream_options") for r in server.requests[4:]] == [{"include_usage": True}, None,
+                                                                               {"include_usage": True}]
+    third = openai_at(server, stream=True)  # the retry without them met a 500: not shown to be about them
+    server.replies = [refused, Reply(500, openai_error("down")), Reply(200, stream_reply_body("Up"))]
+    with pytest.raises(lich.ProviderError, match="down"):
+        third(USER)
+    assert third(USER).message == assistant("Up")
+    assert [r["json"].get("stream_options") for r in server.requests[7:]] == [{"include_usage": True}, None,
                                                                                {"include_usage": True}]
 
 

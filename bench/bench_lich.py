@@ -1296,7 +1296,9 @@ def bench_tracing(args):
 def bench_redaction(args):
     """A server that makes a chat per request with its user's key holds many keys at once;
     every tool result is redacted of all of them. Per 50 KB tool result (a Python source
-    text, one key in it), with 1 and with 500 chats alive."""
+    text, one key in it), with 1 and with 500 chats alive. The first key holds every letter
+    and digit, as 500 keys together do: the text's runs of key characters, whose windows are
+    looked up, are then the same on both sides."""
     import random
     import string
 
@@ -1311,9 +1313,11 @@ def bench_redaction(args):
     rng = random.Random(7)
     chats, keys_made, figures, table = [], [], {}, []
     rounds = 10 if args.quick else 40
+    alphabet = string.ascii_letters + string.digits
     for keys in (1, 500):
         while len(chats) < keys:
-            key = "sk-" + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(48))
+            key = "sk-" + ("".join(rng.sample(alphabet, len(alphabet))) if not chats else
+                           "".join(rng.choice(alphabet) for _ in range(48)))
             chats.append(lich.OpenAIChat("m", api_key=key, base_url="http://127.0.0.1:9/v1"))
             keys_made.append(key)
         shown = f"token {keys_made[keys // 2]} here\n{text}"
@@ -1326,8 +1330,7 @@ def bench_redaction(args):
         figures[keys] = median(alternate({"run": run}, rounds)["run"]) * 1000
     ratio = figures[500] / figures[1]
     shown_ratio = f"{ratio:.2f}x ({figures[500]:.2f} vs {figures[1]:.2f} ms per 50 KB result)"
-    # flat in the number of keys, but for a set of windows 500 times larger (365x before)
-    table.append(("15 redaction, 500 keys vs 1", shown_ratio, "<= 2x", ratio <= 2))
+    table.append(("15 redaction, 500 keys vs 1", shown_ratio, "<= 1.5x", ratio <= 1.5))
     return {"ms_per_result": figures, "ratio": ratio, "table": table}
 
 
