@@ -3603,10 +3603,16 @@ def _hint_schema(hint):
     return None
 
 
-def _admits_null(schema):
-    """Whether a schema made by ``_hint_schema`` accepts ``null``."""
-    kind = schema.get("type")
-    return not schema or kind == "null" or (isinstance(kind, list) and "null" in kind)
+def _without_null(schema):
+    """``schema`` narrowed not to admit ``null`` (the other half of ``_nullable_schema``)."""
+    out = dict(schema)
+    kind = out.get("type")
+    if isinstance(kind, list) and "null" in kind:
+        rest = [k for k in kind if k != "null"]
+        out["type"] = rest[0] if len(rest) == 1 else rest
+    if "enum" in out and None in out["enum"]:
+        out["enum"] = [value for value in out["enum"] if value is not None]
+    return out
 
 
 def _is_hint_of(hint, wanted):
@@ -3750,9 +3756,10 @@ def _function_tool(fn, name, description):
             raise TypeError(f"cannot register {name}: parameter {param.name!r} has the type "
                             f"hint {hint!r}, which JSON Schema cannot express; use str, int, "
                             f"float, bool, list, dict, Optional or Literal")
-        if param.default is None and not _admits_null(schema):
-            # what Python < 3.11 does to such hints anyway: the same schema on every version
-            schema = _nullable_schema(schema)
+        if param.default is None:
+            # Offered with its type alone, not a list of types with "null" (Gemini refuses a
+            # list): leaving it out means the default, and a null for it is taken as that too.
+            schema = _without_null(schema)
         schema = dict(schema)
         if param.name in arg_docs:
             schema["description"] = arg_docs[param.name]
@@ -3812,7 +3819,8 @@ def _call_arguments(spec, raw):
     unknown = [key for key in args if key not in properties]
     missing = [key for key in schema.get("required") or () if key not in args]
     problems = []
-    kwargs = {key: _schema_check(value, properties[key], key, problems)
+    kwargs = {key: None if value is None and properties[key].get("default", ...) is None
+              else _schema_check(value, properties[key], key, problems)  # null: the default
               for key, value in args.items() if key in properties}
     if not (unknown or missing or problems):
         return kwargs
