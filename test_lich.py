@@ -919,20 +919,18 @@ def as_the_model_sees(tools, name):
 
 def test_a_key_of_eight_characters_and_keys_side_by_side_are_redacted():
     eight, first, second = "zq8chars", "zq-side-A-1234567890", "zq-side-B-0987654321"
-    kept = [lich.OpenAIChat("m", api_key=key) for key in (eight, first, second)]
+    for key in (eight, first, second):
+        keep_in_use(api_key=key)
     said = lich.Tools()
     said.register(lambda: f"<{eight}> <{first}{second}>", name="say", description="Say the keys.")
     assert as_the_model_sees(said, "say") == "<[redacted]> <[redacted]>"
-    assert kept
 
 
 def test_a_urls_credentials_are_secrets_and_its_other_query_values_are_not():
-    url = "http://127.0.0.1:9/v1?sig=zq-SIGNATURE-0001&session=zq-SESSION-00002&api-version=2024-06-01"
-    kept = lich.OpenAIChat("m", base_url=url)
+    keep_in_use(base_url="http://127.0.0.1:9/v1?sig=zq-SIGNATURE-0001&session=zq-SESSION-00002&api-version=2024-06-01")
     said = lich.Tools()
     said.register(lambda: "zq-SIGNATURE-0001 zq-SESSION-00002 2024-06-01", name="say", description="Say them.")
     assert as_the_model_sees(said, "say") == "[redacted] [redacted] 2024-06-01"
-    assert kept
 
 
 def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_chat_lives():
