@@ -3809,6 +3809,10 @@ def _arguments_object(name, raw) -> dict:
     return raw
 
 
+def _defaults_to_none(schema) -> bool:
+    return "default" in schema and schema["default"] is None
+
+
 def _call_arguments(spec, raw):
     """The keyword arguments of a call from the model's raw JSON text, checked against the
     tool's parameters schema; _ToolFailure with every problem when they do not fit."""
@@ -3819,8 +3823,8 @@ def _call_arguments(spec, raw):
     unknown = [key for key in args if key not in properties]
     missing = [key for key in schema.get("required") or () if key not in args]
     problems = []
-    kwargs = {key: None if value is None and properties[key].get("default", ...) is None
-              else _schema_check(value, properties[key], key, problems)  # null: the default
+    kwargs = {key: None if value is None and _defaults_to_none(properties[key])  # its default
+              else _schema_check(value, properties[key], key, problems)
               for key, value in args.items() if key in properties}
     if not (unknown or missing or problems):
         return kwargs
