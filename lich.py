@@ -2578,6 +2578,30 @@ def _is_azure(url):
             or "/openai/deployments/" in parts.path.lower())
 
 
+_MISTRAL_ID = r"[A-Za-z0-9]{9}"
+
+
+def _is_mistral(url):
+    """Whether ``url`` is Mistral's API (api.mistral.ai, codestral.mistral.ai)."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    return host == "mistral.ai" or host.endswith(".mistral.ai")
+
+
+def _mistral_call_id(call_id):
+    """9 letters and digits made from ``call_id``: the same for a call and its result."""
+    import hashlib
+
+    digest = int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest(), "big")
+    alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    letters = []
+    for _ in range(9):
+        digest, index = divmod(digest, 62)
+        letters.append(alphabet[index])
+    return "".join(letters)
+
+
 def _openai_call(call_id, name, arguments, extra_content):
     """A ToolCall; with the ``extra_content`` a server attached to it (Gemini's thought
     signature, which it wants back with the call on the next turn)."""
@@ -2754,6 +2778,7 @@ class OpenAIChat(_HTTPChat):
 
     def _setup(self):
         self._usage_refused = False  # the server refused stream_options: asked without it
+        self._short_ids = _is_mistral(self.base_url or "")
         super()._setup()
 
     def _key_required(self):
@@ -2770,7 +2795,7 @@ class OpenAIChat(_HTTPChat):
     def _encode_message(self, m):
         role = m["role"]
         if role == "tool":
-            wire = {"role": "tool", "tool_call_id": m["tool_call_id"],
+            wire = {"role": "tool", "tool_call_id": self._wire_call_id(m["tool_call_id"]),
                     "content": m.get("content") or ""}
         elif role == "assistant" and m.get("tool_calls"):
             wire = {"role": "assistant", "content": m.get("content") or None,
@@ -2785,15 +2810,21 @@ class OpenAIChat(_HTTPChat):
             wire = {"role": role, "content": m.get("content") or ""}
         return _wire_json(wire)
 
-    @staticmethod
-    def _call_to_wire(call):
+    def _wire_call_id(self, call_id):
+        """A call's id as the server takes it: Mistral's API wants 9 letters and digits, and
+        refuses another provider's ids (a failover, a resume) or the ones lich makes up."""
+        if self._short_ids and isinstance(call_id, str) and not re.fullmatch(_MISTRAL_ID, call_id):
+            return _mistral_call_id(call_id)
+        return call_id
+
+    def _call_to_wire(self, call):
         arguments = call.get("arguments") or ""
         as_object = _tool_input(arguments)
         if not arguments.strip():
             arguments = "{}"
         elif as_object.get(_RAW_ARGUMENTS_KEY) is arguments:  # not a JSON object: sent wrapped
             arguments = json.dumps(as_object, ensure_ascii=False)
-        wire = {"id": call["id"], "type": "function",
+        wire = {"id": self._wire_call_id(call["id"]), "type": "function",
                 "function": {"name": _wire_tool_name(call["name"]), "arguments": arguments}}
         if isinstance(call.get("extra_content"), dict):
             wire["extra_content"] = call["extra_content"]

@@ -3421,6 +3421,23 @@ def test_azure_openai_gets_its_key_in_an_api_key_header(server, monkeypatch, bas
     assert server.requests[0]["path"] == path
 
 
+def test_mistral_gets_call_ids_of_nine_letters_and_digits_the_same_for_call_and_result(server, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for api.mistral.ai
+    server.reply(200, openai_reply("Done."))
+    history = [user("add"), assistant("", ("call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "add", "{}"), ("functions.add:0", "add", "{}"),
+                                      ("AbC123xyZ", "add", "{}")),
+               tool_msg("call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "1"), tool_msg("functions.add:0", "2"), tool_msg("AbC123xyZ", "3")]
+    lich.OpenAIChat("mistral-large", base_url="http://api.mistral.ai/v1", api_key=KEY, timeout=5)(history)
+    sent = server.requests[0]["json"]["messages"]
+    ids = [c["id"] for c in sent[1]["tool_calls"]]
+    assert [m["tool_call_id"] for m in sent[2:]] == ids and ids[2] == "AbC123xyZ"
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids) and len(set(ids)) == 3
+    server.reply(200, openai_reply("Done."))
+    openai_at(server)(history)  # elsewhere the ids go as they are
+    assert [c["id"] for c in server.requests[1]["json"]["messages"][1]["tool_calls"]] == [
+        "call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "functions.add:0", "AbC123xyZ"]
+
+
 SIGNED = {"google": {"thought_signature": "c2lnbmVk"}}
 
 
