@@ -432,6 +432,25 @@ def _json_line(value) -> bytes:
         return (_ascii_json(value) + "\n").encode()
 
 
+def _not_json(name):
+    """Python's json reads NaN and Infinity; JSON has neither."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text):
+    """A JSON number as a float; one too large for a float (1e400) is refused, not infinity."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is too large a number")
+    return value
+
+
+def _strict_json(text):
+    """``json.loads`` of JSON only: NaN, Infinity and 1e400, which Python reads and would
+    write back as no JSON reader takes them, are a ValueError."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+
+
 # --- JSON Schema: the subset lich writes, checked by one validator ---
 # Tool arguments (Tools) and structured output (the loop) are both checked here.
 
@@ -984,19 +1003,6 @@ def _check_run_options(max_turns, output_schema):
             raise ValueError(problem)
 
 
-def _not_json(name):
-    """Python's json reads NaN and Infinity; JSON has neither."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite_float(text):
-    """A JSON number as a float; one too large for a float (1e400) is refused, not infinity."""
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"{text} is too large a number")
-    return value
-
-
 def _parse_output(text, schema):
     """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
 
@@ -1004,8 +1010,7 @@ def _parse_output(text, schema):
     """
     fenced = re.match(_FENCED_JSON, text)
     try:
-        value = json.loads(fenced.group(1) if fenced else text, parse_constant=_not_json,
-                           parse_float=_finite_float)
+        value = _strict_json(fenced.group(1) if fenced else text)
     except (ValueError, RecursionError) as e:
         return None, f"it is not valid JSON ({e})"
     problems = []
@@ -2537,7 +2542,7 @@ def _tool_input(arguments):
     if not arguments or not arguments.strip():
         return {}
     try:
-        value = json.loads(arguments)
+        value = _strict_json(arguments)  # {"a": 1e999} would go as {"a": Infinity}: no JSON
     except (ValueError, RecursionError):
         value = None
     if isinstance(value, dict):
@@ -2574,19 +2579,17 @@ def _is_azure(url):
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    return ((parts.hostname or "").endswith(_AZURE_HOSTS)  # urlsplit lower-cases the host
-            or "/openai/deployments/" in parts.path.lower())
+    return _host_of(url).endswith(_AZURE_HOSTS) or "/openai/deployments/" in parts.path.lower()
 
 
-_MISTRAL_ID = r"[A-Za-z0-9]{9}"
+_MISTRAL_ID = r"[A-Za-z0-9]{9}"  # the tool call ids Mistral's API takes
+_OPENAI_ID_MAX_CHARS = 40  # OpenAI's: "string_above_max_length" past it
 
 
-def _is_mistral(url):
-    """Whether ``url`` is Mistral's API (api.mistral.ai, codestral.mistral.ai)."""
+def _host_of(url):
     from urllib.parse import urlsplit
 
-    host = urlsplit(url).hostname or ""
-    return host == "mistral.ai" or host.endswith(".mistral.ai")
+    return urlsplit(url or "").hostname or ""  # lower-cased
 
 
 def _mistral_call_id(call_id):
@@ -2778,7 +2781,13 @@ class OpenAIChat(_HTTPChat):
 
     def _setup(self):
         self._usage_refused = False  # the server refused stream_options: asked without it
-        self._short_ids = _is_mistral(self.base_url or "")
+        host = _host_of(self.base_url)
+        # The rule of this server for tool call ids: Mistral's 9 letters and digits, OpenAI's
+        # (and Azure's) 40 characters at most; others take any. Gemini alone (its
+        # OpenAI-compatible endpoint) is sent a call's extra_content back.
+        self._id_rule = ("mistral" if host == "mistral.ai" or host.endswith(".mistral.ai") else
+                         "openai" if host == "api.openai.com" or _is_azure(self.base_url) else None)
+        self._sends_extra_content = host.endswith(".googleapis.com")
         super()._setup()
 
     def _key_required(self):
@@ -2813,8 +2822,12 @@ class OpenAIChat(_HTTPChat):
     def _wire_call_id(self, call_id):
         """A call's id as the server takes it: Mistral's API wants 9 letters and digits, and
         refuses another provider's ids (a failover, a resume) or the ones lich makes up."""
-        if self._short_ids and isinstance(call_id, str) and not re.fullmatch(_MISTRAL_ID, call_id):
+        if not isinstance(call_id, str):
+            return call_id
+        if self._id_rule == "mistral" and not re.fullmatch(_MISTRAL_ID, call_id):
             return _mistral_call_id(call_id)
+        if self._id_rule == "openai" and len(call_id) > _OPENAI_ID_MAX_CHARS:
+            return _in_name_alphabet(call_id, _OPENAI_ID_MAX_CHARS)
         return call_id
 
     def _call_to_wire(self, call):
@@ -2826,7 +2839,7 @@ class OpenAIChat(_HTTPChat):
             arguments = json.dumps(as_object, ensure_ascii=False)
         wire = {"id": self._wire_call_id(call["id"]), "type": "function",
                 "function": {"name": _wire_tool_name(call["name"]), "arguments": arguments}}
-        if isinstance(call.get("extra_content"), dict):
+        if isinstance(call.get("extra_content"), dict) and self._sends_extra_content:
             wire["extra_content"] = call["extra_content"]
         return wire
 
@@ -2896,6 +2909,9 @@ class OpenAIChat(_HTTPChat):
 
 
 # --- Anthropic ---
+
+
+_EMPTY_USER_MESSAGE = "(empty message)"  # what a user's message of nothing says to Anthropic
 
 
 def _anthropic_tool_id(call_id):
@@ -3125,10 +3141,11 @@ class AnthropicChat(_HTTPChat):
             blocks = [{"type": "tool_result", "tool_use_id": _anthropic_tool_id(m["tool_call_id"]),
                        "content": content, "is_error": bool(m.get("is_error"))}]
         else:
-            # Anthropic refuses a text of whitespace; an assistant's is left out (a user's is
-            # kept: without it, the assistant's last message would read as a prefill)
-            blocks = [{"type": "text", "text": content}] if content.strip() or (
-                content and role != "assistant") else []
+            # Anthropic refuses a text of whitespace: an assistant's is left out, and a user's
+            # says it was empty (left out, the assistant's last message would be a prefill)
+            if role == "user" and not content.strip():
+                content = _EMPTY_USER_MESSAGE
+            blocks = [{"type": "text", "text": content}] if content.strip() else []
             if (role == "assistant" and m.get("tool_calls") and isinstance(m.get("thinking"), list)
                     and self._sends_reasoning(m)):
                 # extended thinking wants a tool call's thinking back, first and as it was

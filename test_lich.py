@@ -3233,9 +3233,12 @@ def test_anthropic_thinking_goes_back_with_its_tool_calls_and_blank_text_does_no
         {"role": "assistant", "content": [redacted, thought, tool_use_block("toolu_1", "weather", {"city": "Oslo"})]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "-3 C",
                                       "is_error": False}]}]
-    chat([*USER, assistant("Hello"), user("  \n")])  # a user's blank text is sent: dropped, it would make a prefill
-    assert server.requests[2]["json"]["messages"][1:] == [
-        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "  \n"}]
+    # a user's blank text says it was empty: Anthropic refuses whitespace, and left out, the
+    # assistant's last message would be a prefill; an empty first one keeps the user first
+    chat([user(""), assistant("Hello"), user("  \n")])
+    assert server.requests[2]["json"]["messages"] == [
+        {"role": "user", "content": "(empty message)"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "(empty message)"}]
 
 
 @needs_fixtures
@@ -3438,11 +3441,23 @@ def test_mistral_gets_call_ids_of_nine_letters_and_digits_the_same_for_call_and_
         "call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "functions.add:0", "AbC123xyZ"]
 
 
+def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for api.openai.com
+    long_id = "fc_0f0e50a1476a6c35006912c58dc9f8819192c25864eb16f07f"  # another server's, 53 characters
+    history = [user("add"), assistant("", (long_id, "add", "{}"), ("c1", "add", "{}")),
+               tool_msg(long_id, "1"), tool_msg("c1", "2")]
+    server.reply(200, openai_reply("Done."))
+    lich.OpenAIChat("gpt-x", base_url="http://api.openai.com/v1", api_key=KEY, timeout=5)(history)
+    sent = server.requests[0]["json"]["messages"]
+    ids = [c["id"] for c in sent[1]["tool_calls"]]
+    assert ([m["tool_call_id"] for m in sent[2:]], len(ids[0]), ids[1]) == (ids, 40, "c1")
+
+
 SIGNED = {"google": {"thought_signature": "c2lnbmVk"}}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, stream):
+def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, monkeypatch, stream):
     wire_call = {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": "{}"},
                  "extra_content": SIGNED}
     if stream:
@@ -3451,14 +3466,19 @@ def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, st
     else:
         server.reply(200, {"choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
             "role": "assistant", "content": None, "tool_calls": [wire_call]}}]})
-    chat = openai_at(server, stream=stream)
+    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for Google's
+    chat = lich.OpenAIChat("gemini-3-pro", base_url="http://generativelanguage.googleapis.com/v1beta/openai",
+                           api_key=KEY, stream=stream, timeout=5)
     answer = chat(USER).message
     assert answer == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "name": "clock", "arguments": "{}", "extra_content": SIGNED}]}
-    server.reply(200, stream_reply_body("Noon.") if stream else openai_reply("Noon."),
-                 content_type="text/event-stream" if stream else None)
-    chat([*USER, answer, tool_msg("c1", "12:00", name="clock")])
-    assert server.requests[1]["json"]["messages"][1] == {"role": "assistant", "content": None, "tool_calls": [wire_call]}
+    history = [*USER, answer, tool_msg("c1", "12:00", name="clock")]
+    for to in (chat, openai_at(server, stream=stream)):  # a failover elsewhere: not to another server
+        server.reply(200, stream_reply_body("Noon.") if stream else openai_reply("Noon."),
+                     content_type="text/event-stream" if stream else None)
+        to(history)
+    assert [r["json"]["messages"][1]["tool_calls"] for r in server.requests[1:]] == [
+        [wire_call], [{k: v for k, v in wire_call.items() if k != "extra_content"}]]
 
 
 def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
@@ -4185,6 +4205,17 @@ def test_a_models_mistaken_tool_call_goes_back_in_a_shape_openai_servers_take(se
     [call] = server.requests[0]["json"]["messages"][1]["tool_calls"]
     assert re.fullmatch(r"functions_read_file_[0-9a-f]{8}", call["function"]["name"]), call
     assert json.loads(call["function"]["arguments"]) == {"_raw_arguments": '{"path": "REA'}
+
+
+def test_arguments_python_reads_as_infinity_go_back_to_anthropic_as_json(server):
+    server.reply(200, anthropic_reply(text_block("Sorry.")))
+    anthropic_at(server)([user("add"), assistant("", ("c1", "add", '{"a": 1e999, "b": NaN}')), tool_msg("c1", "x")])
+    def no_constant(name):
+        raise AssertionError(f"{name} is in the body: no JSON reader takes it")
+
+    body = json.loads(server.requests[0]["body"], parse_constant=no_constant)
+    [block] = body["messages"][1]["content"]
+    assert block["input"] == {"_raw_arguments": '{"a": 1e999, "b": NaN}'}
 
 
 def test_a_models_mistaken_tool_call_goes_back_in_a_shape_anthropic_takes(server):
