@@ -2820,8 +2820,8 @@ class OpenAIChat(_HTTPChat):
         return _wire_json(wire)
 
     def _wire_call_id(self, call_id):
-        """A call's id as the server takes it: Mistral's API wants 9 letters and digits, and
-        refuses another provider's ids (a failover, a resume) or the ones lich makes up."""
+        """A call's id as this server takes it (``_id_rule``): another provider's id, after a
+        failover or a resume, or one lich made up, may not fit Mistral's or OpenAI's rule."""
         if not isinstance(call_id, str):
             return call_id
         if self._id_rule == "mistral" and not re.fullmatch(_MISTRAL_ID, call_id):
