@@ -7790,7 +7790,7 @@ class _Progress:
             self.compressing = False
             term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
         elif kind == "output_invalid":
-            term.note("(the answer did not fit the schema; asking again)")
+            term.note(f"(the answer did not fit the schema: {_visible(event['error'])}; asking again)")
         elif kind == "error":
             term.stop_spinner()
 

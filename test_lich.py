@@ -9267,7 +9267,8 @@ def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_
     (tmp_path / "person.json").write_text(json.dumps(PERSON))
     queue(server, openai_reply("not json"), openai_reply('{"name": "Bo"}'))
     assert cli("--schema", f"@{tmp_path / 'person.json'}", "who?") == (
-        0, '{"name": "Bo"}\n', "(the answer did not fit the schema; asking again)\ntokens: 14 in, 6 out\n")
+        0, '{"name": "Bo"}\n', "(the answer did not fit the schema: it is not valid JSON (Expecting value: line 1 "
+                                "column 1 (char 0)); asking again)\ntokens: 14 in, 6 out\n")
 
 
 @pytest.mark.parametrize("schema, error", [
