@@ -2521,15 +2521,20 @@ _NAME_ALPHABET = re.compile(r"[A-Za-z0-9_-]+\Z")
 _TOOL_NAME_MAX_CHARS = 64  # what providers take, of the alphabet _in_name_alphabet keeps
 
 
+def _sha256(text) -> bytes:
+    """The SHA-256 of ``text`` (lone surrogates included), for names and ids made from it."""
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
 def _in_name_alphabet(text, max_chars=None):
     """``text`` as providers take a tool's name or a call's id (only ``[A-Za-z0-9_-]``, at
     most ``max_chars``): as it is when it fits, else its other characters made '_', cut,
     and a digest of the whole added, so that two texts never become one."""
     if _NAME_ALPHABET.match(text) and (max_chars is None or len(text) <= max_chars):
         return text
-    import hashlib
-
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    digest = _sha256(text).hex()[:8]
     kept = re.sub(r"[^A-Za-z0-9_-]", "_", text)
     return (kept if max_chars is None else kept[:max_chars - len(digest) - 1]) + "_" + digest
 
@@ -2578,11 +2583,13 @@ def _is_azure(url):
     """Whether ``url`` is Azure OpenAI's: one of its hosts, or a deployment's path."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(url)
-    return _host_of(url).endswith(_AZURE_HOSTS) or "/openai/deployments/" in parts.path.lower()
+    parts = urlsplit(url or "")
+    return ((parts.hostname or "").endswith(_AZURE_HOSTS)  # urlsplit lower-cases the host
+            or "/openai/deployments/" in parts.path.lower())
 
 
-_MISTRAL_ID = r"[A-Za-z0-9]{9}"  # the tool call ids Mistral's API takes
+_MISTRAL_ID_CHARS = 9
+_MISTRAL_ID = rf"[A-Za-z0-9]{{{_MISTRAL_ID_CHARS}}}"  # the tool call ids Mistral's API takes
 _OPENAI_ID_MAX_CHARS = 40  # OpenAI's: "string_above_max_length" past it
 
 
@@ -2593,13 +2600,12 @@ def _host_of(url):
 
 
 def _mistral_call_id(call_id):
-    """9 letters and digits made from ``call_id``: the same for a call and its result."""
-    import hashlib
-
-    digest = int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest(), "big")
+    """The letters and digits Mistral takes, made from ``call_id``: the same for a call and
+    its result."""
+    digest = int.from_bytes(_sha256(call_id), "big")
     alphabet = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
     letters = []
-    for _ in range(9):
+    for _ in range(_MISTRAL_ID_CHARS):
         digest, index = divmod(digest, 62)
         letters.append(alphabet[index])
     return "".join(letters)
@@ -2783,11 +2789,12 @@ class OpenAIChat(_HTTPChat):
         self._usage_refused = False  # the server refused stream_options: asked without it
         host = _host_of(self.base_url)
         # The rule of this server for tool call ids: Mistral's 9 letters and digits, OpenAI's
-        # (and Azure's) 40 characters at most; others take any. Gemini alone (its
-        # OpenAI-compatible endpoint) is sent a call's extra_content back.
+        # (and Azure's) 40 characters at most; others take any. These servers also get no
+        # extra_content back (Gemini's, after a failover); others may be Gemini behind a
+        # gateway, which wants it.
         self._id_rule = ("mistral" if host == "mistral.ai" or host.endswith(".mistral.ai") else
                          "openai" if host == "api.openai.com" or _is_azure(self.base_url) else None)
-        self._sends_extra_content = host.endswith(".googleapis.com")
+        self._sends_extra_content = self._id_rule is None
         super()._setup()
 
     def _key_required(self):
@@ -3652,7 +3659,11 @@ def _hint_schema(hint):
 
 
 def _without_null(schema):
-    """``schema`` narrowed not to admit ``null`` (the other half of ``_nullable_schema``)."""
+    """``schema`` narrowed not to admit ``null`` (the other half of ``_nullable_schema``);
+    a schema that admits only ``null`` stays as it is."""
+    kind, enum = schema.get("type"), schema.get("enum")
+    if kind == "null" or kind == ["null"] or (enum is not None and all(v is None for v in enum)):
+        return schema
     out = dict(schema)
     kind = out.get("type")
     if isinstance(kind, list) and "null" in kind:

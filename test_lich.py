@@ -3441,16 +3441,22 @@ def test_mistral_gets_call_ids_of_nine_letters_and_digits_the_same_for_call_and_
         "call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "functions.add:0", "AbC123xyZ"]
 
 
-def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch):
-    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for api.openai.com
+@pytest.mark.parametrize("base_url", ["http://api.openai.com/v1", "http://my-res.openai.azure.com/openai/v1"],
+                         ids=["openai", "azure"])
+def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch, base_url):
+    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for OpenAI's or Azure's
     long_id = "fc_0f0e50a1476a6c35006912c58dc9f8819192c25864eb16f07f"  # another server's, 53 characters
-    history = [user("add"), assistant("", (long_id, "add", "{}"), ("c1", "add", "{}")),
-               tool_msg(long_id, "1"), tool_msg("c1", "2")]
-    server.reply(200, openai_reply("Done."))
-    lich.OpenAIChat("gpt-x", base_url="http://api.openai.com/v1", api_key=KEY, timeout=5)(history)
-    sent = server.requests[0]["json"]["messages"]
-    ids = [c["id"] for c in sent[1]["tool_calls"]]
-    assert ([m["tool_call_id"] for m in sent[2:]], len(ids[0]), ids[1]) == (ids, 40, "c1")
+    twin = long_id[:45] + "00000000"  # the same first 45 characters
+    history = [user("add"), assistant("", (long_id, "add", "{}"), (twin, "add", "{}"), ("c1", "add", "{}")),
+               tool_msg(long_id, "1"), tool_msg(twin, "2"), tool_msg("c1", "3")]
+    chat = lich.OpenAIChat("gpt-x", base_url=base_url, api_key=KEY, timeout=5)
+    for _ in range(2):
+        server.reply(200, openai_reply("Done."))
+        chat(history)
+    first, again = (r["json"]["messages"] for r in server.requests)
+    ids = [c["id"] for c in first[1]["tool_calls"]]
+    assert ([m["tool_call_id"] for m in first[2:]], [len(i) for i in ids], ids[2]) == (ids, [40, 40, 2], "c1")
+    assert len(set(ids)) == 3 and again == first  # the same ids request after request
 
 
 SIGNED = {"google": {"thought_signature": "c2lnbmVk"}}
@@ -3473,12 +3479,14 @@ def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, mo
     assert answer == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "name": "clock", "arguments": "{}", "extra_content": SIGNED}]}
     history = [*USER, answer, tool_msg("c1", "12:00", name="clock")]
-    for to in (chat, openai_at(server, stream=stream)):  # a failover elsewhere: not to another server
+    gateway = openai_at(server, stream=stream)  # Gemini behind a gateway, say: it wants it too
+    openai = lich.OpenAIChat("gpt-x", base_url="http://api.openai.com/v1", api_key=KEY, stream=stream, timeout=5)
+    for to in (chat, gateway, openai):  # after a failover to OpenAI's, whose rules are known: not
         server.reply(200, stream_reply_body("Noon.") if stream else openai_reply("Noon."),
                      content_type="text/event-stream" if stream else None)
         to(history)
     assert [r["json"]["messages"][1]["tool_calls"] for r in server.requests[1:]] == [
-        [wire_call], [{k: v for k, v in wire_call.items() if k != "extra_content"}]]
+        [wire_call], [wire_call], [{k: v for k, v in wire_call.items() if k != "extra_content"}]]
 
 
 def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
@@ -4209,13 +4217,14 @@ def test_a_models_mistaken_tool_call_goes_back_in_a_shape_openai_servers_take(se
 
 def test_arguments_python_reads_as_infinity_go_back_to_anthropic_as_json(server):
     server.reply(200, anthropic_reply(text_block("Sorry.")))
-    anthropic_at(server)([user("add"), assistant("", ("c1", "add", '{"a": 1e999, "b": NaN}')), tool_msg("c1", "x")])
+    anthropic_at(server)([user("add"), assistant("", ("c1", "add", '{"a": 1e999}'), ("c2", "add", '{"b": NaN}')),
+                          tool_msg("c1", "x"), tool_msg("c2", "y")])
     def no_constant(name):
         raise AssertionError(f"{name} is in the body: no JSON reader takes it")
 
     body = json.loads(server.requests[0]["body"], parse_constant=no_constant)
-    [block] = body["messages"][1]["content"]
-    assert block["input"] == {"_raw_arguments": '{"a": 1e999, "b": NaN}'}
+    assert [block["input"] for block in body["messages"][1]["content"]] == [
+        {"_raw_arguments": '{"a": 1e999}'}, {"_raw_arguments": '{"b": NaN}'}]
 
 
 def test_a_models_mistaken_tool_call_goes_back_in_a_shape_anthropic_takes(server):
@@ -5780,6 +5789,9 @@ def _f_optional_signal(x: int, signal: Optional[threading.Event] = None): pass
 def _f_none(): pass
 
 
+def _f_none_literal(mode: Literal[None] = None): pass  # noqa: PYI061  (what the test is about)
+
+
 _SCHEMA_CASES = [
     ("str", _f_str, obj_schema({"x": {"type": "string"}}, ["x"])),
     ("int", _f_int, obj_schema({"x": {"type": "integer"}}, ["x"])),
@@ -5829,6 +5841,7 @@ _SCHEMA_CASES = [
     ("Optional[Event] left out", _f_optional_signal, obj_schema({"x": {"type": "integer"}},
                                                                 ["x"])),
     ("no parameters", _f_none, obj_schema({})),
+    ("only None", _f_none_literal, obj_schema({"mode": {"type": "null", "enum": [None], "default": None}})),
 ]
 
 
@@ -9267,8 +9280,8 @@ def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_
     (tmp_path / "person.json").write_text(json.dumps(PERSON))
     queue(server, openai_reply("not json"), openai_reply('{"name": "Bo"}'))
     assert cli("--schema", f"@{tmp_path / 'person.json'}", "who?") == (
-        0, '{"name": "Bo"}\n', "(the answer did not fit the schema: it is not valid JSON (Expecting value: line 1 "
-                                "column 1 (char 0)); asking again)\ntokens: 14 in, 6 out\n")
+        0, '{"name": "Bo"}\n', ("(the answer did not fit the schema: it is not valid JSON (Expecting value: line 1 "
+                                 "column 1 (char 0)); asking again)\ntokens: 14 in, 6 out\n"))
 
 
 @pytest.mark.parametrize("schema, error", [
