@@ -153,6 +153,31 @@ class MCPError(Exception):
     """An MCP server could not be started or did not answer its handshake."""
 
 
+class _ForkSafeLock:
+    """A lock of the module that a forked child gets free: a thread of its parent may have
+    held it at the fork, and nothing in the child would ever release it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self):
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking=True):
+        return self._lock.acquire(blocking)
+
+    def release(self):
+        self._lock.release()
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info):
+        self._lock.release()
+
+
 _REDACTED = "[redacted]"
 _SECRET_WINDOW = 8  # no run of this many characters of a key may be shown anywhere
 # API key in use -> the set of its runs of _SECRET_WINDOW characters. Changed by copy (under
@@ -162,20 +187,10 @@ _secret_users = {}  # API key in use -> how many live objects hold it
 # A key for each holder gone: finalizers only append (the collector may run them in a thread
 # that holds _secrets_lock), and the counts are brought down under the lock.
 _secret_holders_gone = deque()
-_secrets_lock = threading.Lock()
+_secrets_lock = _ForkSafeLock()
 # What _redact_secrets looks for, made anew when _secrets changes: (that _secrets, the
 # windows of all its keys, a regex of the runs of the characters its keys are made of)
 _secret_index = ({}, frozenset(), None)
-
-
-def _free_secrets_lock():
-    """A forked child's lock is free: a thread of its parent may have held it."""
-    global _secrets_lock
-    _secrets_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_free_secrets_lock)
 
 
 def _add_secret(key: str, holder) -> None:
@@ -1224,17 +1239,7 @@ def _session_stems(session_dir: str, stamp: str) -> list:
             if found]
 
 
-_session_names_lock = threading.Lock()  # threads of one process never take one counter at once
-
-
-def _free_session_names_lock():
-    """A forked child's lock is free: a thread of its parent may have held it."""
-    global _session_names_lock
-    _session_names_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_free_session_names_lock)
+_session_names_lock = _ForkSafeLock()  # threads of one process never take one counter at once
 
 
 def open_session(session_dir, label=None) -> SessionHandle:
@@ -1767,6 +1772,13 @@ def _error_fields(data):
 def _classify_http_error(status, body, headers):
     """(message, kind, retryable, retry_after) for a non-2xx response, per API.md's table."""
     text, codes = _error_from_wire(body)
+    kind, retryable = _status_kind(status, text, codes)
+    label = f" ({codes[0]})" if codes else ""
+    return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
+
+
+def _status_kind(status, text, codes):
+    """(kind, retryable or None for "by kind") of an HTTP status and the error it came with."""
     retryable = None
     if status in (401, 403):
         kind = "auth"
@@ -1788,8 +1800,7 @@ def _classify_http_error(status, body, headers):
         kind = "server"
     else:
         kind = "invalid_response"
-    label = f" ({codes[0]})" if codes else ""
-    return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
+    return kind, retryable
 
 
 def _origin(url) -> str:
@@ -2632,7 +2643,7 @@ def _choice_error(chat, choice, beside=None):
     label = f" ({codes[0]})" if codes else ""
     kind, retryable = "server", None
     if codes and codes[0].isdigit() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
-        _, kind, retryable, _ = _classify_http_error(int(codes[0]), json.dumps(choice).encode(), {})
+        kind, retryable = _status_kind(int(codes[0]), text or "", codes)
     return chat._error(f"the answer failed mid-generation{label}: "
                        f"{_redact_secrets(text) if text else 'no reason given'}", kind,
                        retryable=retryable)
@@ -3383,16 +3394,14 @@ class Router:
 
 _received_limiters = {}  # token: the Limiter that copies sent to this process became
 _sent_limiters = weakref.WeakValueDictionary()  # token: a Limiter of this process, pickled
-_received_limiters_lock = threading.Lock()
+_received_limiters_lock = _ForkSafeLock()
 
 
 def _forget_limiters_after_fork():
     """A forked child has copies of its parent's limiters, their calls in flight included:
     it gets limiters of its own."""
-    global _received_limiters_lock
     _received_limiters.clear()
     _sent_limiters.clear()
-    _received_limiters_lock = threading.Lock()  # the parent may have held it
 
 
 if hasattr(os, "register_at_fork"):
