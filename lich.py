@@ -8989,6 +8989,9 @@ def _check_modes(args):
                           "-c or --batch")
     if args.resume is not None and args.continue_:
         raise _UsageError("--resume and -c both choose the session to go on with: give one")
+    if args.label is not None and (args.no_session or args.list_sessions):
+        raise _UsageError("--label names the session a run records: it goes with no "
+                          "--no-session or --list-sessions")
     if args.interactive and not _isatty(sys.stdin):
         raise _UsageError("-i is a chat, which reads a terminal: stdin is not one (leave -i out "
                           "to answer once)")

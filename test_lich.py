@@ -9420,10 +9420,15 @@ def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, lich_model
                                        "no --json or --label")),
     (["--batch", "{tasks}", "--label", "x"], ("--batch writes JSON lines and names each task's session by its id: it "
                                              "takes no --json or --label")),
+    (["--no-session", "--label", "x", "go"],
+     "--label names the session a run records: it goes with no --no-session or --list-sessions"),
+    (["--list-sessions", "--label", "x"],
+     "--label names the session a run records: it goes with no --no-session or --list-sessions"),
     (["  "], "no prompt: pass PROMPT or pipe text on stdin"),
 ], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue", "out-without-batch",
         "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal",
-        "out-in-no-folder", "no-task", "out-a-folder", "batch-json", "batch-label", "blank-prompt"])
+        "out-in-no-folder", "no-task", "out-a-folder", "batch-json", "batch-label", "label-without-a-session",
+        "label-of-a-listing", "blank-prompt"])
 def test_options_that_contradict_each_other_or_lead_nowhere_are_a_usage_error(server, lich_model, cli, tmp_path, argv, error):
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("one\n")
