@@ -518,13 +518,42 @@ def _is_json_type(value, kind) -> bool:
     return value is None if kind == "null" else True
 
 
+def _any_of_check(value, branches, where, problems):
+    """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it,
+    else the problems of the first that took its type, else one problem naming them all."""
+    refusals = []
+    for branch in branches:
+        found = []
+        checked = _schema_check(value, branch, where, found)
+        if not found:
+            return checked
+        if any(at != where for at, _, _ in found):  # its type fitted, something within did not
+            problems.extend(found)
+            return value
+        refusals.append(found[0])
+    if all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
+        allowed = [a for b in branches for a in b.get("enum", [None])]
+        named = ", ".join(json.dumps(a) for a in allowed if a is not None)
+        problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
+                         _echo(value)))
+    else:
+        expected = dict.fromkeys(e for _, e, _ in refusals)  # each once, in order
+        problems.append((where, " or ".join(expected), refusals[0][2]))
+    return value
+
+
 def _schema_check(value, schema, where, problems):
-    """``value`` checked against ``schema`` (type, enum, items, properties, required,
+    """``value`` checked against ``schema`` (type, enum, anyOf, items, properties, required,
     additionalProperties); each mismatch appends ``(where, expected, got)`` to ``problems``.
     Returns the value, an integer made a float where the schema wants only a number, and a
     whole float an int where it wants only an integer."""
     if not isinstance(schema, dict) or not schema:
         return value
+    if "anyOf" in schema:
+        count = len(problems)
+        value = _any_of_check(value, schema["anyOf"], where, problems)
+        if len(problems) > count:
+            return value
     if "enum" in schema:
         allowed = schema["enum"]
         for a in allowed:  # True is not 1, and 2.0 is 2 (given back as the schema writes it)
@@ -581,6 +610,8 @@ def _schema_problem(schema, where):
             return (f'{where}["type"] must be one of {", ".join(_JSON_TYPES)} or a list of them, '
                     f'not {_echo(schema["type"])}')
     for keyword, ok, shape in (("enum", isinstance(schema.get("enum"), list), "an array"),
+                               ("anyOf", isinstance(schema.get("anyOf"), list)
+                                and schema.get("anyOf"), "a non-empty array"),
                                ("required", isinstance(schema.get("required"), list) and all(
                                    isinstance(k, str) for k in schema.get("required")),
                                 "an array of strings"),
@@ -595,6 +626,8 @@ def _schema_problem(schema, where):
               and not (keyword == "items" and isinstance(schema["items"], list))]
     if isinstance(schema.get("items"), list):  # draft-04 to 2019-09: a schema per position
         inner += [(f'{where}["items"][{i}]', item) for i, item in enumerate(schema["items"])]
+    inner += [(f'{where}["anyOf"][{i}]', branch)
+              for i, branch in enumerate(schema.get("anyOf") or ())]
     for path, value in inner:
         problem = _schema_problem(value, path)
         if problem:
@@ -3611,18 +3644,11 @@ _NO_HINT = object()
 
 
 def _nullable_schema(schema):
-    """``schema`` widened to admit ``null``."""
-    if not schema:
-        return schema
-    out = dict(schema)
-    kind = out.get("type")
-    if isinstance(kind, str):
-        out["type"] = [kind, "null"]
-    elif isinstance(kind, list) and "null" not in kind:
-        out["type"] = kind + ["null"]
-    if "enum" in out and None not in out["enum"]:
-        out["enum"] = out["enum"] + [None]
-    return out
+    """``schema`` widened to admit ``null``: ``anyOf`` it and ``{"type": "null"}``, not a list
+    of types, which Gemini refuses (its ``type`` is one name); OpenAI and Anthropic take both."""
+    if not schema or schema.get("type") == "null" or {"type": "null"} in schema.get("anyOf", ()):
+        return schema  # it admits null already
+    return {"anyOf": schema.get("anyOf", [schema]) + [{"type": "null"}]}
 
 
 def _hint_schema(hint):
@@ -3656,31 +3682,30 @@ def _hint_schema(hint):
         inner = _hint_schema(rest[0])
         return None if inner is None else _nullable_schema(inner)
     if origin is typing.Literal:
-        kinds = []
+        by_kind = {}  # its values by JSON type, in their order
         for value in args:
             kind = _LITERAL_KINDS.get(type(value))
             if kind is None:
                 return None
-            if kind not in kinds:
-                kinds.append(kind)
-        return {"type": kinds[0] if len(kinds) == 1 else kinds, "enum": list(args)}
+            by_kind.setdefault(kind, []).append(value)
+        if len(by_kind) == 1:
+            [(kind, values)] = by_kind.items()
+            return {"type": kind, "enum": values}
+        # Values of several types: one branch per type, not a list of types (Gemini refuses one)
+        branches = [{"type": kind, "enum": values} for kind, values in by_kind.items()
+                    if kind != "null"]
+        return {"anyOf": branches + [{"type": "null"}] if "null" in by_kind else branches}
     return None
 
 
 def _without_null(schema):
     """``schema`` narrowed not to admit ``null`` (the other half of ``_nullable_schema``);
     a schema that admits only ``null`` stays as it is."""
-    kind, enum = schema.get("type"), schema.get("enum")
-    if kind == "null" or kind == ["null"] or (enum is not None and all(v is None for v in enum)):
+    branches = schema.get("anyOf")
+    if branches is None:
         return schema
-    out = dict(schema)
-    kind = out.get("type")
-    if isinstance(kind, list) and "null" in kind:
-        rest = [k for k in kind if k != "null"]
-        out["type"] = rest[0] if len(rest) == 1 else rest
-    if "enum" in out and None in out["enum"]:
-        out["enum"] = [value for value in out["enum"] if value is not None]
-    return out
+    rest = [branch for branch in branches if branch != {"type": "null"}]
+    return rest[0] if len(rest) == 1 else {"anyOf": rest}
 
 
 def _is_hint_of(hint, wanted):
@@ -3825,8 +3850,8 @@ def _function_tool(fn, name, description):
                             f"hint {hint!r}, which JSON Schema cannot express; use str, int, "
                             f"float, bool, list, dict, Optional or Literal")
         if param.default is None:
-            # Offered with its type alone, not a list of types with "null" (Gemini refuses a
-            # list): leaving it out means the default, and a null for it is taken as that too.
+            # Offered with its type alone, without a null alternative: leaving it out means
+            # the default, and a null for it is taken as that too.
             schema = _without_null(schema)
         schema = dict(schema)
         if param.name in arg_docs:

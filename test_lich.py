@@ -1763,6 +1763,25 @@ def test_a_structured_answer_wrong_in_many_places_is_told_the_first_ten():
         f'answer["{f}"] must be a string, not an integer' for f in fields[:10])
 
 
+def test_a_structured_answer_is_checked_against_any_of():
+    schema = {"type": "object", "required": ["n"], "properties": {
+        "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "tag": {"anyOf": [{"enum": ["a"]}, {"type": "array", "items": {"type": "string"}}]}}}
+    chat = ScriptedChat(assistant('{"n": "5"}'), assistant('{"n": 1, "tag": "b"}'),
+                        assistant('{"n": 1, "tag": [1]}'), assistant('{"n": null, "tag": "a"}'),
+                        assistant('{"n": 2.0, "tag": ["x"]}'))
+    emitter, events = recorder_emitter()
+    outcome = lich.run_conversation(chat, None, [user("x")], max_turns=5, output_schema=schema,
+                                    emitter=emitter)
+    assert [e["error"] for e in events if e["type"] == "output_invalid"] == [
+        'it does not match the schema: answer["n"] must be an integer or null, not a string',
+        'it does not match the schema: answer["tag"] must be one of "a" or an array, not "b"',
+        'it does not match the schema: answer["tag"][0] must be a string, not an integer']
+    assert (outcome.turns_used, outcome.output) == (4, {"n": None, "tag": "a"})
+    assert lich.run_conversation(ScriptedChat(assistant('{"n": 2.0, "tag": ["x"]}')), None, [user("x")],
+                                 max_turns=1, output_schema=schema).output == {"n": 2, "tag": ["x"]}
+
+
 def test_a_structured_answer_with_nan_or_infinity_is_not_json():
     chat = ScriptedChat(assistant('{"city": "Lima", "temp": NaN}'), assistant('{"city": "Lima", "temp": -Infinity}'),
                         assistant('{"city": "Lima", "temp": 1e400}'), assistant('{"city": "Lima", "temp": 19}'))
@@ -1797,9 +1816,12 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
      f'output_schema["items"]["additionalProperties"]["type"] must be {TYPE_NAMES}, not ["string", {{}}]'),
     ({"items": "string"}, 'output_schema["items"] must be an object, not a string'),
     ({"items": [{"type": "integer"}, {"enum": 1}]}, 'output_schema["items"][1]["enum"] must be an array, not 1'),
+    ({"anyOf": []}, 'output_schema["anyOf"] must be a non-empty array, not []'),
+    ({"properties": {"a": {"anyOf": [{"type": "integer"}, {"enum": 1}]}}},
+     'output_schema["properties"]["a"]["anyOf"][1]["enum"] must be an array, not 1'),
     (functools.reduce(lambda inner, _: {"items": inner}, range(5000), {}), "output_schema is nested too deeply"),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
-        "items-by-position", "too-deep"])
+        "items-by-position", "anyOf", "anyOf-branch", "too-deep"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
@@ -5773,6 +5795,9 @@ def _f_optional_default(x: Optional[int] = None): pass
 def _f_literal(x: Literal["r", "w"]): pass
 def _f_literal_int(x: Literal[1, 2, 3]): pass
 def _f_literal_mixed(x: Literal["a", 1]): pass
+def _f_literal_mixed_none(x: Literal["a", None, 1, "b"]): pass  # noqa: PYI061  (what the test is about)
+def _f_optional_literal_mixed(x: Optional[Literal["a", 1]]): pass
+def _f_optional_literal_mixed_default(x: Optional[Literal["a", 1]] = None): pass
 def _f_optional_literal(x: Optional[Literal["r", "w"]] = None): pass
 def _f_list_optional(x: List[Optional[int]]): pass  # noqa: UP006
 def _f_no_hint(x): pass
@@ -5809,18 +5834,31 @@ _SCHEMA_CASES = [
         {"x": {"type": "object", "additionalProperties": {"type": "array",
                                                           "items": {"type": "string"}}}}, ["x"])),
     ("Dict[str, Any]", _f_dict_any, obj_schema({"x": {"type": "object"}}, ["x"])),
-    ("Optional[str]", _f_optional, obj_schema({"x": {"type": ["string", "null"]}}, ["x"])),
+    # Null and the types of a Literal go as anyOf, never as a list of types, which Gemini refuses
+    ("Optional[str]", _f_optional, obj_schema(
+        {"x": {"anyOf": [{"type": "string"}, {"type": "null"}]}}, ["x"])),
     ("Optional[int]=None", _f_optional_default, obj_schema(  # not a list of types: Gemini refuses one
         {"x": {"type": "integer", "default": None}})),
     ("Literal[str]", _f_literal, obj_schema({"x": {"type": "string", "enum": ["r", "w"]}}, ["x"])),
     ("Literal[int]", _f_literal_int, obj_schema({"x": {"type": "integer", "enum": [1, 2, 3]}},
                                                 ["x"])),
     ("Literal[mixed]", _f_literal_mixed, obj_schema(
-        {"x": {"type": ["string", "integer"], "enum": ["a", 1]}}, ["x"])),
+        {"x": {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "integer", "enum": [1]}]}},
+        ["x"])),
+    ("Literal[mixed, None]", _f_literal_mixed_none, obj_schema(
+        {"x": {"anyOf": [{"type": "string", "enum": ["a", "b"]}, {"type": "integer", "enum": [1]},
+                         {"type": "null"}]}}, ["x"])),
+    ("Optional[Literal[mixed]]", _f_optional_literal_mixed, obj_schema(
+        {"x": {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "integer", "enum": [1]},
+                         {"type": "null"}]}}, ["x"])),
+    ("Optional[Literal[mixed]]=None", _f_optional_literal_mixed_default, obj_schema(
+        {"x": {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "integer", "enum": [1]}],
+               "default": None}})),
     ("Optional[Literal]", _f_optional_literal, obj_schema(
         {"x": {"type": "string", "enum": ["r", "w"], "default": None}})),
     ("List[Optional[int]]", _f_list_optional, obj_schema(
-        {"x": {"type": "array", "items": {"type": ["integer", "null"]}}}, ["x"])),
+        {"x": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}},
+        ["x"])),
     ("no hint", _f_no_hint, obj_schema({"x": {}}, ["x"])),
     ("Any", _f_any, obj_schema({"x": {}}, ["x"])),
     ("defaults", _f_defaults, obj_schema({
@@ -5830,7 +5868,7 @@ _SCHEMA_CASES = [
         "x": {"type": "integer", "default": None},
         "y": {"type": "string", "enum": ["a"], "default": None}})),
     ("unencodable default", _f_unencodable_default, obj_schema(
-        {"x": {"type": ["object", "null"]}})),
+        {"x": {"anyOf": [{"type": "object"}, {"type": "null"}]}})),
     ("keyword-only", _f_keyword_only, obj_schema(
         {"a": {"type": "string"}, "b": {"type": "integer"},
          "c": {"type": "number", "default": 1.5}}, ["a", "b"])),
@@ -5851,7 +5889,7 @@ def test_tools_schema_from_type_hints(fn, expected):
 @pytest.mark.skipif(sys.version_info < (3, 10), reason="X | None needs Python 3.10")
 def test_tools_schema_pep604_optional():
     def f(x: "int | None", y: "list[str] | None" = None): pass
-    assert params_of(f) == obj_schema({"x": {"type": ["integer", "null"]},
+    assert params_of(f) == obj_schema({"x": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
                                        "y": {"type": "array", "items": {"type": "string"},
                                              "default": None}}, ["x"])
 
@@ -6094,6 +6132,56 @@ def test_tools_unannotated_parameter_accepts_any_json(sample_tools, value):
     result = sample_tools.run(tool_call("anything", {"x": value}))
     expected = value if isinstance(value, str) else ("" if value is None else json.dumps(value))
     assert result == lich.ToolResult(ok=True, output=expected)
+
+
+def _u_optional_int(x: Optional[int]): return repr(x)
+def _u_optional_float(x: Optional[float]): return repr(x)
+def _u_literal_mixed(x: Literal["a", 1]): return repr(x)
+def _u_literal_mixed_none(x: Literal["a", 1, None]): return repr(x)  # noqa: PYI061
+def _u_optional_literal(x: Optional[Literal["r", "w"]]): return repr(x)
+def _u_list_optional(x: List[Optional[int]]): return repr(x)  # noqa: UP006
+def _u_optional_dict(x: Optional[Dict[str, int]]): return repr(x)  # noqa: UP006
+def _u_optional_literal_default(x: Optional[Literal["a", 1]] = None): return repr(x)
+
+
+_ANY_OF_CALLS = [  # what anyOf admits is what the list of types before it admitted, as it was
+    ("Optional[int] null", _u_optional_int, None, "None"),
+    ("Optional[int] 2.0 is 2", _u_optional_int, 2.0, "2"),
+    ("Optional[int] string", _u_optional_int, "5", "argument 'x' must be an integer or null, not a string"),
+    ("Optional[int] boolean", _u_optional_int, True, "argument 'x' must be an integer or null, not a boolean"),
+    ("Optional[float] 2 is 2.0", _u_optional_float, 2, "2.0"),
+    ("Literal[mixed] string", _u_literal_mixed, "a", "'a'"),
+    ("Literal[mixed] 1.0 is 1", _u_literal_mixed, 1.0, "1"),
+    ("Literal[mixed] true is not 1", _u_literal_mixed, True, "argument 'x' must be one of \"a\", 1, not true"),
+    ("Literal[mixed] null", _u_literal_mixed, None, "argument 'x' must be one of \"a\", 1, not null"),
+    ("Literal[mixed, None] null", _u_literal_mixed_none, None, "None"),
+    ("Literal[mixed, None] other", _u_literal_mixed_none, "b",
+     "argument 'x' must be one of \"a\", 1 or null, not \"b\""),
+    ("Optional[Literal] null", _u_optional_literal, None, "None"),
+    ("Optional[Literal] other", _u_optional_literal, "x", "argument 'x' must be one of \"r\", \"w\" or null, not \"x\""),
+    ("List[Optional[int]]", _u_list_optional, [1, None, 2.0], "[1, None, 2]"),
+    ("List[Optional[int]] item", _u_list_optional, [1, "x"],
+     "argument 'x[1]' must be an integer or null, not a string"),
+    ("Optional[Dict[str, int]] null", _u_optional_dict, None, "None"),
+    ("Optional[Dict[str, int]] value", _u_optional_dict, {"k": "v"},
+     "argument 'x[\"k\"]' must be an integer, not a string"),
+    ("Optional[Dict[str, int]] array", _u_optional_dict, [],
+     "argument 'x' must be an object or null, not an array"),
+    ("Optional[Literal[mixed]]=None null", _u_optional_literal_default, None, "None"),
+    ("Optional[Literal[mixed]]=None 1", _u_optional_literal_default, 1, "1"),
+    ("Optional[Literal[mixed]]=None other", _u_optional_literal_default, "b",
+     "argument 'x' must be one of \"a\", 1, not \"b\""),
+]
+
+
+@pytest.mark.parametrize("fn,value,expected", [c[1:] for c in _ANY_OF_CALLS],
+                         ids=[c[0] for c in _ANY_OF_CALLS])
+def test_tools_check_arguments_against_any_of(fn, value, expected):
+    tools = lich.Tools()
+    tools.register(fn, name="f")
+    result = tools.run(tool_call("f", {"x": value}))
+    assert result == (lich.ToolResult(ok=False, error="invalid arguments for f: " + expected)
+                      if expected.startswith("argument") else lich.ToolResult(ok=True, output=expected))
 
 
 _CODING_SPECS = {
