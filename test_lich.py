@@ -1932,6 +1932,40 @@ def test_concurrent_sessions_with_different_labels_get_different_counters(tmp_pa
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)
 
 
+def test_concurrent_sessions_of_processes_with_different_labels_get_different_counters(tmp_path):
+    go, start = os.pipe()
+    children = []
+    for n in range(4):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(start)
+                os.read(go, 1)  # returns when the parent closes its end: all start at once
+                for _ in range(30):
+                    lich.open_session(tmp_path, label=f"p{n}").close()
+                os._exit(0)
+            finally:
+                os._exit(4)
+        children.append(pid)
+    os.close(go)
+    os.close(start)
+    assert [exit_code_of_child(pid, 30) for pid in children] == [0] * 4
+    stems = [NAME.fullmatch(name).group(1, 2) for name in os.listdir(tmp_path)]
+    assert len(stems) == 120 and len(set(stems)) == 120
+
+
+def test_a_new_session_sorts_after_the_others_of_its_second_even_past_a_free_counter(tmp_path):
+    now = time.time()
+    for t in range(int(now), int(now) + 10):  # each second lich may read, even on a stalled machine
+        (tmp_path / f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(t))}-5-other.jsonl").touch()
+    for label in ("mine", None):  # 6, then 7 (or 6 again if a new second began meanwhile)
+        with lich.open_session(tmp_path, label=label) as handle:
+            stamp, counter = NAME.fullmatch(os.path.basename(handle.path)).group(1, 2)
+            others = [int(found.group(2)) for found in map(NAME.fullmatch, os.listdir(tmp_path))
+                      if found.group(1) == stamp and found.group(0) != os.path.basename(handle.path)]
+            assert int(counter) == max(others) + 1
+
+
 @pytest.mark.parametrize("label, suffix", [
     ("fix bug #12", "-fix-bug-12"), ("../../etc", "-etc"), ("a..b", "-a.b"), ("ok_1.2-x", "-ok_1.2-x"),
     ("///", ""), ("", ""), ("é" * 3 + "x", "-x"), ("y" * 100, "-" + "y" * 64),
