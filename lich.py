@@ -6415,25 +6415,24 @@ class _HTTPServer:
                     self._exchanges.add(exchange)
                     self._streams.add(exchange)
                 began = time.monotonic()
+                heard = 0
                 try:
                     heard = self._read_stream(exchange)
                     if heard is None:
                         return
-                    # one that ended at once, unheard, is no stream; a quiet one that lasted is
-                    served = heard or time.monotonic() - began >= _MCP_QUIET_STREAM_SECONDS
-                    failed = 0 if served else failed + 1
                 except Exception as e:  # nothing may escape a thread of lich's: it would print
                     if exchange.cut is not None:  # closed
                         return
                     _log.debug("the GET stream of the MCP server %s broke: %s", self.name,
                                _redact_secrets(str(e)))
-                    # a proxy that cuts an idle stream breaks it: one that lasted served
-                    served = time.monotonic() - began >= _MCP_QUIET_STREAM_SECONDS
-                    failed = 0 if served else failed + 1
                 finally:
                     with self._lock:
                         self._exchanges.discard(exchange)
                         self._streams.discard(exchange)
+                # one that ended at once, unheard, is no stream; one that lasted served, quiet
+                # or broken (a proxy cuts an idle stream)
+                served = heard or time.monotonic() - began >= _MCP_QUIET_STREAM_SECONDS
+                failed = 0 if served else failed + 1
             if self._closing.wait(2.0 ** failed):  # 1 s after a stream that served, then 2, 4, 8
                 return
 
