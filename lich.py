@@ -6785,12 +6785,7 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
                     fail(span, "tool_error", result.error)
                 span.end()
         elif kind == "error":
-            error = event["error"]
-            if state["chat"] is not None:
-                fail(state["chat"], error)
-                state["chat"].end()
-                state["chat"] = None
-            end_run(state, error)  # the loop emits nothing after an error
+            end_run(state, event["error"])  # the loop emits nothing after an error
         elif kind == "budget_exhausted":
             state["agent"].set_attribute("lich.stopped_reason", "budget")
         elif kind == "turn_end":
