@@ -1714,13 +1714,9 @@ def _unreachable_reason(error) -> str:
 
 def _count(value):
     """A token count from a usage field: an int, or 0 when absent or not a number."""
-    if isinstance(value, bool):
-        return 0
-    if isinstance(value, int):
-        return value
     if isinstance(value, float) and math.isfinite(value):
         return int(value)
-    return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _normalise_stop(reason):
