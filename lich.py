@@ -3575,11 +3575,9 @@ class _LimitedChat:
             self.limiter._release(error)
 
 
-_SPEC_OPTIONS = frozenset({"api_key", "base_url", "timeout", "stream", "on_delta", "max_tokens",
-                           "retries", "base_delay", "max_delay", "extra_body", "on_retry",
-                           "on_failover", "limiter"})
 _CHAT_OPTIONS = ("api_key", "base_url", "timeout", "stream", "on_delta", "extra_body")
 _ROUTER_OPTIONS = ("retries", "base_delay", "max_delay", "on_retry", "on_failover")
+_SPEC_OPTIONS = frozenset({*_CHAT_OPTIONS, *_ROUTER_OPTIONS, "max_tokens", "limiter"})
 
 
 def chat_from_spec(spec, **options):
