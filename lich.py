@@ -935,10 +935,9 @@ def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature
                signal, emitter, response_format):
     """``call_chat`` with the history's call ids already known; ``used_ids`` grows by the answer's."""
     _emit(emitter, {"type": "llm_start", "turn": turn})
-    extra = _chat_extras(response_format)
     try:
         result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
-                      signal=signal, **extra)
+                      signal=signal, **_chat_extras(response_format))
         _check_chat_result(result)
     except BaseException as exc:  # Ctrl-C in a notebook too: a tracer's spans end
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
