@@ -2698,7 +2698,8 @@ class _OpenAIStream:
         self.done = False
         self.model = self.stop = None
         self.usage = _zero_usage()
-        self.slots = {}  # index (or id for index-less calls) -> [id, name, [argument fragments]]
+        # index (or id for index-less calls) -> [id, name, [argument fragments], extra_content]
+        self.slots = {}
         self.moved = {}  # index -> the key of its newest slot, when a new call reused the index
         self.thoughts = []  # reasoning_content pieces
 
@@ -7311,8 +7312,9 @@ def _default_model(environ) -> str:
     raise _UsageError(_NO_MODEL_HELP)
 
 
-def _read_piped() -> str:
-    """Piped stdin as text; bytes that are not UTF-8 are replaced, as in the shell tool's output."""
+def _read_piped():
+    """Piped stdin as text (None when stdin is closed); bytes that are not UTF-8 are replaced,
+    as in the shell tool's output."""
     if sys.stdin is None:  # closed: nothing was piped
         return None
     raw = getattr(sys.stdin, "buffer", None)
@@ -7471,6 +7473,7 @@ class _Terminal:
         self.stdout_tty = _isatty(sys.stdout)
         self.fancy = _isatty(sys.stderr) and environ.get("TERM") != "dumb"
         self.color = self.fancy and not environ.get("NO_COLOR")
+        self._columns = environ.get("COLUMNS", "")  # a width given, over the terminal's
         self._open_line = False   # a tool line written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
         self._question_open = False  # a question asked, not ended by the Enter of its answer
@@ -7636,7 +7639,7 @@ class _Terminal:
         can be."""
         if self.fancy:  # the width of stderr's terminal, where these lines go (stdout may be a pipe)
             try:
-                width = max(0, int(os.environ.get("COLUMNS", "")))
+                width = max(0, int(self._columns))
             except ValueError:
                 width = 0
             if not width:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -26,6 +27,12 @@ FIXTURES = HERE.parent / "shared" / "fixtures" / "providers"
 needs_fixtures = pytest.mark.skipif(
     not FIXTURES.is_dir(), reason="../shared/fixtures/providers is absent")
 
+# A suite started in the background by a shell that is not interactive (`pytest &` in a
+# script) inherits SIGINT ignored, and so would every lich it starts, which leaves an
+# ignored SIGINT alone as programs do: the Ctrl-C tests need it as a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # ============================================================================
 # Fixtures and helpers
@@ -34,7 +41,7 @@ needs_fixtures = pytest.mark.skipif(
 
 _ENV_TO_CLEAR = (
     "OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL",
-    "LICH_MODEL", "LICH_SESSION_DIR", "XDG_STATE_HOME", "NO_COLOR",
+    "LICH_MODEL", "LICH_SESSION_DIR", "XDG_STATE_HOME", "NO_COLOR", "COLUMNS",
     "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy",
 )
 
