@@ -5153,10 +5153,12 @@ def _run_reader(argv, on_line, signal, *, cwd=None, stdin=None, seconds=_SEARCH_
             selector.register(proc.stderr, selectors.EVENT_READ)
             open_pipes = 2
             while open_pipes:
+                if signal.is_set():
+                    ended = "aborted"
+                    break
                 now = time.monotonic()
-                cut = _cut_reason(deadline, signal)
-                if cut is not None:
-                    ended = cut
+                if now >= deadline:
+                    ended = "timeout"
                     break
                 for key, _ in selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
                     chunk = os.read(key.fd, _FILE_READ_BYTES)
