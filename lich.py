@@ -5013,8 +5013,8 @@ class _SearchWorkers:
                     selector.register(worker.stdout, selectors.EVENT_READ, worker)
                 while busy and died is None:
                     now = time.monotonic()
-                    ended = _cut_reason(deadline, signal)
-                    if ended is not None:
+                    if signal.is_set() or now >= deadline:
+                        ended = "aborted" if signal.is_set() else "timeout"
                         break
                     for key, _ in selector.select(min(_PROCESS_POLL_SECONDS, deadline - now)):
                         worker = key.data
