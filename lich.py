@@ -5726,8 +5726,11 @@ def _run_shell(command, cwd, timeout, signal):
             selector.register(fd, selectors.EVENT_READ)
             while True:  # read until EOF: every process holding the pipe is gone
                 now = time.monotonic()
-                stopped = _cut_reason(deadline, signal)
-                if stopped is not None:
+                if signal.is_set():
+                    stopped = "aborted"
+                    break
+                if now >= deadline:
+                    stopped = "timeout"
                     break
                 if drain_until is None and proc.poll() is not None:
                     drain_until = now + _SHELL_DRAIN_SECONDS  # a background child holds the pipe
