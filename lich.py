@@ -1272,7 +1272,6 @@ def _session_stems(session_dir: str, stamp: str) -> list:
 
 
 _session_names_lock = _ForkSafeLock()  # threads of one process never take one counter at once
-_last_session_name = [None, None, 0]  # (folder, stamp, counter) this process named last
 
 
 def open_session(session_dir, label=None) -> SessionHandle:
@@ -1289,17 +1288,10 @@ def open_session(session_dir, label=None) -> SessionHandle:
 
 
 def _new_session(session_dir, label):
-    """The session file of the next counter of this second (open_session's work).
-
-    The folder is listed after the file is made, once unless another session of this
-    second gets in the way: the counter is guessed first (1, or one past this process's
-    last session of this second); when the listing shows another session of this second
-    with that counter or a higher one, the file is given up for one past the highest.
-    """
+    """The session file of the first free counter of this second (open_session's work)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     suffix = (f"-{label}" if label else "") + _SESSION_SUFFIX
-    last_dir, last_stamp, last_counter = _last_session_name
-    counter = last_counter + 1 if (last_dir, last_stamp) == (session_dir, stamp) else 1
+    counter = max(_session_stems(session_dir, stamp), default=0) + 1
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
     for _ in range(_SESSION_NAME_ATTEMPTS):
         path = os.path.join(session_dir, f"{stamp}-{counter}{suffix}")
@@ -1309,15 +1301,12 @@ def _new_session(session_dir, label):
             counter += 1
             continue
         # Another process may have taken this counter under another label meanwhile:
-        # whoever sees a second claim steps aside, so two never both keep one. A higher
-        # counter means the guess was low: a newer session is not to sort before an older.
-        counters = _session_stems(session_dir, stamp)
-        if counters.count(counter) == 1 and max(counters) == counter:
-            _last_session_name[:] = session_dir, stamp, counter
+        # whoever sees a second claim steps aside, so two never both keep one.
+        if _session_stems(session_dir, stamp).count(counter) == 1:
             return SessionHandle(path, fd)
         os.close(fd)
         os.unlink(path)
-        counter = max(counters, default=counter) + 1
+        counter += 1
     raise FileExistsError(f"no free session name for {stamp} after {_SESSION_NAME_ATTEMPTS} tries")
 
 

@@ -433,23 +433,6 @@ def bench_sessions(args):
         size = deep_size(result)
         assert len(result) == records, (len(result), records)
         file_mb = os.path.getsize(big) / 1e6
-
-        # a new session in a folder that holds years of them: its cost against one listing
-        crowded, sessions = os.path.join(tmp, "crowded"), 10_000 if args.quick else 50_000
-        os.mkdir(crowded)
-        for i in range(sessions):
-            name = f"2025{i % 12 + 1:02d}01T{i % 24:02d}0000Z-{i}-task{i}.jsonl"
-            open(os.path.join(crowded, name), "w").close()
-
-        def new_sessions():
-            for _ in range(20):
-                with lich.open_session(crowded, label="new") as handle:
-                    pass
-                os.unlink(handle.path)
-
-        opens = alternate({"listdir": lambda: [os.listdir(crowded) for _ in range(20)],
-                           "lich": new_sessions}, 3 if args.quick else 5)
-        listing, opening = median(opens["listdir"]) / 20, median(opens["lich"]) / 20
     append_ratio, read_ratio, memory = raw_t / lich_t, raw_r / lich_r, peak / size
     return {
         "append": {"records": n, "raw_per_s": n / raw_t, "lich_per_s": n / lich_t,
@@ -457,8 +440,6 @@ def bench_sessions(args):
         "read": {"file_mb": file_mb, "records": records, "raw_s": raw_r, "lich_s": lich_r,
                  "ratio": read_ratio, "peak_mb": peak / 1e6, "result_mb": size / 1e6,
                  "peak_vs_result": memory},
-        "open": {"sessions": sessions, "listdir_ms": listing * 1e3, "open_session_ms": opening * 1e3,
-                 "ratio": opening / listing},
         "table": [
             ("4 session appends",
              f"{append_ratio:.2f}x raw ({n / lich_t / 1e3:.0f}k vs {n / raw_t / 1e3:.0f}k records/s)",
@@ -469,9 +450,6 @@ def bench_sessions(args):
             ("4 session read memory",
              f"{memory:.2f}x the result ({peak / 1e6:.0f} vs {size / 1e6:.0f} MB)",
              "<= 2x", memory <= 2.0),
-            (f"4 open_session among {sessions:,} sessions",
-             f"{opening / listing:.2f}x one listing ({opening * 1e3:.1f} vs {listing * 1e3:.1f} ms)",
-             "<= 1.5x", opening / listing <= 1.5),
         ],
     }
 
