@@ -519,23 +519,24 @@ def _is_json_type(value, kind) -> bool:
 
 
 def _any_of_check(value, branches, where, problems):
-    """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it,
-    else the problems of the first that took its type, else one problem naming them all."""
-    refusals = []
+    """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
+    else the problems of the first that took its type; else one problem naming them all."""
+    refusals, within = [], None
     for branch in branches:
         found = []
         checked = _schema_check(value, branch, where, found)
         if not found:
             return checked
-        if any(at != where for at, _, _ in found):  # its type fitted, something within did not
-            problems.extend(found)
-            return value
+        if within is None and any(at != where for at, _, _ in found):
+            within = found  # its type fitted, something within did not: a later branch may fit
         refusals.append(found[0])
-    if all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
+    if within is not None:
+        problems.extend(within)
+    elif all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
         allowed = [a for b in branches for a in b.get("enum", [None])]
         named = ", ".join(json.dumps(a) for a in allowed if a is not None)
-        problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
-                         _echo(value)))
+        expected = "null" if not named else "one of " + named + (" or null" if None in allowed else "")
+        problems.append((where, expected, _echo(value)))
     else:
         expected = dict.fromkeys(e for _, e, _ in refusals)  # each once, in order
         problems.append((where, " or ".join(expected), refusals[0][2]))
@@ -3847,14 +3848,18 @@ def _function_tool(fn, name, description):
             # Offered with its type alone, without a null alternative: leaving it out means
             # the default, and a null for it is taken as that too.
             schema = _without_null(schema)
-        schema = dict(schema)
+        notes = {}
         if param.name in arg_docs:
-            schema["description"] = arg_docs[param.name]
+            notes["description"] = arg_docs[param.name]
         if param.default is param.empty:
             required.append(param.name)
         elif _json_ready(param.default):
-            schema["default"] = param.default
-        properties[param.name] = schema
+            notes["default"] = param.default
+        if "anyOf" in schema:  # Gemini takes anyOf only as the one key of its schema
+            first, *rest = schema["anyOf"]
+            properties[param.name] = {"anyOf": [{**first, **notes}, *rest]}
+        else:
+            properties[param.name] = {**schema, **notes}
     parameters = {"type": "object", "properties": properties}
     if required:
         parameters["required"] = required
@@ -3897,7 +3902,8 @@ def _arguments_object(name, raw) -> dict:
 
 
 def _defaults_to_none(schema) -> bool:
-    return "default" in schema and schema["default"] is None
+    notes = schema["anyOf"][0] if "anyOf" in schema else schema  # where _function_tool put them
+    return "default" in notes and notes["default"] is None
 
 
 def _call_arguments(spec, raw):
@@ -9005,8 +9011,8 @@ def _check_modes(args):
     if args.resume is not None and args.continue_:
         raise _UsageError("--resume and -c both choose the session to go on with: give one")
     if args.label is not None and (args.no_session or args.list_sessions):
-        raise _UsageError("--label names the session a run records: it goes with no "
-                          "--no-session or --list-sessions")
+        raise _UsageError("--label names the session a run records: --no-session and "
+                          "--list-sessions record none")
     if args.interactive and not _isatty(sys.stdin):
         raise _UsageError("-i is a chat, which reads a terminal: stdin is not one (leave -i out "
                           "to answer once)")

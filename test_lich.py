@@ -1789,6 +1789,26 @@ def test_a_structured_answer_is_checked_against_any_of():
                                  max_turns=1, output_schema=schema).output == {"n": 2, "tag": ["x"]}
 
 
+def test_any_branch_of_an_any_of_that_fits_takes_the_answer_whichever_came_first():
+    # a union of objects (or of arrays) fits its second branch however the first one fails
+    schema = {"type": "object", "required": ["result", "ids"], "properties": {
+        "result": {"anyOf": [{"type": "object", "required": ["ok"], "properties": {"ok": {"type": "integer"}}},
+                             {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}]},
+        "ids": {"anyOf": [{"type": "array", "items": {"type": "integer"}},
+                          {"type": "array", "items": {"type": "string"}}]},
+        "none": {"anyOf": [{"type": "null"}]}}}
+    answer = '{"result": {"error": "no such file"}, "ids": ["a", "b"]}'
+    assert lich.run_conversation(ScriptedChat(assistant(answer)), None, [user("x")], max_turns=1,
+                                 output_schema=schema).output == {"result": {"error": "no such file"}, "ids": ["a", "b"]}
+    emitter, events = recorder_emitter()
+    chat = ScriptedChat(assistant('{"result": {"ok": "yes"}, "ids": [1, "b"], "none": 0}'), assistant(answer))
+    lich.run_conversation(chat, None, [user("x")], max_turns=2, output_schema=schema, emitter=emitter)
+    # no branch fits: what failed within the first branch whose type fitted, and null by name
+    assert [e["error"] for e in events if e["type"] == "output_invalid"] == [
+        ('it does not match the schema: answer["result"]["ok"] must be an integer, not a string; '
+         'answer["ids"][1] must be an integer, not a string; answer["none"] must be null, not 0')]
+
+
 def test_a_structured_answer_with_nan_or_infinity_is_not_json():
     chat = ScriptedChat(assistant('{"city": "Lima", "temp": NaN}'), assistant('{"city": "Lima", "temp": -Infinity}'),
                         assistant('{"city": "Lima", "temp": 1e400}'), assistant('{"city": "Lima", "temp": 19}'))
@@ -5893,8 +5913,7 @@ _SCHEMA_CASES = [
         {"x": {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "integer", "enum": [1]},
                          {"type": "null"}]}}, ["x"])),
     ("Optional[Literal[mixed]]=None", _f_optional_literal_mixed_default, obj_schema(
-        {"x": {"anyOf": [{"type": "string", "enum": ["a"]}, {"type": "integer", "enum": [1]}],
-               "default": None}})),
+        {"x": {"anyOf": [{"type": "string", "enum": ["a"], "default": None}, {"type": "integer", "enum": [1]}]}})),
     ("Optional[Literal]", _f_optional_literal, obj_schema(
         {"x": {"type": "string", "enum": ["r", "w"], "default": None}})),
     ("List[Optional[int]]", _f_list_optional, obj_schema(
@@ -5974,6 +5993,15 @@ def _doc_args_only(a: int, b: int):
     """
 
 
+def _doc_optional(limit: Optional[int] = 20, mode: Literal["fast", 1] = "fast"):
+    """Find things.
+
+    Args:
+        limit: How many; null for all.
+        mode: How to look.
+    """
+
+
 _DOC_CASES = [
     ("no docstring", _doc_none, {}, "", obj_schema({"path": {"type": "string"}}, ["path"])),
     ("one line", _doc_one_line, {}, "Read a file.",
@@ -5994,6 +6022,12 @@ _DOC_CASES = [
         "offset": {"type": "integer", "description": "First line.", "default": 1},
         "limit": {"type": "integer", "description": "How many lines.", "default": 10},
         "verbose": {"type": "boolean", "default": False}}, ["path"])),
+    # Gemini takes anyOf only as the one key of its schema: the notes go in the first branch
+    ("notes of an anyOf", _doc_optional, {}, "Find things.", obj_schema({
+        "limit": {"anyOf": [{"type": "integer", "description": "How many; null for all.", "default": 20},
+                            {"type": "null"}]},
+        "mode": {"anyOf": [{"type": "string", "enum": ["fast"], "description": "How to look.", "default": "fast"},
+                           {"type": "integer", "enum": [1]}]}})),
 ]
 
 
@@ -9550,9 +9584,9 @@ def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, lich_model
     (["--batch", "{tasks}", "--label", "x"], ("--batch writes JSON lines and names each task's session by its id: it "
                                              "takes no --json or --label")),
     (["--no-session", "--label", "x", "go"],
-     "--label names the session a run records: it goes with no --no-session or --list-sessions"),
+     "--label names the session a run records: --no-session and --list-sessions record none"),
     (["--list-sessions", "--label", "x"],
-     "--label names the session a run records: it goes with no --no-session or --list-sessions"),
+     "--label names the session a run records: --no-session and --list-sessions record none"),
     (["  "], "no prompt: pass PROMPT or pipe text on stdin"),
 ], ids=["batch-and-prompt", "batch-and-chat", "batch-and-continue", "resume-and-continue", "out-without-batch",
         "redo-without-batch", "workers-without-batch", "list-and-prompt", "list-and-batch", "chat-without-a-terminal",
