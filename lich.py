@@ -1147,7 +1147,9 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
                                 emitter=emitter)
             break
         else:
-            cut = calls[-1] if result.stop_reason == "length" else None  # its arguments end short
+            # its arguments end short; past the 128th it is skipped as those are
+            cut = calls[-1] if (result.stop_reason == "length"
+                                and len(calls) <= _MAX_TOOL_CALLS_PER_ANSWER) else None
             run_tool_calls(tools, calls[:-1] if cut else calls, history, turn=turn, signal=signal,
                            emitter=emitter)
             if cut:

@@ -1676,10 +1676,13 @@ def test_event_ordering_holds_for_random_runs():
                     "cancelled"}
 
 
-def test_an_answer_asking_for_too_many_calls_runs_only_the_first_128():
+@pytest.mark.parametrize("stop_reason", [None, "length"], ids=["whole", "cut-at-its-output-limit"])
+def test_an_answer_asking_for_too_many_calls_runs_only_the_first_128(stop_reason):
+    # cut, its last call is past the 128th: skipped as those are, the answer's calls counted whole
     calls = [(f"c{i}", "echo", "{}") for i in range(130)]
     tools = EchoTools()
-    outcome, events, _ = run_loop(assistant("", *calls), assistant("done"), tools=tools)
+    outcome, events, _ = run_loop(lich.ChatResult(assistant("", *calls), stop_reason=stop_reason), assistant("done"),
+                                  tools=tools)
     ran = [m for m in outcome.messages if m["role"] == "tool"]
     assert len(tools.calls) == 128 and len(ran) == 130
     skipped = lich.format_tool_result_content(lich.ToolResult(ok=False, error=(
