@@ -1812,6 +1812,25 @@ def test_any_branch_of_an_any_of_that_fits_takes_the_answer_whichever_came_first
          'answer["ids"][1] must be an integer, not a string; answer["none"] must be null, not 0')]
 
 
+def test_a_structured_answer_is_told_each_problem_once_and_quoted_whole_up_to_80_characters():
+    schema = {"type": "object", "properties": {
+        "n": {"type": ["integer", "number"]},  # an integer stays one
+        "tag": {"type": "string", "anyOf": [{"enum": ["a"]}, {"enum": ["b"]}]},  # anyOf beside type
+        "word": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 1}]},
+        "note": {"enum": ["y"]}}}
+    quoted = "x" * 78  # 80 characters as JSON, with its quotes
+    chat = ScriptedChat(assistant(json.dumps({"n": 3, "tag": 5, "word": 7, "note": quoted})),
+                        assistant('{"n": 3, "tag": "b", "word": "abc", "note": "y"}'))
+    emitter, events = recorder_emitter()
+    outcome = lich.run_conversation(chat, None, [user("x")], max_turns=2, output_schema=schema,
+                                    emitter=emitter)
+    assert [e["error"] for e in events if e["type"] == "output_invalid"] == [
+        ('it does not match the schema: answer["tag"] must be one of "a", "b", not 5; '
+         'answer["word"] must be a string, not an integer; '
+         f'answer["note"] must be one of "y", not "{quoted}"')]
+    assert json.dumps(outcome.output) == '{"n": 3, "tag": "b", "word": "abc", "note": "y"}'
+
+
 def test_a_structured_answer_with_nan_or_infinity_is_not_json():
     chat = ScriptedChat(assistant('{"city": "Lima", "temp": NaN}'), assistant('{"city": "Lima", "temp": -Infinity}'),
                         assistant('{"city": "Lima", "temp": 1e400}'), assistant('{"city": "Lima", "temp": 19}'))
@@ -1999,7 +2018,9 @@ def test_a_new_session_sorts_after_the_others_of_its_second_even_past_a_free_cou
 @pytest.mark.parametrize("label, suffix", [
     ("fix bug #12", "-fix-bug-12"), ("../../etc", "-etc"), ("a..b", "-a.b"), ("ok_1.2-x", "-ok_1.2-x"),
     ("///", ""), ("", ""), ("é" * 3 + "x", "-x"), ("y" * 100, "-" + "y" * 64),
-], ids=["spaces", "traversal", "dots", "clean", "only-bad", "empty", "non-ascii", "long"])
+    ("y" * 63 + "..z", "-" + "y" * 63), ("y" * 63 + " z", "-" + "y" * 63),
+], ids=["spaces", "traversal", "dots", "clean", "only-bad", "empty", "non-ascii", "long", "long-cut-at-a-dot",
+        "long-cut-at-a-dash"])
 def test_session_labels_are_cleaned(tmp_path, label, suffix):
     with lich.open_session(tmp_path, label=label) as handle:
         assert NAME.fullmatch(os.path.basename(handle.path)).group(3) == (suffix or None)
@@ -8500,6 +8521,48 @@ def test_mcp_over_http_refuses_a_servers_requests_and_names_a_body_that_is_not_j
         "code": -32601, "message": "lich does not offer sampling/createMessage"}} in [r["json"] for r in server.requests]
 
 
+def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server):
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            return Reply(405, "")
+        if "id" not in body:  # a notification
+            return Reply(202, "")
+        if body["method"] == "initialize":
+            result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
+        elif body["method"] == "tools/list":  # a server whose every page says there is another
+            page = int(body["params"].get("cursor") or 0)
+            result = {"tools": [{"name": f"t{page}"}] if page else [
+                {"name": "shapes"}, {"name": 5}, {"description": "no name"}, "text"], "nextCursor": str(page + 1)}
+        else:
+            result = {"shapes": {"content": [{"type": "image", "mimeType": "image/png", "data": "AAAAAA=="},
+                                             {"type": "resource", "resource": {"uri": "file:///a.txt", "text": "a"}}]},
+                      "structured": {"content": [], "structuredContent": {"n": 1}},
+                      "failed": {"content": [], "isError": True},
+                      "odd": "a result that is no object"}[body["params"]["name"]]
+        return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
+
+    server.responder = respond
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url, prefix="p_") as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["p_shapes"] + [f"p_t{i}" for i in range(1, 100)]
+        assert [tools.run(tool_call(name)) for name in ("p_shapes", "p_structured", "p_failed", "p_odd", "q_shapes")] == [
+            lich.ToolResult(ok=True, output="[image: image/png, 4 bytes]\n[resource: file:///a.txt]"),
+            lich.ToolResult(ok=True, output='{"n": 1}'),
+            lich.ToolResult(ok=False, error="the tool reported an error"),
+            lich.ToolResult(ok=True, output=""),
+            lich.ToolResult(ok=False, error=f"unknown tool 'q_shapes' for the MCP server {url}")]
+    sent = [r["json"]["method"] for r in server.requests if r["method"] == "POST" and "id" in r["json"]]
+    assert sent == ["initialize"] + ["tools/list"] * 100 + ["tools/call"] * 4
+
+
+def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
+    server.responder = lambda request: Reply(404, "no such page")
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(server.url + "/nothing")
+    assert str(info.value) == f"the MCP server {server.url}/nothing answered HTTP 404: no such page"
+
+
 def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
     mcp_over_http(server, html_handshake=True)
     with pytest.raises(lich.MCPError) as info:
@@ -8739,6 +8802,37 @@ def test_content_is_captured_only_when_asked(spans):
     assert not any("gen_ai.output.messages" in s[3] or "gen_ai.tool.call.result" in s[3] for s in finished()[before:])
 
 
+def test_spans_capture_a_call_without_text_a_model_or_a_stop_reason_and_a_failed_tool_as_they_are(spans):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()
+    lich.trace_otel(emitter, tracer=tracer, capture_content=True)  # no model named: "chat"
+    unsure = lich.ChatResult(assistant("", ("c1", "fail", "{not json")), usage={"input_tokens": 3, "output_tokens": 1})
+    lich.run_conversation(ScriptedChat(unsure, assistant("done")), EchoTools(), [user("go")], max_turns=3,
+                          emitter=emitter)
+    assert finished()[:2] == [
+        ("chat", "CLIENT", "invoke_agent", {
+            "gen_ai.operation.name": "chat", "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 1,
+            "gen_ai.output.messages": json.dumps([{"role": "assistant", "parts": [
+                {"type": "tool_call", "id": "c1", "name": "fail", "arguments": "{not json"}],
+                "finish_reason": "stop"}])}, "UNSET", None),
+        ("execute_tool fail", "INTERNAL", "invoke_agent", {
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "fail", "gen_ai.tool.call.id": "c1",
+            "gen_ai.tool.call.arguments": "{not json", "error.type": "tool_error",
+            "gen_ai.tool.call.result": '{"ok": false, "output": "partial", "error": "it failed"}'}, "ERROR", "it failed")]
+    assert [s[0] for s in finished()[2:]] == ["chat", "invoke_agent"]
+
+
+def test_runs_one_after_another_in_a_thread_end_each_span_once(spans, caplog):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()  # a notebook's: run after run in its one thread
+    lich.trace_otel(emitter, tracer=tracer, model="m-1")
+    for word in ("one", "two"):
+        lich.run_conversation(ScriptedChat(assistant(word)), None, [user("go")], max_turns=1, emitter=emitter)
+    assert [(s[0], s[2], s[4]) for s in finished()] == [
+        ("chat m-1", "invoke_agent", "UNSET"), ("invoke_agent", None, "UNSET")] * 2
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == []  # no span ended twice
+
+
 def test_a_chat_that_raises_ends_its_span_and_the_run_with_the_error(spans):
     tracer, finished = spans
     with pytest.raises(lich.ProviderError):
@@ -8746,6 +8840,16 @@ def test_a_chat_that_raises_ends_its_span_and_the_run_with_the_error(spans):
     assert [(s[0], s[2], s[3].get("error.type"), s[4], s[5]) for s in finished()] == [
         ("chat m-1", "invoke_agent", "rate_limit", "ERROR", "too many"),
         ("invoke_agent", None, "rate_limit", "ERROR", "too many")]
+
+
+def test_an_error_on_a_span_says_no_key(spans):
+    tracer, finished = spans
+    keep_in_use(api_key=SECRET)
+    with pytest.raises(RuntimeError):
+        traced_run(tracer, RuntimeError(f"the gateway refused {SECRET}"))
+    assert [(s[0], s[3]["error.type"], s[4], s[5]) for s in finished()] == [
+        ("chat m-1", "RuntimeError", "ERROR", "the gateway refused [redacted]"),
+        ("invoke_agent", "RuntimeError", "ERROR", "the gateway refused [redacted]")]
 
 
 def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans):
@@ -8862,6 +8966,22 @@ def test_run_batch_traces_each_task_under_the_callers_span(spans, batch_server, 
                                      + [["chat m", "invoke_agent"]] * 6 + [["execute_tool read_file", "invoke_agent"]] * 4)
 
 
+def test_run_batch_names_the_model_and_provider_behind_a_spec_or_a_limiter_on_its_spans(spans, batch_server):
+    tracer, finished = spans
+
+    class Unnamed(ScriptedChat):
+        model, provider = "m-2", ""  # a provider that names none
+
+    lich.run_batch(["a"], chat=f"openai:gpt-test@{batch_server.url}/v1", trace=tracer, max_turns=1)
+    lich.run_batch(["b"], chat=Unnamed(assistant("done")), limiter=lich.Limiter(requests_per_minute=600),
+                   trace=tracer, max_turns=1)
+    named = {"gen_ai.provider.name": "openai", "gen_ai.request.model": "gpt-test"}
+    assert [(s[0], {k: v for k, v in s[3].items() if k.startswith(("gen_ai.provider", "gen_ai.request"))})
+            for s in finished()] == [("chat gpt-test", named), ("invoke_agent", named),
+                                     ("chat m-2", {"gen_ai.request.model": "m-2"}),
+                                     ("invoke_agent", {"gen_ai.request.model": "m-2"})]
+
+
 def test_trace_otel_without_the_package_says_what_to_install():
     script = ("import sys; sys.modules['opentelemetry'] = None\n"
               "import lich\ntry:\n    lich.trace_otel(lich.AgentEmitter())\n"
@@ -8946,6 +9066,45 @@ def test_a_batch_killed_mid_write_resumes_after_its_torn_line(batch_server, work
     assert json.loads(lines[0])["id"] == "0" and json.loads(lines[2])["id"] == "1" and lines[3] == ""
 
 
+def test_an_out_file_cut_after_one_byte_or_holding_lines_not_of_results_is_resumed(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text("{")  # the first write of a batch, cut by a kill after one byte
+    [first] = lich.run_batch(["a"], chat=ScriptedChat(assistant("one")), max_turns=1, out=out)
+    lines = out.read_text().split("\n")
+    assert (lines[0], json.loads(lines[1]), lines[2:]) == ("{", dataclasses.asdict(first), [""])
+    with open(out, "a") as f:  # JSON that is no result: an array, a string, an object of other keys
+        f.write('[1]\n"text"\n{"id": "1", "ok": true, "colour": "red"}\n')
+    results = lich.run_batch(["a", "b"], chat=ScriptedChat(assistant("two")), max_turns=1, out=out)
+    assert [(r.id, r.final) for r in results] == [("0", "one"), ("1", "two")]  # only "b" ran
+
+
+def test_on_result_finds_its_tasks_line_written_even_when_it_fails(tmp_path):
+    out = tmp_path / "out.jsonl"
+    seen = []
+
+    def fail(result):
+        seen.append(out.read_text())
+        raise RuntimeError("the progress bar broke")
+
+    with pytest.raises(RuntimeError, match="^the progress bar broke$"):
+        lich.run_batch(["a"], chat=ScriptedChat(assistant("one")), max_turns=1, out=out, on_result=fail)
+    [line] = out.read_text().splitlines()
+    assert (seen, json.loads(line)["final"]) == ([line + "\n"], "one")
+
+
+def test_a_tasks_own_system_prompt_of_none_and_root_beside_tools(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    chat = ScriptedChat(assistant("done"))
+    with ThreadPoolExecutor(2) as pool:  # workers=0 beside an executor: still one task at a time
+        [result] = lich.run_batch([{"prompt": "x", "system_prompt": None, "root": tmp_path}], chat=chat,
+                                  tools=EchoTools(), system_prompt="for every task", max_turns=1,
+                                  executor=pool, workers=0)
+    assert (result.ok, result.final) == (True, "done")
+    assert chat.calls[0]["messages"] == [user("x")]  # None: this task has no system prompt
+    assert chat.calls[0]["tools"] == EchoTools().specs()  # the tools given, not coding_tools(root)
+
+
 def test_after_max_errors_no_task_starts(batch_server, workspace):
     tasks = ["fail a", "fail b", "ok c", "ok d"]
     results = lich.run_batch(tasks, chat=openai_at(batch_server), tools=lich.coding_tools(workspace), workers=1,
@@ -9004,6 +9163,13 @@ def test_a_second_batch_on_an_out_file_in_use_is_refused_before_it_runs_anything
             errno.EBUSY, "another batch is writing to it", str(out))
         with pytest.raises(OSError, match="another batch"):
             lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out, redo=True)
+        opened = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # closed meanwhile by another thread
+                pass
+        assert opened.count(str(out)) == 1  # held; a refused batch keeps no descriptor of it
     assert (server.requests, out.read_text()) == ([], '{"id": "0", "cut by a kill')  # untouched
     queue(server, openai_reply("fine"))
     assert lich.run_batch(["x"], chat=openai_at(server), max_turns=1, out=out)[0].final == "fine"
@@ -9194,13 +9360,15 @@ def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_p
 @pytest.mark.parametrize("tasks, error", [
     (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
     ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
+    ([{"id": "a" * 65, "prompt": "x"}], f"task 0: the id '{'a' * 65}' must be 1 to 64 letters, digits, '_', '.' or '-'"),
     ([{"prompt": "x", "colour": "red"}], "task 0 has unknown keys: colour"),
     (["a", {"prompt": "x", "history": "we talked before"}], "task 1: 'history' must be a list of messages"),
     ([{"prompt": "x", "history": [{"content": "no role"}]}], "task 0: 'history' must be a list of messages"),
+    ([{"prompt": "x", "history": ["hi", "hello"]}], "task 0: 'history' must be a list of messages"),
     ([{"prompt": "x", "system_prompt": 5}], "task 0: 'system_prompt' must be a string"),
     ([{"prompt": "x", "root": ["src"]}], "task 0: 'root' must be a path"),
-], ids=["duplicate", "bad-id", "unknown-key", "history-text", "history-without-roles", "system-prompt-number",
-        "root-list"])
+], ids=["duplicate", "bad-id", "id-65-characters", "unknown-key", "history-text", "history-without-roles",
+        "history-of-strings", "system-prompt-number", "root-list"])
 def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
     with pytest.raises((ValueError, TypeError), match=f"^{re.escape(error)}$"):
         lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
@@ -10357,6 +10525,17 @@ def test_list_sessions_newest_first(lich_model, cli, tmp_path):
                f"20260101T000000Z-1    2023-11-14 22:13  -{pad}  -                 2 messages  first question more\n"
                f"20251231T000000Z-1    2023-11-14 21:56  {folder}  gpt-long-name     1 message   alone\n")
     assert cli("--list-sessions") == (0, listing, "")
+
+
+def test_list_sessions_names_the_first_runs_folder_and_model_and_the_prompt_after_piped_text(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = write_records(d / "20260101T000000Z-1.jsonl", run_start(0, 0, cwd=tmp_path, model="m-first"),
+                         msg(user("```\npiped text\n```\n\nsummarise it")), msg(assistant("a")),
+                         run_start(2, 0, cwd=tmp_path / "elsewhere", model="m-second"), msg(user("then this")))
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    assert cli("--list-sessions") == (0, (f"20260101T000000Z-1  2023-11-14 22:13  {os.path.realpath(tmp_path)}  "
+                                          f"m-first     3 messages  summarise it\n"), "")
 
 
 def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli, tmp_path):
