@@ -10303,7 +10303,10 @@ def test_ctrl_d_at_an_approval_declines_on_a_line_of_its_own(server, lich_model,
     assert not (workspace / "later").exists()
 
 
-def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server, lich_model, workspace):
+@pytest.mark.parametrize("yes, always, tool", [("y", "a", "t"), ("Yes", "always", " TOOL ")],
+                         ids=["letters", "words"])
+def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server, lich_model, workspace, yes, always,
+                                                                          tool):
     write = ("write_file", '{"path": "out.txt", "content": "%s"}')
     queue(server,
           tool_reply(("c1", write[0], write[1] % "first")),
@@ -10322,15 +10325,15 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     term.send("")  # an empty answer declines
     term.expect("[t] always write_file: ")
     assert not (workspace / "out.txt").exists()
-    term.send("y")
+    term.send(yes)
     term.expect("[t] always write_file: ")
     assert (workspace / "out.txt").read_text() == "second"
-    term.send("a")  # always for this file: the edit of out.txt does not ask either
+    term.send(always)  # always for this file: the edit of out.txt does not ask either
     shown = term.expect("[t] always write_file: ")
     assert shown.endswith("→ write_file out.txt ✓ +1 line\n→ edit_file out.txt ✓ +1 -1\n→ write_file b.txt\n"
                           "  --- a/b.txt\n  +++ b/b.txt\n  @@ -0,0 +1 @@\n  +x\n"
                           "  allow? [y]es / [N]o / [a]lways this file / [t] always write_file: ")
-    term.send("t")  # always for write_file: c.txt is not asked about
+    term.send(tool)  # always for write_file: c.txt is not asked about
     shown = term.expect(PROMPT)
     assert "allow?" not in shown and "All written." in shown
     assert [(workspace / n).read_text() for n in ("out.txt", "b.txt", "c.txt")] == ["fourth", "x", "y"]
