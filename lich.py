@@ -7853,7 +7853,8 @@ def _diff_lines(before, after, path):
                                       f"b/{path}", lineterm="", n=2))
     if len(lines) > _DIFF_SHOWN_LINES:
         half = _DIFF_SHOWN_LINES // 2
-        lines = lines[:half] + [f"[... {len(lines) - 2 * half} lines not shown ...]"] + lines[-half:]
+        cut = _how_many(len(lines) - 2 * half, "line", "lines")
+        lines = lines[:half] + [f"[... {cut} not shown ...]"] + lines[-half:]
     return lines
 
 

@@ -10406,6 +10406,31 @@ def test_an_edit_is_shown_among_the_files_own_lines(server, lich_model, workspac
     assert (workspace / "calc.py").read_bytes() == b"import math\r\n\r\ndef add(a, b):\r\n    return a + b\r\n"
 
 
+def test_an_approvals_diff_of_forty_lines_is_shown_whole_and_a_longer_one_cut_in_the_middle(server, lich_model,
+                                                                                             workspace):
+    def write(call_id, path, n):
+        return tool_reply((call_id, "write_file", json.dumps(
+            {"path": path, "content": "".join(f"line {i}\n" for i in range(1, n + 1))})))
+
+    # a new file's diff: three lines of header and one per line of the file
+    queue(server, write("c1", "x.txt", 37), write("c2", "y.txt", 38), stream_reply("Done."))
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("write them")
+    shown = term.expect("[t] always write_file: ").split("→ write_file x.txt\n")[1]
+    assert shown.splitlines()[:-1] == ["  --- a/x.txt", "  +++ b/x.txt", "  @@ -0,0 +1,37 @@",
+                                       *[f"  +line {i}" for i in range(1, 38)]]
+    term.send("n")
+    shown = term.expect("[t] always write_file: ").split("→ write_file y.txt\n")[1]
+    assert shown.splitlines()[:-1] == ["  --- a/y.txt", "  +++ b/y.txt", "  @@ -0,0 +1,38 @@",
+                                       *[f"  +line {i}" for i in range(1, 18)], "  [... 1 line not shown ...]",
+                                       *[f"  +line {i}" for i in range(19, 39)]]
+    term.send("n")
+    term.expect(PROMPT)
+    term.send("\x04")
+    assert term.close() == 0
+
+
 def test_allow_revoke_of_no_grant_revokes_nothing(server, lich_model, tmp_path, workspace):
     queue(server, tool_reply(("c1", "bash", '{"command": "echo A"}')),
           tool_reply(("c2", "bash", '{"command": "echo B"}')), stream_reply("Both ran."))
