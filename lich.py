@@ -59,6 +59,7 @@ import threading
 import time
 import types
 import typing
+import urllib.parse
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -518,16 +519,17 @@ def _is_json_type(value, kind) -> bool:
     return value is None if kind == "null" else True
 
 
-def _any_of_check(value, branches, where, problems):
+def _any_of_check(value, branches, where, problems, root=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
-    else the problems of the first that took its type; else one problem naming them all."""
+    else the problems of the branch that took its type with the fewest (the first of
+    equals); else one problem naming them all."""
     refusals, within = [], None
     for branch in branches:
         found = []
-        checked = _schema_check(value, branch, where, found)
+        checked = _schema_check(value, branch, where, found, root)
         if not found:
             return checked
-        if within is None and any(at != where for at, _, _ in found):
+        if any(at != where for at, _, _ in found) and (within is None or len(found) < len(within)):
             within = found  # its type fitted, something within did not: a later branch may fit
         refusals.append(found[0])
     if within is not None:
@@ -543,22 +545,88 @@ def _any_of_check(value, branches, where, problems):
     return value
 
 
-def _schema_check(value, schema, where, problems):
-    """``value`` checked against ``schema`` (type, enum, anyOf, items, properties, required,
+def _one_of_check(value, branches, where, problems, root):
+    """``value`` checked against ``oneOf`` ``branches``: it must fit exactly one."""
+    fits = []
+    for branch in branches:
+        found = []
+        checked = _schema_check(value, branch, where, found, root)
+        if not found:
+            fits.append(checked)
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        return _any_of_check(value, branches, where, problems, root)
+    problems.append((where, f"valid under exactly one of its oneOf schemas (it fits {len(fits)})",
+                     _echo(value)))
+    return value
+
+
+def _ref_target(root, ref):
+    """The schema a local ``$ref`` (``#``, ``#/$defs/Name``, ``#/definitions/Name``, any JSON
+    Pointer into ``root``) names, or None when it names nothing there."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    target = root
+    for token in urllib.parse.unquote(ref[1:]).split("/")[1:] if ref != "#" else ():
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and token in target:
+            target = target[token]
+        elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
+            target = target[int(token)]
+        else:
+            return None
+    return target if isinstance(target, (dict, bool)) else None
+
+
+def _same_json(value, allowed) -> bool:
+    """Whether ``value`` is the JSON value ``allowed``: True is not 1, and 2.0 is 2."""
+    return value == allowed and (type(value) is type(allowed)
+                                 or _is_number(value) and _is_number(allowed))
+
+
+def _schema_check(value, schema, where, problems, root=None):
+    """``value`` checked against ``schema`` (type, enum, const, anyOf, oneOf, allOf, not,
+    $ref into ``root``, items, prefixItems, properties, patternProperties, required,
     additionalProperties); each mismatch appends ``(where, expected, got)`` to ``problems``.
     Returns the value, an integer made a float where the schema wants only a number, and a
     whole float an int where it wants only an integer."""
+    if schema is False:
+        problems.append((where, "absent (the schema allows no value here)", _echo(value)))
+        return value
     if not isinstance(schema, dict) or not schema:
         return value
-    if "anyOf" in schema:
+    if root is not None and "$ref" in schema:
         count = len(problems)
-        value = _any_of_check(value, schema["anyOf"], where, problems)
+        value = _schema_check(value, _ref_target(root, schema["$ref"]), where, problems, root)
         if len(problems) > count:
             return value
+    for keyword, check in (("anyOf", _any_of_check), ("oneOf", _one_of_check)):
+        if keyword in schema:
+            count = len(problems)
+            value = check(value, schema[keyword], where, problems, root)
+            if len(problems) > count:
+                return value
+    if "allOf" in schema:
+        count = len(problems)
+        for branch in schema["allOf"]:
+            value = _schema_check(value, branch, where, problems, root)
+        if len(problems) > count:
+            return value
+    if "not" in schema:
+        found = []
+        _schema_check(value, schema["not"], where, found, root)
+        if not found:
+            problems.append((where, 'a value its "not" schema refuses', _echo(value)))
+            return value
+    if "const" in schema:
+        if not _same_json(value, schema["const"]):
+            problems.append((where, json.dumps(schema["const"], ensure_ascii=False), _echo(value)))
+        return schema["const"] if _same_json(value, schema["const"]) else value
     if "enum" in schema:
         allowed = schema["enum"]
         for a in allowed:  # True is not 1, and 2.0 is 2 (given back as the schema writes it)
-            if value == a and (type(value) is type(a) or _is_number(value) and _is_number(a)):
+            if _same_json(value, a):
                 return a
         named = ", ".join(json.dumps(a) for a in allowed if a is not None)
         problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
@@ -571,24 +639,41 @@ def _schema_check(value, schema, where, problems):
                          _json_kind(value)))
         return value
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value) if "number" in kinds and "integer" not in kinds else value
+        if "number" not in kinds or "integer" in kinds:
+            return value
+        try:
+            return float(value)
+        except OverflowError:  # 1 and 400 zeros: no float holds it
+            problems.append((where, "a number a float can hold", "a larger one"))
+            return value
     if isinstance(value, float) and "integer" in kinds and "number" not in kinds:
         return int(value)
-    if isinstance(value, list) and "items" in schema:
-        return [_schema_check(item, schema["items"], f"{where}[{i}]", problems)
+    if isinstance(value, list):
+        items = schema.get("items")
+        positional = schema.get("prefixItems", items if isinstance(items, list) else ())
+        rest = schema.get("additionalItems") if isinstance(items, list) else items
+        if not positional and rest is None:
+            return value
+        return [_schema_check(item, positional[i] if i < len(positional) else rest,
+                              f"{where}[{i}]", problems, root)
                 for i, item in enumerate(value)]
     if isinstance(value, dict):
         properties = schema.get("properties") or {}
+        patterns = schema.get("patternProperties") or {}
         extra = schema.get("additionalProperties", True)
         checked = {}
         for key, item in value.items():
             path = f"{where}[{json.dumps(key, ensure_ascii=False)}]"
+            matched = [s for pattern, s in patterns.items() if re.search(pattern, key)]
             if key in properties:
-                checked[key] = _schema_check(item, properties[key], path, problems)
-            elif extra is False:
+                checked[key] = _schema_check(item, properties[key], path, problems, root)
+            elif not matched and extra is False:
                 problems.append((path, "absent (no such property)", _echo(item)))
-            else:
-                checked[key] = _schema_check(item, extra, path, problems)
+            elif not matched:
+                checked[key] = _schema_check(item, extra, path, problems, root)
+            for pattern_schema in matched:
+                checked[key] = _schema_check(checked.get(key, item), pattern_schema, path,
+                                             problems, root)
         for key in schema.get("required") or ():
             if key not in value:
                 problems.append((f"{where}[{json.dumps(key)}]", "present (it is required)",
@@ -597,9 +682,9 @@ def _schema_check(value, schema, where, problems):
     return value
 
 
-def _schema_problem(schema, where):
+def _schema_problem(schema, where, root=None):
     """Why ``schema`` cannot be checked against -- a keyword that ``_schema_check`` reads
-    is not of its JSON Schema shape -- or None."""
+    is not of its JSON Schema shape, or a ``$ref`` names nothing in ``root`` -- or None."""
     if isinstance(schema, bool):  # true and false are schemas too
         return None
     if not isinstance(schema, dict):
@@ -611,26 +696,38 @@ def _schema_problem(schema, where):
             return (f'{where}["type"] must be one of {", ".join(_JSON_TYPES)} or a list of them, '
                     f'not {_echo(schema["type"])}')
     for keyword, ok, shape in (("enum", isinstance(schema.get("enum"), list), "an array"),
-                               ("anyOf", isinstance(schema.get("anyOf"), list)
-                                and schema.get("anyOf"), "a non-empty array"),
+                               *((k, isinstance(schema.get(k), list) and schema.get(k),
+                                  "a non-empty array") for k in ("anyOf", "oneOf", "allOf")),
+                               ("prefixItems", isinstance(schema.get("prefixItems"), list),
+                                "an array"),
                                ("required", isinstance(schema.get("required"), list) and all(
                                    isinstance(k, str) for k in schema.get("required")),
                                 "an array of strings"),
-                               ("properties", isinstance(schema.get("properties"), dict),
-                                "an object")):
+                               *((k, isinstance(schema.get(k), dict), "an object")
+                                 for k in ("properties", "patternProperties"))):
         if keyword in schema and not ok:
             return f'{where}["{keyword}"] must be {shape}, not {_echo(schema[keyword])}'
-    inner = [(f'{where}["properties"][{json.dumps(key, ensure_ascii=False)}]', value)
-             for key, value in (schema.get("properties") or {}).items()]
+    if root is not None and "$ref" in schema and _ref_target(root, schema["$ref"]) is None:
+        return (f'{where}["$ref"] must point within the schema ("#/$defs/Name"), '
+                f'not {_echo(schema["$ref"])}')
+    for pattern in schema.get("patternProperties") or ():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            return f'{where}["patternProperties"] has a pattern Python cannot read: {_echo(pattern)} ({e})'
+    inner = [(f'{where}["{named}"][{json.dumps(key, ensure_ascii=False)}]', value)
+             for named in ("properties", "patternProperties", "$defs", "definitions")
+             if isinstance(schema.get(named), dict) for key, value in schema[named].items()]
     inner += [(f'{where}["{keyword}"]', schema[keyword])
-              for keyword in ("items", "additionalProperties") if keyword in schema
-              and not (keyword == "items" and isinstance(schema["items"], list))]
+              for keyword in ("items", "additionalProperties", "additionalItems", "not")
+              if keyword in schema and not (keyword == "items" and isinstance(schema["items"], list))]
     if isinstance(schema.get("items"), list):  # draft-04 to 2019-09: a schema per position
         inner += [(f'{where}["items"][{i}]', item) for i, item in enumerate(schema["items"])]
-    inner += [(f'{where}["anyOf"][{i}]', branch)
-              for i, branch in enumerate(schema.get("anyOf") or ())]
+    inner += [(f'{where}["{keyword}"][{i}]', branch)
+              for keyword in ("anyOf", "oneOf", "allOf", "prefixItems")
+              for i, branch in enumerate(schema.get(keyword) or ())]
     for path, value in inner:
-        problem = _schema_problem(value, path)
+        problem = _schema_problem(value, path, root)
         if problem:
             return problem
     return None
@@ -1042,7 +1139,7 @@ def _check_run_options(max_turns, output_schema):
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
     if output_schema is not None:
         try:
-            problem = (_schema_problem(output_schema, "output_schema")
+            problem = (_schema_problem(output_schema, "output_schema", output_schema)
                        if isinstance(output_schema, dict) else
                        f"output_schema must be an object, not {_json_kind(output_schema)}")
         except RecursionError:
@@ -1062,7 +1159,10 @@ def _parse_output(text, schema):
     except (ValueError, RecursionError) as e:
         return None, f"it is not valid JSON ({e})"
     problems = []
-    value = _schema_check(value, schema, "answer", problems)
+    try:
+        value = _schema_check(value, schema, "answer", problems, schema)
+    except RecursionError:  # a tree deeper than Python's stack, under a recursive $ref
+        return None, "it is nested too deeply to check against the schema"
     if not problems:
         return value, None
     described = "; ".join(f"{where} must be {expected}, not {got}"

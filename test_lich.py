@@ -1851,6 +1851,107 @@ def test_a_structured_answer_that_never_fits_ends_on_the_budget():
         "budget", None, None, assistant("still no"))
 
 
+def corrections_for(schema, *answers):
+    """The output_invalid errors of a run given ``answers`` in turn, and its outcome."""
+    emitter, events = recorder_emitter()
+    outcome = lich.run_conversation(ScriptedChat(*map(assistant, answers)), None, [user("x")],
+                                    max_turns=len(answers), output_schema=schema, emitter=emitter)
+    return [e["error"].removeprefix("it does not match the schema: ")
+            for e in events if e["type"] == "output_invalid"], outcome
+
+
+# What Pydantic v2's model_json_schema() writes for nested models, an enum, a discriminated
+# union and a model that holds itself (its $ref at the top).
+PYDANTIC_SCHEMA = {
+    "$defs": {
+        "Address": {"properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],
+                    "title": "Address", "type": "object"},
+        "Cat": {"properties": {"kind": {"const": "cat", "title": "Kind", "type": "string"},
+                               "lives": {"title": "Lives", "type": "integer"}},
+                "required": ["kind", "lives"], "title": "Cat", "type": "object"},
+        "Dog": {"properties": {"kind": {"const": "dog", "title": "Kind", "type": "string"}},
+                "required": ["kind"], "title": "Dog", "type": "object"},
+        "Color": {"enum": ["red", "green"], "title": "Color", "type": "string"},
+        "Person": {"properties": {
+            "home": {"$ref": "#/$defs/Address", "description": "where they live"},
+            "past": {"items": {"$ref": "#/$defs/Address"}, "title": "Past", "type": "array"},
+            "color": {"$ref": "#/$defs/Color", "default": "red"},
+            "pet": {"anyOf": [{"discriminator": {"mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"},
+                                                 "propertyName": "kind"},
+                               "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]},
+                              {"type": "null"}], "default": None},
+            "friends": {"items": {"$ref": "#/$defs/Person"}, "title": "Friends", "type": "array"}},
+            "required": ["home"], "title": "Person", "type": "object"}},
+    "$ref": "#/$defs/Person"}
+
+
+def test_a_structured_answer_is_checked_through_the_refs_a_pydantic_schema_is_made_of():
+    good = {"home": {"city": "Lima"}, "past": [{"city": "Cusco"}], "color": "green",
+            "pet": {"kind": "cat", "lives": 9}, "friends": [{"home": {"city": "Quito"}, "pet": None}]}
+    problems, outcome = corrections_for(
+        PYDANTIC_SCHEMA, '"Lima"', '{"home": 42}',
+        '{"home": {}, "past": ["Cusco"], "color": "blue", "pet": {"kind": "dog", "lives": 9}}',
+        '{"home": {"city": "Lima"}, "pet": {"kind": "cat"}, "friends": [{"home": {"town": "Quito"}}]}',
+        json.dumps(good))
+    assert problems == [
+        "answer must be an object, not a string",
+        'answer["home"] must be an object, not an integer',
+        ('answer["home"]["city"] must be present (it is required), not missing; answer["past"][0] must be an '
+         'object, not a string; answer["color"] must be one of "red", "green", not "blue"'),
+        ('answer["pet"]["lives"] must be present (it is required), not missing; '
+         'answer["friends"][0]["home"]["city"] must be present (it is required), not missing')]
+    assert (outcome.stopped_reason, outcome.output) == ("final", good)
+    definitions = {"type": "object", "properties": {"n": {"$ref": "#/definitions/N"}},
+                   "definitions": {"N": {"type": "integer"}}}
+    assert corrections_for(definitions, '{"n": "1"}', '{"n": 1.0}')[0] == ['answer["n"] must be an integer, not a string']
+    assert corrections_for(definitions, '{"n": 1.0}')[1].output == {"n": 1}
+
+
+def test_a_structured_answer_is_checked_against_const_one_of_all_of_and_not():
+    schema = {"type": "object", "properties": {
+        "v": {"const": 3},
+        "id": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+        "both": {"allOf": [{"type": "object", "required": ["a"]}, {"required": ["b"]}]},
+        "word": {"type": "string", "not": {"enum": ["none"]}}}}
+    problems, outcome = corrections_for(
+        schema, '{"v": "3", "id": "7", "both": {"a": 1}, "word": "none"}', '{"v": 3.0, "id": 7}',
+        '{"v": 3.0, "id": 7.5, "both": {"a": 1, "b": 2}, "word": "some"}')
+    assert problems == [
+        ('answer["v"] must be 3, not "3"; answer["id"] must be an integer or a number, not a string; '
+         'answer["both"]["b"] must be present (it is required), not missing; '
+         'answer["word"] must be a value its "not" schema refuses, not "none"'),
+        'answer["id"] must be valid under exactly one of its oneOf schemas (it fits 2), not 7']
+    assert outcome.output == {"v": 3, "id": 7.5, "both": {"a": 1, "b": 2}, "word": "some"}
+
+
+def test_pattern_properties_prefix_items_and_false_are_checked_as_json_schema_says():
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^x-": {"type": "string"}},
+              "properties": {"pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                                      "items": False},
+                             "old": {"type": "array", "items": [{"type": "boolean"}]},
+                             "gone": False}}
+    problems, outcome = corrections_for(
+        schema, '{"x-a": 1, "y": "s", "pair": ["1", "a", 2], "old": ["yes", 5], "gone": 0}',
+        '{"x-a": "s", "pair": [1, "a"], "old": [true, 5]}')
+    assert problems == [
+        ('answer["x-a"] must be a string, not an integer; answer["y"] must be absent (no such property), not "s"; '
+         'answer["pair"][0] must be an integer, not a string; '
+         'answer["pair"][2] must be absent (the schema allows no value here), not 2; '
+         'answer["old"][0] must be a boolean, not a string; '
+         'answer["gone"] must be absent (the schema allows no value here), not 0')]
+    assert outcome.output == {"x-a": "s", "pair": [1, "a"], "old": [True, 5]}
+
+
+def test_a_structured_answer_too_large_or_too_deep_to_check_is_told_so_not_raised():
+    problems, outcome = corrections_for({"type": "number"}, "1" + "0" * 400, "12")
+    assert (problems, outcome.output) == (["answer must be a number a float can hold, not a larger one"], 12.0)
+    looping = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}}, "$ref": "#/$defs/A"}
+    problems, outcome = corrections_for(looping, "1", "2")
+    assert problems == ["it is nested too deeply to check against the schema"]
+    assert outcome.stopped_reason == "budget"
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
@@ -1869,8 +1970,21 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
     ({"properties": {"a": {"anyOf": [{"type": "integer"}, {"enum": 1}]}}},
      'output_schema["properties"]["a"]["anyOf"][1]["enum"] must be an array, not 1'),
     (functools.reduce(lambda inner, _: {"items": inner}, range(5000), {}), "output_schema is nested too deeply"),
+    ({"properties": {"a": {"$ref": "#/$defs/A"}}, "definitions": {"A": {}}},
+     'output_schema["properties"]["a"]["$ref"] must point within the schema ("#/$defs/Name"), '
+     'not "#/$defs/A"'),
+    ({"items": {"$ref": "https://example.com/a.json"}},
+     'output_schema["items"]["$ref"] must point within the schema ("#/$defs/Name"), '
+     'not "https://example.com/a.json"'),
+    ({"$defs": {"A": {"oneOf": [{"type": "integer"}, {"enum": 1}]}}},
+     'output_schema["$defs"]["A"]["oneOf"][1]["enum"] must be an array, not 1'),
+    ({"allOf": {"type": "string"}}, 'output_schema["allOf"] must be a non-empty array, not {"type": "string"}'),
+    ({"patternProperties": {"^(x": {}}},
+     'output_schema["patternProperties"] has a pattern Python cannot read: "^(x" (missing ), unterminated '
+     'subpattern at position 1)'),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
-        "items-by-position", "anyOf", "anyOf-branch", "too-deep"])
+        "items-by-position", "anyOf", "anyOf-branch", "too-deep", "ref-to-nothing", "ref-outside",
+        "in-defs", "allOf", "pattern"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
@@ -1883,7 +1997,7 @@ def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema
     assert chat.calls == [] and not (tmp_path / "sessions").exists()
     fine = {"type": ["object", "null"], "properties": {"a": True, "b": {"enum": [1, None]}},
             "additionalProperties": False, "items": [{}, {"type": "string"}], "required": ["a"],
-            "description": "any", "$ref": "#/$defs/x"}  # keywords lich does not check are let be
+            "description": "any", "$ref": "#/$defs/x", "$defs": {"x": {"minLength": 9}}}  # keywords lich does not check are let be
     answer = ScriptedChat(assistant('{"a": [1, "x"]}'))
     assert lich.run_conversation(answer, None, [user("x")], max_turns=1, output_schema=fine).output == {
         "a": [1, "x"]}
