@@ -59,7 +59,6 @@ import threading
 import time
 import types
 import typing
-import urllib.parse
 import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -567,8 +566,12 @@ def _ref_target(root, ref):
     Pointer into ``root``) names, or None when it names nothing there."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         return None
+    if "%" in ref:  # a URI fragment may escape characters (rare: loaded only then)
+        from urllib.parse import unquote
+
+        ref = unquote(ref)
     target = root
-    for token in urllib.parse.unquote(ref[1:]).split("/")[1:] if ref != "#" else ():
+    for token in ref[1:].split("/")[1:] if ref != "#" else ():
         token = token.replace("~1", "/").replace("~0", "~")
         if isinstance(target, dict) and token in target:
             target = target[token]
