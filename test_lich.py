@@ -1972,16 +1972,16 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
     (functools.reduce(lambda inner, _: {"items": inner}, range(5000), {}), "output_schema is nested too deeply"),
     ({"properties": {"a": {"$ref": "#/$defs/A"}}, "definitions": {"A": {}}},
      ('output_schema["properties"]["a"]["$ref"] must point within the schema ("#/$defs/Name"), '
-     'not "#/$defs/A"')),
+      'not "#/$defs/A"')),
     ({"items": {"$ref": "https://example.com/a.json"}},
      ('output_schema["items"]["$ref"] must point within the schema ("#/$defs/Name"), '
-     'not "https://example.com/a.json"')),
+      'not "https://example.com/a.json"')),
     ({"$defs": {"A": {"oneOf": [{"type": "integer"}, {"enum": 1}]}}},
      'output_schema["$defs"]["A"]["oneOf"][1]["enum"] must be an array, not 1'),
     ({"allOf": {"type": "string"}}, 'output_schema["allOf"] must be a non-empty array, not {"type": "string"}'),
     ({"patternProperties": {"^(x": {}}},
      ('output_schema["patternProperties"] has a pattern Python cannot read: "^(x" (missing ), unterminated '
-     'subpattern at position 1)')),
+      'subpattern at position 1)')),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
         "items-by-position", "anyOf", "anyOf-branch", "too-deep", "ref-to-nothing", "ref-outside",
         "in-defs", "allOf", "pattern"])
