@@ -518,14 +518,18 @@ def _is_json_type(value, kind) -> bool:
     return value is None if kind == "null" else True
 
 
-def _any_of_check(value, branches, where, problems, root=None):
+def _any_of_check(value, branches, where, problems, root=None, results=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
     else the problems of the branch that took its type with the fewest (the first of
-    equals); else one problem naming them all."""
+    equals); else one problem naming them all. ``results`` are the branches' own
+    ``(checked, problems)`` when the caller has them already."""
     refusals, within = [], None
-    for branch in branches:
-        found = []
-        checked = _schema_check(value, branch, where, found, root)
+    for i, branch in enumerate(branches):
+        if results is None:
+            found = []
+            checked = _schema_check(value, branch, where, found, root)
+        else:
+            checked, found = results[i]
         if not found:
             return checked
         if any(at != where for at, _, _ in found) and (within is None or len(found) < len(within)):
@@ -546,25 +550,26 @@ def _any_of_check(value, branches, where, problems, root=None):
 
 def _one_of_check(value, branches, where, problems, root):
     """``value`` checked against ``oneOf`` ``branches``: it must fit exactly one."""
-    fits = []
-    for branch in branches:
+    results = []
+    for branch in branches:  # each once: checking them again would double at every level
         found = []
-        checked = _schema_check(value, branch, where, found, root)
-        if not found:
-            fits.append(checked)
+        results.append((_schema_check(value, branch, where, found, root), found))
+    fits = [checked for checked, found in results if not found]
     if len(fits) == 1:
         return fits[0]
     if not fits:
-        return _any_of_check(value, branches, where, problems, root)
+        return _any_of_check(value, branches, where, problems, root, results)
     problems.append((where, f"valid under exactly one of its oneOf schemas (it fits {len(fits)})",
                      _echo(value)))
     return value
 
 
 def _ref_target(root, ref):
-    """The schema a local ``$ref`` (``#``, ``#/$defs/Name``, ``#/definitions/Name``, any JSON
-    Pointer into ``root``) names, or None when it names nothing there."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
+    """The schema a local ``$ref`` names -- ``#``, or a JSON Pointer into ``root``'s
+    ``$defs`` or ``definitions`` (``#/$defs/Name``), which the check before a run has read
+    whole -- or None for any other."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith(("#/$defs/", "#/definitions/",
+                                                                      "#/%24defs/"))):
         return None
     if "%" in ref:  # a URI fragment may escape characters (rare: loaded only then)
         from urllib.parse import unquote
@@ -575,15 +580,59 @@ def _ref_target(root, ref):
         token = token.replace("~1", "/").replace("~0", "~")
         if isinstance(target, dict) and token in target:
             target = target[token]
-        elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
+        elif isinstance(target, list) and re.fullmatch("0|[1-9][0-9]*", token) and int(token) < len(target):
             target = target[int(token)]
         else:
             return None
     return target if isinstance(target, (dict, bool)) else None
 
 
+def _ref_loop(root):
+    """Why ``root`` cannot be checked when one of its ``$ref`` leads back to itself with no
+    property or item in between (a value would be checked against it for ever), or None."""
+    def same_place(schema):  # the schemas a value is checked against where it stands
+        if not isinstance(schema, dict):
+            return []
+        found = [_ref_target(root, schema["$ref"])] if "$ref" in schema else []
+        found += [*schema.get("anyOf", ()), *schema.get("oneOf", ()), *schema.get("allOf", ())]
+        return found + [schema["not"]] if "not" in schema else found
+
+    done = set()  # ids of schemas whose every way was walked without a loop
+
+    def walk(schema, on_the_way):
+        if id(schema) in on_the_way:
+            return True
+        if id(schema) in done:
+            return False
+        on_the_way.add(id(schema))
+        loop = any(walk(s, on_the_way) for s in same_place(schema) if isinstance(s, dict))
+        on_the_way.discard(id(schema))
+        done.add(id(schema))
+        return loop
+
+    def refs(node):  # every $ref anywhere in root
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                yield node["$ref"]
+            for value in node.values():
+                yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    for ref in dict.fromkeys(refs(root)):
+        target = _ref_target(root, ref)
+        if isinstance(target, dict) and walk(target, set()):
+            return f"output_schema's $ref {_echo(ref)} leads back to itself with nothing between"
+    return None
+
+
 def _same_json(value, allowed) -> bool:
-    """Whether ``value`` is the JSON value ``allowed``: True is not 1, and 2.0 is 2."""
+    """Whether ``value`` is the JSON value ``allowed``: True is not 1, and 2.0 is 2, at any depth."""
+    if isinstance(value, list) and isinstance(allowed, list):
+        return len(value) == len(allowed) and all(map(_same_json, value, allowed))
+    if isinstance(value, dict) and isinstance(allowed, dict):
+        return value.keys() == allowed.keys() and all(_same_json(v, allowed[k]) for k, v in value.items())
     return value == allowed and (type(value) is type(allowed)
                                  or _is_number(value) and _is_number(allowed))
 
@@ -624,7 +673,7 @@ def _schema_check(value, schema, where, problems, root=None):
             return value
     if "const" in schema:
         if not _same_json(value, schema["const"]):
-            problems.append((where, json.dumps(schema["const"], ensure_ascii=False), _echo(value)))
+            problems.append((where, _echo(schema["const"]), _echo(value)))
         return schema["const"] if _same_json(value, schema["const"]) else value
     if "enum" in schema:
         allowed = schema["enum"]
@@ -1143,6 +1192,7 @@ def _check_run_options(max_turns, output_schema):
     if output_schema is not None:
         try:
             problem = (_schema_problem(output_schema, "output_schema", output_schema)
+                       or _ref_loop(output_schema)
                        if isinstance(output_schema, dict) else
                        f"output_schema must be an object, not {_json_kind(output_schema)}")
         except RecursionError:

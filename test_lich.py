@@ -1946,10 +1946,37 @@ def test_pattern_properties_prefix_items_and_false_are_checked_as_json_schema_sa
 def test_a_structured_answer_too_large_or_too_deep_to_check_is_told_so_not_raised():
     problems, outcome = corrections_for({"type": "number"}, "1" + "0" * 400, "12")
     assert (problems, outcome.output) == (["answer must be a number a float can hold, not a larger one"], 12.0)
-    looping = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}}, "$ref": "#/$defs/A"}
-    problems, outcome = corrections_for(looping, "1", "2")
-    assert problems == ["it is nested too deeply to check against the schema"]
-    assert outcome.stopped_reason == "budget"
+
+
+@pytest.mark.parametrize("schema, ref", [
+    ({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "string"}]}}, "$ref": "#/$defs/A"}, "#/$defs/A"),
+    ({"$ref": "#"}, "#"),
+    ({"allOf": [{"$ref": "#/definitions/b"}], "definitions": {"a": {"$ref": "#"}, "b": {"not": {"$ref": "#/definitions/a"}}}},
+     "#/definitions/b"),
+], ids=["anyOf", "itself", "through-allOf-and-not"])
+def test_a_ref_that_leads_back_to_itself_at_the_same_place_is_refused_before_any_call(schema, ref):
+    # a value would be checked against it for ever: the schema is wrong, not the model's answers
+    chat = ScriptedChat()
+    with pytest.raises(ValueError) as info:
+        lich.run_conversation(chat, None, [user("x")], max_turns=2, output_schema=schema)
+    assert str(info.value) == f"output_schema's $ref {json.dumps(ref)} leads back to itself with nothing between"
+    assert chat.calls == []
+
+
+def test_an_answer_nested_in_a_recursive_one_of_that_fits_no_branch_is_checked_once_a_level():
+    # each level's branches are checked once: checked again for the report, it took twice as long a level
+    schema = {"$defs": {"n": {"type": "object", "properties": {"c": {"oneOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}}},
+              "$ref": "#/$defs/n"}
+    answer = '{"c": ' * 40 + "5" + "}" * 40
+    problems, _ = finishes(lambda: corrections_for(schema, answer, '{"c": null}'), timeout=10)
+    assert problems == ['answer' + '["c"]' * 40 + ' must be an object or null, not an integer']
+
+
+def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
+    problems, outcome = corrections_for({"const": {"a": [1, 0]}}, '{"a": [true, false]}', '{"a": [1, 0.0]}')
+    assert (problems, outcome.output) == (['answer must be {"a": [1, 0]}, not {"a": [true, false]}'], {"a": [1, 0]})
+    problems, _ = corrections_for({"enum": [[1]]}, "[true]", "[1]")
+    assert problems == ["answer must be one of [1], not [true]"]
 
 
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
@@ -1982,9 +2009,16 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
     ({"patternProperties": {"^(x": {}}},
      ('output_schema["patternProperties"] has a pattern Python cannot read: "^(x" (missing ), unterminated '
       'subpattern at position 1)')),
+    # refs only to the root or into $defs and definitions, which this check reads whole
+    ({"properties": {"a": {"$ref": "#Leaf"}}, "$defs": {"leaf": {"$anchor": "Leaf"}}},
+     'output_schema["properties"]["a"]["$ref"] must point within the schema ("#/$defs/Name"), not "#Leaf"'),
+    ({"$ref": "#/x", "x": {"enum": 5}},
+     'output_schema["$ref"] must point within the schema ("#/$defs/Name"), not "#/x"'),
+    ({"$ref": "#/$defs/a/anyOf/\u00b2", "$defs": {"a": {"anyOf": [{}]}}},
+     'output_schema["$ref"] must point within the schema ("#/$defs/Name"), not "#/$defs/a/anyOf/\u00b2"'),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
         "items-by-position", "anyOf", "anyOf-branch", "too-deep", "ref-to-nothing", "ref-outside",
-        "in-defs", "allOf", "pattern"])
+        "in-defs", "allOf", "pattern", "ref-to-an-anchor", "ref-outside-the-defs", "ref-by-a-digit-not-ascii"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
