@@ -637,10 +637,35 @@ def _same_json(value, allowed) -> bool:
                                  or _is_number(value) and _is_number(allowed))
 
 
+_BOUNDS = {"minimum": ("at least", operator.ge), "maximum": ("at most", operator.le),
+           "exclusiveMinimum": ("greater than", operator.gt),
+           "exclusiveMaximum": ("less than", operator.lt)}
+_SIZES = {str: ("minLength", "maxLength", "character"), list: ("minItems", "maxItems", "item")}
+
+
+def _bounds_check(value, schema, where, problems):
+    """A number's ``minimum``, ``maximum`` and exclusive ones; a string's ``minLength`` and
+    ``maxLength`` (in characters); an array's ``minItems`` and ``maxItems``. A bound that is
+    no number (draft 4's ``exclusiveMinimum: true``) is let be."""
+    if _is_number(value):
+        for keyword, (words, holds) in _BOUNDS.items():
+            bound = schema.get(keyword)
+            if _is_number(bound) and not holds(value, bound):
+                problems.append((where, f"{words} {_echo(bound)}", _echo(value)))
+    elif type(value) in _SIZES:
+        low, high, unit = _SIZES[type(value)]
+        size = len(value)
+        for keyword, words, holds in ((low, "at least", operator.ge), (high, "at most", operator.le)):
+            bound = schema.get(keyword)
+            if _is_number(bound) and not holds(size, bound):
+                problems.append((where, f"{words} {_echo(bound)} {unit if bound == 1 else unit + 's'} long",
+                                 f"{size} {unit if size == 1 else unit + 's'}"))
+
+
 def _schema_check(value, schema, where, problems, root=None):
     """``value`` checked against ``schema`` (type, enum, const, anyOf, oneOf, allOf, not,
     $ref into ``root``, items, prefixItems, properties, patternProperties, required,
-    additionalProperties); each mismatch appends ``(where, expected, got)`` to ``problems``.
+    additionalProperties, and the bounds of ``_bounds_check``); each mismatch appends ``(where, expected, got)`` to ``problems``.
     Returns the value, an integer made a float where the schema wants only a number, and a
     whole float an int where it wants only an integer."""
     if schema is False:
@@ -690,6 +715,7 @@ def _schema_check(value, schema, where, problems, root=None):
         problems.append((where, " or ".join(_JSON_TYPES.get(k, k) for k in kinds),
                          _json_kind(value)))
         return value
+    _bounds_check(value, schema, where, problems)
     if isinstance(value, int) and not isinstance(value, bool):
         if "number" not in kinds or "integer" in kinds:
             return value

@@ -1972,6 +1972,28 @@ def test_an_answer_nested_in_a_recursive_one_of_that_fits_no_branch_is_checked_o
     assert problems == ['answer' + '["c"]' * 40 + ' must be an object or null, not an integer']
 
 
+def test_a_structured_answer_is_held_to_its_bounds_of_numbers_lengths_and_items():
+    # what Pydantic's Field(ge=..., lt=..., min_length=..., max_length=...) writes
+    schema = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "exclusiveMaximum": 150},
+        "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "name": {"type": "string", "minLength": 1, "maxLength": 5},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
+        "old": {"minimum": 1, "exclusiveMinimum": True}}}  # draft 4's boolean form is let be
+    problems, outcome = corrections_for(
+        schema, '{"age": -1, "score": 0, "name": "", "tags": ["a", "b", "c"], "old": 2}',
+        '{"age": 150, "score": 1.5, "name": "Ramona", "tags": [], "old": 1}',
+        '{"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1}')
+    assert problems == [
+        ('answer["age"] must be at least 0, not -1; answer["score"] must be greater than 0, not 0; '
+         'answer["name"] must be at least 1 character long, not 0 characters; '
+         'answer["tags"] must be at most 2 items long, not 3 items'),
+        ('answer["age"] must be less than 150, not 150; answer["score"] must be at most 1, not 1.5; '
+         'answer["name"] must be at most 5 characters long, not 6 characters; '
+         'answer["tags"] must be at least 1 item long, not 0 items')]
+    assert outcome.output == {"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1}
+
+
 def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
     problems, outcome = corrections_for({"const": {"a": [1, 0]}}, '{"a": [true, false]}', '{"a": [1, 0.0]}')
     assert (problems, outcome.output) == (['answer must be {"a": [1, 0]}, not {"a": [true, false]}'], {"a": [1, 0]})
