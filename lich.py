@@ -493,7 +493,10 @@ def _echo(value) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
-        text = repr(value)
+        try:
+            text = repr(value)
+        except ValueError:  # an int of more digits than Python writes out
+            text = f"an integer of {value.bit_length()} bits"
     return text if len(text) <= _ECHO_MAX_CHARS else text[:_ECHO_MAX_CHARS] + "..."
 
 
@@ -658,6 +661,7 @@ def _bounds_check(value, schema, where, problems):
         for keyword, words, holds in ((low, "at least", operator.ge), (high, "at most", operator.le)):
             bound = schema.get(keyword)
             if _is_number(bound) and not holds(size, bound):
+                bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
                 problems.append((where, f"{words} {_echo(bound)} {unit if bound == 1 else unit + 's'} long",
                                  f"{size} {unit if size == 1 else unit + 's'}"))
 
@@ -696,6 +700,8 @@ def _schema_check(value, schema, where, problems, root=None):
         if not found:
             problems.append((where, 'a value its "not" schema refuses', _echo(value)))
             return value
+    if "const" in schema or "enum" in schema:
+        _bounds_check(value, schema, where, problems)  # all keywords hold, these too
     if "const" in schema:
         if not _same_json(value, schema["const"]):
             problems.append((where, _echo(schema["const"]), _echo(value)))
@@ -785,6 +791,16 @@ def _schema_problem(schema, where, root=None):
                                  for k in ("properties", "patternProperties"))):
         if keyword in schema and not ok:
             return f'{where}["{keyword}"] must be {shape}, not {_echo(schema[keyword])}'
+    for keyword in _BOUNDS:  # numbers JSON can write; draft 4's exclusive ones are booleans
+        bound = schema.get(keyword)
+        if keyword in schema and not (_is_number(bound) and (isinstance(bound, int) or math.isfinite(bound))
+                                      or isinstance(bound, bool) and keyword.startswith("exclusive")):
+            return f'{where}["{keyword}"] must be a number, not {_echo(bound)}'
+    for keyword in ("minLength", "maxLength", "minItems", "maxItems"):
+        bound = schema.get(keyword)
+        if keyword in schema and not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0
+                                      or isinstance(bound, float) and bound.is_integer() and bound >= 0):
+            return f'{where}["{keyword}"] must be a whole number of 0 or more, not {_echo(bound)}'
     if root is not None and "$ref" in schema and _ref_target(root, schema["$ref"]) is None:
         return (f'{where}["$ref"] must point within the schema ("#/$defs/Name"), '
                 f'not {_echo(schema["$ref"])}')

@@ -1992,6 +1992,13 @@ def test_a_structured_answer_is_held_to_its_bounds_of_numbers_lengths_and_items(
          'answer["name"] must be at most 5 characters long, not 6 characters; '
          'answer["tags"] must be at least 1 item long, not 0 items')]
     assert outcome.output == {"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1}
+    # beside enum and const the bounds hold too; a bound of more digits than Python writes is named
+    problems, outcome = corrections_for({"enum": [1, 5], "minimum": 3, "maxLength": 2.0}, "1", "5")
+    assert (problems, outcome.output) == (["answer must be at least 3, not 1"], 5)
+    problems, _ = corrections_for({"const": "", "minLength": 1}, '""', '""')
+    assert problems == ["answer must be at least 1 character long, not 0 characters"]
+    problems, _ = corrections_for({"minimum": 10 ** 5000}, "1", "2")
+    assert problems == ["answer must be at least an integer of 16610 bits, not 1"]
 
 
 def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
@@ -2038,9 +2045,14 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
      'output_schema["$ref"] must point within the schema ("#/$defs/Name"), not "#/x"'),
     ({"$ref": "#/$defs/a/anyOf/\u00b2", "$defs": {"a": {"anyOf": [{}]}}},
      'output_schema["$ref"] must point within the schema ("#/$defs/Name"), not "#/$defs/a/anyOf/\u00b2"'),
+    ({"properties": {"a": {"minimum": "5"}}}, 'output_schema["properties"]["a"]["minimum"] must be a number, not "5"'),
+    ({"maximum": float("nan")}, 'output_schema["maximum"] must be a number, not NaN'),
+    ({"items": {"maxItems": -1}}, 'output_schema["items"]["maxItems"] must be a whole number of 0 or more, not -1'),
+    ({"minLength": 1.5}, 'output_schema["minLength"] must be a whole number of 0 or more, not 1.5'),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
         "items-by-position", "anyOf", "anyOf-branch", "too-deep", "ref-to-nothing", "ref-outside",
-        "in-defs", "allOf", "pattern", "ref-to-an-anchor", "ref-outside-the-defs", "ref-by-a-digit-not-ascii"])
+        "in-defs", "allOf", "pattern", "ref-to-an-anchor", "ref-outside-the-defs", "ref-by-a-digit-not-ascii",
+        "minimum-a-string", "maximum-nan", "max-items-below-0", "min-length-not-whole"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
