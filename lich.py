@@ -8656,8 +8656,11 @@ class _Cli:
         if run.stopped_reason == "budget":
             how = ('say "go on" to continue' if self.interactive else
                    "raise --max-turns" + (" or continue with -c" if session is not None else ""))
-            term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before a "
-                      f"final answer; {how}")
+            last = next((m for m in reversed(run.messages) if m.get("role") == "assistant"), {})
+            missed = ("an answer that fits the schema" if self.schema is not None and last
+                      and not last.get("tool_calls") else "a final answer")  # its last answer did not fit
+            term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before "
+                      f"{missed}; {how}")
         elif run.stopped_reason == "final" and run.result.stop_reason == "length":
             term.note("lich: the answer was cut short: the model reached its output limit")
         elif run.stopped_reason == "final" and run.result.stop_reason in _DECLINED:

@@ -9801,6 +9801,21 @@ def test_schema_prints_the_answer_as_one_json_line(server, lich_model, cli, tmp_
                                  "column 1 (char 0)); asking again)\ntokens: 14 in, 6 out\n"))
 
 
+def test_a_budget_spent_on_answers_that_did_not_fit_says_so(server, lich_model, cli, workspace):
+    queue(server, openai_reply('{"age": 3}'), openai_reply("Bo"))
+    code, out, err = cli("--no-session", "--max-turns", "2", "--root", str(workspace), "--schema",
+                         json.dumps(PERSON), "who?")
+    assert (code, out, err.splitlines()[-2:]) == (3, "", [
+        "lich: stopped: the turn budget (2) ran out before an answer that fits the schema; raise --max-turns",
+        "tokens: 14 in, 6 out"])
+    (workspace / "a.txt").write_text("hi\n")
+    queue(server, openai_reply('{"age": 3}'), openai_reply("", ("c1", "read_file", '{"path": "a.txt"}')))
+    code, out, err = cli("--no-session", "--max-turns", "2", "--root", str(workspace), "--schema",
+                         json.dumps(PERSON), "who?")  # the last turn asked for a tool: no answer came
+    assert (code, out, err.splitlines()[-2]) == (
+        3, "", "lich: stopped: the turn budget (2) ran out before a final answer; raise --max-turns")
+
+
 @pytest.mark.parametrize("schema, error", [
     ("{not json", ("lich: --schema is not valid JSON: Expecting property name enclosed in double quotes: "
                    "line 1 column 2 (char 1)\n")),
