@@ -8662,7 +8662,8 @@ class _Cli:
             term.note(f"lich: stopped: the turn budget ({args.max_turns}) ran out before "
                       f"{missed}; {how}")
         elif run.stopped_reason == "final" and run.result.stop_reason == "length":
-            term.note("lich: the answer was cut short: the model reached its output limit")
+            term.note("lich: the answer was cut short: the model reached its output limit or filled its "
+                      "context window")  # "length" stands for both
         elif run.stopped_reason == "final" and run.result.stop_reason in _DECLINED:
             term.note(f"lich: {_DECLINED[run.result.stop_reason]}")
         elif run.stopped_reason == "final" and not (run.final.get("content") or "").strip():

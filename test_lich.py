@@ -10357,7 +10357,7 @@ def test_an_answer_cut_at_the_output_limit_says_so(server, lich_model, cli, stre
     else:
         queue(server, openai_reply("The answer is", finish="length"))
     assert cli(*([] if stream else ["--no-stream"]), "go") == (0, "The answer is\n", (
-        "lich: the answer was cut short: the model reached its output limit\n" + (
+        "lich: the answer was cut short: the model reached its output limit or filled its context window\n" + (
             "" if stream else "tokens: 7 in, 3 out\n")))
 
 
