@@ -4308,7 +4308,8 @@ def test_streamed_content_as_typed_parts_joins_the_text_and_leaves_the_thinking_
 
 @pytest.mark.parametrize("reason, normal", [
     ("stop", "stop"), ("STOP", "stop"), ("eos", "stop"), ("end_turn", "stop"),
-    ("tool_use", "tool_calls"), ("MAX_TOKENS", "length"), ("content_filter", "content_filter"),
+    ("tool_use", "tool_calls"), ("MAX_TOKENS", "length"), ("model_context_window_exceeded", "length"),
+    ("content_filter", "content_filter"),
 ])
 def test_stop_reasons_of_compatible_servers_are_normalised(server, reason, normal):
     server.reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
