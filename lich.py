@@ -1856,6 +1856,7 @@ _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams with
 _STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
 _REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
+_SCHEMAS_REFUSED_KEPT = 100        # schemas an AnthropicChat remembers Anthropic refused
 _MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
 _RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
@@ -3325,7 +3326,7 @@ class AnthropicChat(_HTTPChat):
     the system prompt and the newest message carry ``cache_control`` breakpoints, so each
     turn reads the turns before it from Anthropic's prompt cache. A ``response_format`` is
     sent as ``output_config.format``; a model or server that refuses it gets the schema in
-    the system prompt instead, from then on.
+    the system prompt instead, from then on (only that schema, when the refusal names it).
     """
 
     provider = "anthropic"
@@ -3344,6 +3345,7 @@ class AnthropicChat(_HTTPChat):
         self.max_tokens = max_tokens
         self.cache = cache
         self._format_refused = False  # this model or server has no structured output
+        self._schemas_refused = set()  # the JSON of schemas it refused, the others may go
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
                          stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
@@ -3355,15 +3357,21 @@ class AnthropicChat(_HTTPChat):
                    "signal": signal}
         if response_format is None:
             return super().__call__(messages, **options)
-        if not self._format_refused and _lists_its_properties(response_format["schema"]):
+        schema = json.dumps(response_format["schema"], ensure_ascii=False)
+        if (not self._format_refused and schema not in self._schemas_refused
+                and _lists_its_properties(response_format["schema"])):
             try:
                 return super().__call__(messages, response_format=response_format, **options)
             except ProviderError as e:
                 if e.kind != "bad_request" or not re.search(_FORMAT_REFUSALS, str(e), re.IGNORECASE):
                     raise
-                self._format_refused = True
-        instruction = {"role": "system", "content": _SCHEMA_INSTRUCTION + json.dumps(
-            response_format["schema"], ensure_ascii=False)}
+                if re.search(r"(?i)schema|recursive", str(e)):  # this schema's keywords or depth
+                    if len(self._schemas_refused) >= _SCHEMAS_REFUSED_KEPT:
+                        self._schemas_refused.clear()
+                    self._schemas_refused.add(schema)
+                else:
+                    self._format_refused = True
+        instruction = {"role": "system", "content": _SCHEMA_INSTRUCTION + schema}
         return super().__call__([*messages, instruction], **options)
 
     def _key_required(self):

@@ -5104,6 +5104,23 @@ def test_anthropic_without_structured_output_gets_the_schema_in_the_system_promp
     assert messages == [{"role": "system", "content": "Count."}, *USER]
 
 
+def test_anthropic_refusing_one_schema_still_gets_the_others_as_structured_output(server):
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    queue(server, Reply(400, anthropic_error("invalid_request_error", "output_config.format.schema: For 'integer' "
+                                             "type, property 'minimum' is not supported")),
+          *[anthropic_reply(text_block('{"n": 1}'))] * 3)
+    chat = anthropic_at(server, cache=False)
+    for schema in (bounded, plain, bounded):
+        assert chat(USER, response_format={"name": "output", "schema": schema}).message["content"] == '{"n": 1}'
+    sent = [r["json"] for r in server.requests]
+    assert [body.get("output_config", {}).get("format", {}).get("schema") for body in sent] == [
+        {**bounded, "additionalProperties": False}, None, {**plain, "additionalProperties": False}, None]
+    assert sent[1]["system"] == sent[3]["system"] == (
+        "Answer with one JSON value and nothing else (no prose, no code fence), valid under this JSON Schema: "
+        + json.dumps(bounded))
+
+
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
 def test_anthropic_bodies_from_kept_turns_equal_bodies_made_afresh(server, cache):
     """An AnthropicChat keeps the encoded turns before the newest one: whatever the history
