@@ -646,15 +646,52 @@ _BOUNDS = {"minimum": ("at least", operator.ge), "maximum": ("at most", operator
 _SIZES = {str: ("minLength", "maxLength", "character"), list: ("minItems", "maxItems", "item")}
 
 
-def _bounds_check(value, schema, where, problems):
-    """A number's ``minimum``, ``maximum`` and exclusive ones; a string's ``minLength`` and
-    ``maxLength`` (in characters); an array's ``minItems`` and ``maxItems``. A bound that is
-    no number (draft 4's ``exclusiveMinimum: true``) is let be."""
+def _decimal_parts(number):
+    """``number`` as ``(n, e)`` with ``number == n * 10**e``, as JSON writes it: a float by its
+    shortest repr, so 0.1 is 1 and -1, not the binary fraction nearest a tenth."""
+    if isinstance(number, int):
+        return number, 0
+    mantissa, _, exponent = repr(number).partition("e")
+    whole, _, fraction = mantissa.partition(".")
+    return int(whole + fraction), int(exponent or 0) - len(fraction)
+
+
+def _is_multiple(value, step) -> bool:
+    """Whether ``value`` is a whole multiple of ``step`` (> 0), exactly, in decimal: 0.3 is
+    one of 0.1, though 0.3 / 0.1 is 2.9999999999999996 in floats; big integers stay integers."""
+    if isinstance(value, int) and isinstance(step, int):
+        return value % step == 0
+    (n, e), (d, f) = _decimal_parts(value), _decimal_parts(step)
+    low = min(e, f)
+    return n * 10 ** (e - low) % (d * 10 ** (f - low)) == 0
+
+
+def _json_key(value):
+    """A hashable key equal for values JSON holds equal: 1 and 1.0 alike, true not 1, an
+    object's keys in any order, at any depth."""
+    if isinstance(value, bool) or value is None:
+        return (value,)  # a tuple: (True,) is not 1
+    if isinstance(value, list):
+        return ("array", *map(_json_key, value))
+    if isinstance(value, dict):
+        return ("object", frozenset((k, _json_key(v)) for k, v in value.items()))
+    return value  # a string, or a number: 1 == 1.0 and their hashes agree
+
+
+def _value_check(value, schema, where, problems):
+    """The keywords that hold a value of one type: a number's ``minimum``, ``maximum``, the
+    exclusive ones and ``multipleOf``; a string's ``minLength`` and ``maxLength`` (in
+    characters) and ``pattern`` (Python's ``re.search``); an array's ``minItems``,
+    ``maxItems`` and ``uniqueItems``. A bound that is no number (draft 4's
+    ``exclusiveMinimum: true``) is let be."""
     if _is_number(value):
         for keyword, (words, holds) in _BOUNDS.items():
             bound = schema.get(keyword)
             if _is_number(bound) and not holds(value, bound):
                 problems.append((where, f"{words} {_echo(bound)}", _echo(value)))
+        step = schema.get("multipleOf")
+        if step is not None and not _is_multiple(value, step):
+            problems.append((where, f"a multiple of {_echo(step)}", _echo(value)))
     elif type(value) in _SIZES:
         low, high, unit = _SIZES[type(value)]
         size = len(value)
@@ -664,12 +701,25 @@ def _bounds_check(value, schema, where, problems):
                 bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
                 problems.append((where, f"{words} {_echo(bound)} {unit if bound == 1 else unit + 's'} long",
                                  f"{size} {unit if size == 1 else unit + 's'}"))
+        if isinstance(value, str):
+            pattern = schema.get("pattern")
+            if pattern is not None and not re.search(pattern, value):
+                problems.append((where, f"a string matching {_echo(pattern)}", _echo(value)))
+        elif schema.get("uniqueItems") is True:
+            seen = {}  # each item's key: the index it first stood at
+            for i, item in enumerate(value):
+                first = seen.setdefault(_json_key(item), i)
+                if first != i:
+                    problems.append((where, "an array of unique items",
+                                     f"one with {_echo(value[first])} at [{first}] and [{i}]"))
+                    break
 
 
 def _schema_check(value, schema, where, problems, root=None):
     """``value`` checked against ``schema`` (type, enum, const, anyOf, oneOf, allOf, not,
     $ref into ``root``, items, prefixItems, properties, patternProperties, required,
-    additionalProperties, and the bounds of ``_bounds_check``); each mismatch appends ``(where, expected, got)`` to ``problems``.
+    additionalProperties, and the keywords of ``_value_check``); each mismatch appends
+    ``(where, expected, got)`` to ``problems``.
     Returns the value, an integer made a float where the schema wants only a number, and a
     whole float an int where it wants only an integer."""
     if schema is False:
@@ -701,7 +751,7 @@ def _schema_check(value, schema, where, problems, root=None):
             problems.append((where, 'a value its "not" schema refuses', _echo(value)))
             return value
     if "const" in schema or "enum" in schema:
-        _bounds_check(value, schema, where, problems)  # all keywords hold, these too
+        _value_check(value, schema, where, problems)  # all keywords hold, these too
     if "const" in schema:
         if not _same_json(value, schema["const"]):
             problems.append((where, _echo(schema["const"]), _echo(value)))
@@ -721,7 +771,7 @@ def _schema_check(value, schema, where, problems, root=None):
         problems.append((where, " or ".join(_JSON_TYPES.get(k, k) for k in kinds),
                          _json_kind(value)))
         return value
-    _bounds_check(value, schema, where, problems)
+    _value_check(value, schema, where, problems)
     if isinstance(value, int) and not isinstance(value, bool):
         if "number" not in kinds or "integer" in kinds:
             return value
@@ -801,14 +851,24 @@ def _schema_problem(schema, where, root=None):
         if keyword in schema and not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0
                                       or isinstance(bound, float) and bound.is_integer() and bound >= 0):
             return f'{where}["{keyword}"] must be a whole number of 0 or more, not {_echo(bound)}'
+    step = schema.get("multipleOf")
+    if "multipleOf" in schema and not (_is_number(step) and (isinstance(step, int) or math.isfinite(step))
+                                       and step > 0):
+        return f'{where}["multipleOf"] must be a number greater than 0, not {_echo(step)}'
+    if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
+        return f'{where}["uniqueItems"] must be true or false, not {_echo(schema["uniqueItems"])}'
     if root is not None and "$ref" in schema and _ref_target(root, schema["$ref"]) is None:
         return (f'{where}["$ref"] must point within the schema ("#/$defs/Name"), '
                 f'not {_echo(schema["$ref"])}')
-    for pattern in schema.get("patternProperties") or ():
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            return f'{where}["patternProperties"] has a pattern Python cannot read: {_echo(pattern)} ({e})'
+    if "pattern" in schema and not isinstance(schema["pattern"], str):
+        return f'{where}["pattern"] must be a string, not {_echo(schema["pattern"])}'
+    for keyword, verb, patterns in (("pattern", "is", [schema["pattern"]] if "pattern" in schema else ()),
+                                    ("patternProperties", "has", schema.get("patternProperties") or ())):
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except (re.error, OverflowError) as e:  # OverflowError: a{4294967296}
+                return f'{where}["{keyword}"] {verb} a pattern Python cannot read: {_echo(pattern)} ({e})'
     inner = [(f'{where}["{named}"][{json.dumps(key, ensure_ascii=False)}]', value)
              for named in ("properties", "patternProperties", "$defs", "definitions")
              if isinstance(schema.get(named), dict) for key, value in schema[named].items()]

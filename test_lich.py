@@ -2009,6 +2009,34 @@ def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
     assert problems == ["answer must be one of [1], not [true]"]
 
 
+def test_a_structured_answer_is_held_to_pattern_multiple_of_and_unique_items_and_not_to_format():
+    schema = {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "[0-9]{3}"},  # found anywhere in the string
+        "slug": {"type": "string", "pattern": "^[a-z]+$"},
+        "email": {"type": "string", "format": "email"},  # an annotation, as JSON Schema 2020-12 says
+        "price": {"type": "number", "multipleOf": 0.01},  # 19.99 / 0.01 is 1998.9999999999998 in floats
+        "step": {"multipleOf": 0.1},
+        "dozen": {"type": "integer", "multipleOf": 12},
+        "tags": {"type": "array", "uniqueItems": True}}}
+    problems, outcome = corrections_for(
+        schema,
+        ('{"code": "ab12", "slug": "Ab", "price": 19.999, "step": 0.35, "dozen": 1000000000000000000000000000001, '
+         '"tags": [1, true, {"a": 1, "b": [2]}, 1.0]}'),
+        '{"tags": [{"a": 1, "b": [2]}, [0], {"b": [2.0], "a": 1}]}',
+        ('{"code": "ab123", "slug": "ab", "email": "nobody", "price": 19.99, "step": 0.3, '
+         '"dozen": 1000000000000000000000000000008, "tags": [1, true, "1", [1], [true], {"a": 1}, {"a": true}]}'))
+    assert problems == [
+        ('answer["code"] must be a string matching "[0-9]{3}", not "ab12"; '
+         'answer["slug"] must be a string matching "^[a-z]+$", not "Ab"; '
+         'answer["price"] must be a multiple of 0.01, not 19.999; answer["step"] must be a multiple of 0.1, not 0.35; '
+         'answer["dozen"] must be a multiple of 12, not 1000000000000000000000000000001; '
+         'answer["tags"] must be an array of unique items, not one with 1 at [0] and [3]'),
+        'answer["tags"] must be an array of unique items, not one with {"a": 1, "b": [2]} at [0] and [2]']
+    assert (outcome.stopped_reason, outcome.output) == ("final", {
+        "code": "ab123", "slug": "ab", "email": "nobody", "price": 19.99, "step": 0.3,
+        "dozen": 10 ** 30 + 8, "tags": [1, True, "1", [1], [True], {"a": 1}, {"a": True}]})
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
@@ -2050,10 +2078,22 @@ TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a 
     ({"maximum": float("nan")}, 'output_schema["maximum"] must be a number, not NaN'),
     ({"items": {"maxItems": -1}}, 'output_schema["items"]["maxItems"] must be a whole number of 0 or more, not -1'),
     ({"minLength": 1.5}, 'output_schema["minLength"] must be a whole number of 0 or more, not 1.5'),
+    ({"pattern": "^(x"},
+     'output_schema["pattern"] is a pattern Python cannot read: "^(x" (missing ), unterminated subpattern at position 1)'),
+    ({"properties": {"a": {"pattern": 5}}}, 'output_schema["properties"]["a"]["pattern"] must be a string, not 5'),
+    ({"patternProperties": {"a{4294967296}": {}}},
+     'output_schema["patternProperties"] has a pattern Python cannot read: "a{4294967296}" (the repetition number is too large)'),
+    ({"multipleOf": 0}, 'output_schema["multipleOf"] must be a number greater than 0, not 0'),
+    ({"items": {"multipleOf": -0.5}}, 'output_schema["items"]["multipleOf"] must be a number greater than 0, not -0.5'),
+    ({"multipleOf": float("inf")}, 'output_schema["multipleOf"] must be a number greater than 0, not Infinity'),
+    ({"multipleOf": True}, 'output_schema["multipleOf"] must be a number greater than 0, not true'),
+    ({"uniqueItems": "yes"}, 'output_schema["uniqueItems"] must be true or false, not "yes"'),
 ], ids=["not-an-object", "unknown-type", "no-type", "properties", "enum", "required", "deep", "items",
         "items-by-position", "anyOf", "anyOf-branch", "too-deep", "ref-to-nothing", "ref-outside",
         "in-defs", "allOf", "pattern", "ref-to-an-anchor", "ref-outside-the-defs", "ref-by-a-digit-not-ascii",
-        "minimum-a-string", "maximum-nan", "max-items-below-0", "min-length-not-whole"])
+        "minimum-a-string", "maximum-nan", "max-items-below-0", "min-length-not-whole", "pattern-unreadable",
+        "pattern-not-a-string", "pattern-too-many-repeats", "multiple-of-0", "multiple-of-below-0",
+        "multiple-of-infinity", "multiple-of-a-boolean", "unique-items-not-a-boolean"])
 def test_a_schema_of_the_wrong_shape_is_refused_before_any_call(tmp_path, schema, problem):
     chat = ScriptedChat(assistant("{}"))
     for run in (lambda: lich.run_conversation(chat, None, [user("x")], max_turns=1, output_schema=schema),
