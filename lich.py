@@ -521,6 +521,16 @@ def _is_json_type(value, kind) -> bool:
     return value is None if kind == "null" else True
 
 
+def _type_check(value, kinds, where, problems) -> bool:
+    """Whether ``value`` is of the JSON type ``kinds`` names, or of one it lists (none: any); if
+    not, says so."""
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not kinds or any(_is_json_type(value, k) for k in kinds):
+        return True
+    problems.append((where, " or ".join(_JSON_TYPES.get(k, k) for k in kinds), _json_kind(value)))
+    return False
+
+
 def _any_of_check(value, branches, where, problems, root=None, results=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
     else the problems of the branch that took its type with the fewest (the first of
@@ -750,26 +760,29 @@ def _schema_check(value, schema, where, problems, root=None):
         if not found:
             problems.append((where, 'a value its "not" schema refuses', _echo(value)))
             return value
-    if "const" in schema or "enum" in schema:
-        _value_check(value, schema, where, problems)  # all keywords hold, these too
-    if "const" in schema:
-        if not _same_json(value, schema["const"]):
-            problems.append((where, _echo(schema["const"]), _echo(value)))
-        return schema["const"] if _same_json(value, schema["const"]) else value
-    if "enum" in schema:
-        allowed = schema["enum"]
-        for a in allowed:  # True is not 1, and 2.0 is 2 (given back as the schema writes it)
-            if _same_json(value, a):
-                return a
-        named = ", ".join(json.dumps(a) for a in allowed if a is not None)
-        problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
-                         _echo(value)))
-        return value
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
-    if kinds and not any(_is_json_type(value, k) for k in kinds):
-        problems.append((where, " or ".join(_JSON_TYPES.get(k, k) for k in kinds),
-                         _json_kind(value)))
+    if "const" in schema or "enum" in schema:
+        _value_check(value, schema, where, problems)  # all keywords hold, these too
+        if "const" in schema:
+            if not _same_json(value, schema["const"]):
+                problems.append((where, _echo(schema["const"]), _echo(value)))
+                return value
+            value = schema["const"]
+        if "enum" in schema:
+            allowed = schema["enum"]
+            for fit in allowed:  # True is not 1, and 2.0 is 2 (given back as the schema writes it)
+                if _same_json(value, fit):
+                    value = fit
+                    break
+            else:
+                named = ", ".join(json.dumps(a) for a in allowed if a is not None)
+                problems.append((where, "one of " + named + (" or null" if None in allowed else ""),
+                                 _echo(value)))
+                return value
+        _type_check(value, kinds, where, problems)  # its type holds too, if its values disagree
+        return value
+    if not _type_check(value, kinds, where, problems):
         return value
     _value_check(value, schema, where, problems)
     if isinstance(value, int) and not isinstance(value, bool):

@@ -2037,6 +2037,19 @@ def test_a_structured_answer_is_held_to_pattern_multiple_of_and_unique_items_and
         "dozen": 10 ** 30 + 8, "tags": [1, True, "1", [1], [True], {"a": 1}, {"a": True}]})
 
 
+def test_a_type_beside_enum_or_const_holds_too():
+    schema = {"type": "object", "properties": {"level": {"type": "string", "enum": ["low", "high", 3]},
+                                               "n": {"type": "integer", "enum": [1, 2.5]},
+                                               "on": {"type": "boolean", "const": 1}}}
+    problems, outcome = corrections_for(schema, '{"level": 3, "n": 2.5, "on": 1}', '{"level": "mid", "on": true}',
+                                        '{"level": "low", "n": 1.0}')
+    assert problems == [
+        ('answer["level"] must be a string, not an integer; answer["n"] must be an integer, not a number; '
+         'answer["on"] must be a boolean, not an integer'),
+        'answer["level"] must be one of "low", "high", 3, not "mid"; answer["on"] must be 1, not true']
+    assert outcome.output == {"level": "low", "n": 1}
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
