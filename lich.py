@@ -531,12 +531,20 @@ def _type_check(value, kinds, where, problems) -> bool:
     return False
 
 
+def _takes_type(value, schema, root) -> bool:
+    """Whether ``schema``, or the one its ``$ref`` names, has a ``type`` that ``value`` is of."""
+    while isinstance(schema, dict) and "type" not in schema and "$ref" in schema and root is not None:
+        schema = _ref_target(root, schema["$ref"])  # no loop: the check before a run refuses one
+    return isinstance(schema, dict) and "type" in schema and _type_check(value, schema["type"], "", [])
+
+
 def _any_of_check(value, branches, where, problems, root=None, results=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
-    else the problems of the branch that took its type with the fewest (the first of
-    equals); else one problem naming them all. ``results`` are the branches' own
-    ``(checked, problems)`` when the caller has them already."""
-    refusals, within = [], None
+    else, when each is an enum or null, one problem naming their values; else the problems
+    of the branch that took its type (of its ``type``, or failing only within it) with the
+    fewest (the first of equals); else one problem naming them all. ``results`` are the
+    branches' own ``(checked, problems)`` when the caller has them already."""
+    refusals, taken = [], None
     for i, branch in enumerate(branches):
         if results is None:
             found = []
@@ -545,16 +553,17 @@ def _any_of_check(value, branches, where, problems, root=None, results=None):
             checked, found = results[i]
         if not found:
             return checked
-        if any(at != where for at, _, _ in found) and (within is None or len(found) < len(within)):
-            within = found  # its type fitted, something within did not: a later branch may fit
+        if (taken is None or len(found) < len(taken)) and (
+                any(at != where for at, _, _ in found) or _takes_type(value, branch, root)):
+            taken = found  # its type fitted, a bound or something within did not: tell that
         refusals.append(found[0])
-    if within is not None:
-        problems.extend(within)
-    elif all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
+    if all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
         allowed = [a for b in branches for a in b.get("enum", [None])]
         named = ", ".join(json.dumps(a) for a in allowed if a is not None)
         expected = "null" if not named else "one of " + named + (" or null" if None in allowed else "")
         problems.append((where, expected, _echo(value)))
+    elif taken is not None:
+        problems.extend(taken)
     else:
         expected = dict.fromkeys(e for _, e, _ in refusals)  # each once, in order
         problems.append((where, " or ".join(expected), refusals[0][2]))

@@ -2050,6 +2050,23 @@ def test_a_type_beside_enum_or_const_holds_too():
     assert outcome.output == {"level": "low", "n": 1}
 
 
+def test_an_answer_no_branch_of_an_any_of_fits_is_told_what_failed_in_the_branch_of_its_type():
+    schema = {"type": "object", "properties": {
+        "size": {"anyOf": [{"type": "integer"}, {"type": "string", "minLength": 2}]},
+        "currency": {"anyOf": [{"type": "string", "pattern": "^[A-Z]{3}$"}, {"type": "null"}]},
+        "id": {"anyOf": [{"$ref": "#/$defs/Code"}, {"type": "integer", "minimum": 0}]}},
+        "$defs": {"Code": {"type": "string", "maxLength": 3}}}
+    problems, outcome = corrections_for(schema, '{"size": "L", "currency": "usd", "id": "abcd"}',
+                                        '{"size": 1.5, "id": -1}', '{"id": true}', '{"size": "XL", "id": 7}')
+    assert problems == [
+        ('answer["size"] must be at least 2 characters long, not 1 character; '
+         'answer["currency"] must be a string matching "^[A-Z]{3}$", not "usd"; '
+         'answer["id"] must be at most 3 characters long, not 4 characters'),
+        'answer["size"] must be an integer or a string, not a number; answer["id"] must be at least 0, not -1',
+        'answer["id"] must be a string or an integer, not a boolean']
+    assert outcome.output == {"size": "XL", "id": 7}
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
