@@ -10692,6 +10692,26 @@ def test_an_edit_is_shown_among_the_files_own_lines(server, lich_model, workspac
     assert (workspace / "calc.py").read_bytes() == b"import math\r\n\r\ndef add(a, b):\r\n    return a + b\r\n"
 
 
+def test_an_edit_of_lines_ending_in_crlf_is_shown_among_the_files_own_lines(server, lich_model, workspace):
+    (workspace / "calc.py").write_bytes(b"import math\r\n\r\ndef add(a, b):\r\n    return a - b\r\n")
+    # old_text spans two lines, ended by a \n as the model read them: the file's \r\n matches it
+    queue(server, tool_reply(("c1", "edit_file", json.dumps({
+        "path": "calc.py", "old_text": "def add(a, b):\n    return a - b", "new_text": "def add(a, b):\n    return a + b"}))),
+          stream_reply("Done."))
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("fix it")
+    shown = term.expect("[t] always edit_file: ")
+    assert shown.endswith("→ edit_file calc.py\n  --- a/calc.py\n  +++ b/calc.py\n  @@ -2,3 +2,3 @@\n"
+                          "   \n   def add(a, b):\n  -    return a - b\n  +    return a + b\n"
+                          "  allow? [y]es / [N]o / [a]lways this file / [t] always edit_file: ")
+    term.send("y")
+    assert "→ edit_file calc.py ✓ +2 -2\nDone.\n" in term.expect(PROMPT)  # the lines of old_text and new_text
+    term.send("\x04")
+    assert term.close() == 0
+    assert (workspace / "calc.py").read_bytes() == b"import math\r\n\r\ndef add(a, b):\r\n    return a + b\r\n"
+
+
 def test_an_approvals_diff_of_forty_lines_is_shown_whole_and_a_longer_one_cut_in_the_middle(server, lich_model,
                                                                                              workspace):
     def write(call_id, path, n):
