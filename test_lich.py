@@ -10589,6 +10589,32 @@ def test_ctrl_d_at_an_approval_declines_on_a_line_of_its_own(server, lich_model,
     assert not (workspace / "later").exists()
 
 
+@pytest.mark.parametrize("key", ["ctrl-c", "ctrl-d"])
+def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_so(server, lich_model, workspace,
+                                                                                   fake_mcp, key):
+    import signal as signals
+
+    command, log = fake_mcp
+    queue(server, tool_reply(("c1", "first", '{"x": 1}')), openai_reply("Not then."))
+    term = Pty("--mcp", " ".join(command), "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    assert term.expect("[t] always first: ").endswith(
+        '→ first\n  {"x": 1}\n  allow? [y]es / [N]o / [a]lways this call / [t] always first: ')
+    if key == "ctrl-c":
+        term.signal_at_prompt(signals.SIGINT)
+        assert term.close() == 130
+        assert term.rest == ("\ninterrupted; stopping (Ctrl-C again to quit)\n"
+                             "→ first ✗ interrupted before the user answered\nlich: stopped: interrupted\n")
+        assert len(server.requests) == 1
+    else:
+        term.send("\x04")
+        assert term.close() == 0
+        assert term.rest.startswith("\n→ first ✗ the user declined this call\n") and "Not then." in term.rest
+        assert json.loads(server.requests[1]["json"]["messages"][-1]["content"])["error"] == (
+            "the user declined this call")
+    assert [m["method"] for m in received(log) if "method" in m] == [
+        "initialize", "notifications/initialized", "tools/list", "tools/list"]  # and no tools/call
+
+
 @pytest.mark.parametrize("yes, always, tool", [("y", "a", "t"), ("Yes", "always", " TOOL ")],
                          ids=["letters", "words"])
 def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server, lich_model, workspace, yes, always,
