@@ -9532,6 +9532,35 @@ def test_a_process_pool_whose_worker_dies_still_gives_every_task_a_result(tmp_pa
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "1"]
 
 
+def test_a_batch_whose_executor_breaks_as_its_signal_is_set_says_the_signal_stopped_it():
+    import concurrent.futures
+
+    signal = threading.Event()
+
+    class BreakingExecutor(concurrent.futures.Executor):
+        """Runs the first task at once; at the second its pool breaks as Ctrl-C comes."""
+
+        def __init__(self):
+            self.submitted = 0
+
+        def submit(self, fn, *args, **kwargs):
+            self.submitted += 1
+            if self.submitted > 1:
+                signal.set()
+                raise concurrent.futures.BrokenExecutor("a worker died")
+            future = concurrent.futures.Future()
+            future.set_result(fn(*args, **kwargs))
+            return future
+
+    executor = BreakingExecutor()
+    results = lich.run_batch(["a", "b", "c"], chat=lambda messages, **_: lich.ChatResult(assistant("fine")),
+                             executor=executor, workers=2, max_turns=1, signal=signal)
+    assert executor.submitted == 2
+    assert [(r.id, r.ok, r.final, r.error) for r in results] == [
+        ("0", True, "fine", None), ("1", False, None, "not started: the signal was set"),
+        ("2", False, None, "not started: the signal was set")]
+
+
 @pytest.mark.parametrize("stop", ["signal", "max_errors"])
 def test_a_stopped_batch_takes_back_the_tasks_waiting_in_the_executors_queue(stop):
     import concurrent.futures
