@@ -10927,6 +10927,17 @@ def test_list_sessions_names_the_first_runs_folder_and_model_and_the_prompt_afte
                                           f"m-first     3 messages  summarise it\n"), "")
 
 
+def test_list_sessions_finds_a_run_start_that_comes_after_the_first_records(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = write_records(d / "20260101T000000Z-1.jsonl", msg({"role": "system", "content": "sys"}),
+                         *[msg(m) for m in (user("first"), assistant("a"), user("second"), assistant("b"))],
+                         meta(event="note"), run_start(5, 5, cwd=tmp_path, model="m-late"), msg(user("third")))
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    assert cli("--list-sessions") == (0, (f"20260101T000000Z-1  2023-11-14 22:13  {os.path.realpath(tmp_path)}  "
+                                          f"m-late     6 messages  first\n"), "")
+
+
 def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli, tmp_path):
     big = "b" * 10_000_000
     d = tmp_path / "sessions"
