@@ -8263,8 +8263,12 @@ class _LazySession:
             self._write_waiting()
 
     def append_meta(self, meta):
-        if meta.get("event") == "run_start" and self.waiting == []:
-            self.waiting.append(("append_meta", meta))  # a new run: wait for its answer
+        if meta.get("event") == "run_start" and self.waiting is not None and all(
+                method == "append_message" for method, _ in self.waiting):
+            # A new run: it waits for its answer. The messages a run that got none left
+            # waiting come after this start, as in any session: -c reads only a file's
+            # first records for the run_start that names its folder.
+            self.waiting.insert(0, ("append_meta", meta))
             return
         self._append("append_meta", meta)
 

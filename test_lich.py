@@ -11512,6 +11512,36 @@ def test_a_resumed_chats_first_turn_that_got_no_answer_is_not_in_the_new_session
     assert messages[0] == server.requests[-1]["json"]["messages"][0]
 
 
+def test_a_resumed_chat_whose_first_turn_got_no_answer_records_its_run_start_first_and_continue_takes_it(
+        server, lich_model, tmp_path, cli, workspace):
+    queue(server, openai_reply("first answer"), openai_reply("second answer"))
+    cli("--no-stream", "--root", str(workspace), "first")
+    cli("--no-stream", "--root", str(workspace), "-c", "second")
+    earlier = sessions_in(tmp_path)
+    queue(server, Reply(400, openai_error("bad request")), stream_reply("fourth answer"))
+    term = chat_pty("--root", str(workspace), "-c", tmp_path=tmp_path)
+    term.expect(PROMPT)
+    for text in ("the third", "fourth"):
+        term.send(text)
+        term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    [resumed] = [p for p in sessions_in(tmp_path) if p not in earlier]
+    system = server.requests[-1]["json"]["messages"][0]
+    # as a session whose first turn was answered: the run that got none left no record
+    assert records(resumed) == [
+        run_start(6, 5, cwd=workspace, model="gpt-test"),
+        *[msg(m) for m in (system, user("first"), assistant("first answer"), user("second"),
+                           assistant("second answer"), user("fourth"), assistant("fourth answer"))],
+        meta(event="run_end", stopped_reason="final", usage={"input_tokens": 0, "output_tokens": 0})]
+    queue(server, openai_reply("fifth answer"))
+    code, out, err = cli("--no-stream", "--root", str(workspace), "-c", "fifth")
+    assert (code, out) == (0, "fifth answer\n")
+    assert err.startswith(f"resumed {resumed.stem}: 7 messages\n")
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == [
+        "first", "first answer", "second", "second answer", "fourth", "fourth answer", "fifth"]
+
+
 def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, workspace):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "fail this"}\n\n'
