@@ -8192,7 +8192,8 @@ class _Approvals:
             return ["$ " + _visible(str(args.get("command", ""))).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
         if name == "edit_file":
-            before, old, new = self._text_of(path), str(args.get("old_text", "")), str(args.get("new_text", ""))
+            before = self._text_of(path)  # its \r\n read as \n, as edit_file matches old_text
+            old, new = (str(args.get(key, "")).replace("\r\n", "\n") for key in ("old_text", "new_text"))
             if old and before.count(old) == 1:  # the file's own lines around the change
                 old, new = before, before.replace(old, new)
             return [_visible(line) for line in _diff_lines(old, new, path)]

@@ -10747,11 +10747,15 @@ def test_an_edit_is_shown_among_the_files_own_lines(server, lich_model, workspac
     assert (workspace / "calc.py").read_bytes() == b"import math\r\n\r\ndef add(a, b):\r\n    return a + b\r\n"
 
 
-def test_an_edit_of_lines_ending_in_crlf_is_shown_among_the_files_own_lines(server, lich_model, workspace):
+@pytest.mark.parametrize("line_end", ["\n", "\r\n"], ids=["lf", "crlf"])
+def test_an_edit_of_lines_ending_in_crlf_is_shown_among_the_files_own_lines(server, lich_model, workspace,
+                                                                           line_end):
     (workspace / "calc.py").write_bytes(b"import math\r\n\r\ndef add(a, b):\r\n    return a - b\r\n")
-    # old_text spans two lines, ended by a \n as the model read them: the file's \r\n matches it
+    # old_text spans two lines, ended by a \n as the model read them or by the file's own \r\n:
+    # the file's \r\n matches either
     queue(server, tool_reply(("c1", "edit_file", json.dumps({
-        "path": "calc.py", "old_text": "def add(a, b):\n    return a - b", "new_text": "def add(a, b):\n    return a + b"}))),
+        "path": "calc.py", "old_text": f"def add(a, b):{line_end}    return a - b",
+        "new_text": f"def add(a, b):{line_end}    return a + b"}))),
           stream_reply("Done."))
     term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
     term.expect(PROMPT)
