@@ -8267,8 +8267,8 @@ class _LazySession:
         if meta.get("event") == "run_start" and self.waiting is not None and all(
                 method == "append_message" for method, _ in self.waiting):
             # A new run: it waits for its answer. The messages a run that got none left
-            # waiting come after this start, as in any session: -c reads only a file's
-            # first records for the run_start that names its folder.
+            # waiting come after this start, as in any session: -c reads a file up to its
+            # first run_start, which names its folder.
             self.waiting.insert(0, ("append_meta", meta))
             return
         self._append("append_meta", meta)
@@ -8362,13 +8362,12 @@ def _session_summary(path) -> dict:
 
 
 def _session_folder(path):
-    """The ``cwd`` of a session's first run_start, read from its first records."""
-    for i, record in enumerate(_session_records(path)):
+    """The ``cwd`` of a session's first run_start, as --list-sessions names it. The file is
+    read up to that record only: a history seeded before the first run comes before it."""
+    for record in _session_records(path):
         meta = record.get("meta")
         if isinstance(meta, dict) and meta.get("event") == "run_start":
             return meta.get("cwd")
-        if i > 2:
-            return None
     return None
 
 

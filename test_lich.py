@@ -11067,6 +11067,23 @@ def test_continue_picks_the_latest_session_of_this_folder(server, lich_model, cl
     assert len(server.requests) == 3
 
 
+def test_continue_finds_a_run_start_that_comes_after_the_first_records(server, lich_model, cli, tmp_path):
+    here = tmp_path / "here"
+    here.mkdir()
+    d = tmp_path / "sessions"
+    d.mkdir()
+    # as --list-sessions does: a history seeded before the first run (an older lich wrote such files)
+    path = write_records(d / "20260101T000000Z-1.jsonl", msg({"role": "system", "content": "sys"}),
+                         *[msg(m) for m in (user("first"), assistant("a"), user("second"), assistant("b"))],
+                         meta(event="note"), run_start(5, 5, cwd=here, model="m-late"))
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    queue(server, openai_reply("continued"))
+    assert cli("--no-stream", "-c", "--root", str(here), "go on") == (0, "continued\n", (
+        "resumed 20260101T000000Z-1: 5 messages\nyou: second\nlich: b\n" + USAGE_LINE))
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == [  # after lich's system prompt
+        "first", "a", "second", "b", "go on"]
+
+
 def test_list_sessions_shows_each_sessions_folder_model_size_and_prompt(server, lich_model, cli, tmp_path, workspace):
     queue(server, openai_reply("one"), openai_reply("two"))
     cli("--no-stream", "--root", str(workspace), "first prompt\nwith two lines")
