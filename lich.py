@@ -7311,9 +7311,17 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     errors = 0
     running = {}
     broken = None  # why the executor takes no more tasks
+    first_stop = None  # what first kept new tasks from starting: "signal", "broken", "errors"
+
+    def stopped_by(cause):  # a signal set by then is named first: it came no later
+        nonlocal first_stop
+        if first_stop is None:
+            first_stop = "signal" if signal is not None and signal.is_set() else cause
+
     try:
         while pending or running:
             if signal is not None and signal.is_set():
+                stopped_by("signal")
                 stopping.set()
             stop = stopping.is_set() or broken is not None or (
                 max_errors is not None and errors >= max_errors)
@@ -7331,6 +7339,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                         submitted = pool.submit(_run_task, *args)
                 except futures.BrokenExecutor as exc:  # a worker's death broke the pool
                     broken = f"the executor takes no more tasks: {_error_text(exc)}"
+                    stopped_by("broken")
                     break
                 running[submitted] = pending.pop(0)
             if not running:
@@ -7348,6 +7357,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                     result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
                 results[task["id"]] = result
                 errors += not result.ok and result.stopped_reason is None
+                if max_errors is not None and errors >= max_errors:
+                    stopped_by("errors")
                 if fd is not None:
                     os.write(fd, _json_line(asdict(result)))
                 if on_result is not None:
@@ -7360,7 +7371,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
             pool.shutdown(wait=True)
         if fd is not None:
             _close_results_file(fd)
-    why = "the signal was set" if signal is not None and signal.is_set() else broken or \
+    why = {"signal": "the signal was set", "broken": broken}.get(first_stop) or \
         f"{errors} {'task' if errors == 1 else 'tasks'} failed (max_errors={max_errors})"
     return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,
                                                    error=f"not started: {why}")

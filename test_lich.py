@@ -9603,6 +9603,21 @@ def test_the_signal_stops_a_batch_between_tasks(batch_server, workspace):
     assert {r.error for r in results[1:]} == {"not started: the signal was set"}
 
 
+def test_a_batch_names_what_stopped_it_first_max_errors_before_a_later_signal():
+    signal = threading.Event()
+
+    def chat(messages, **_):
+        if messages[-1]["content"] == "fail":
+            raise lich.ProviderError("refused", "bad_request")
+        return lich.ChatResult(assistant("fine"))
+
+    # the failure reaches max_errors; the user's Ctrl-C comes as it is shown, after
+    results = lich.run_batch(["fine", "fail", "fine", "fine"], chat=chat, workers=1, max_turns=1, max_errors=1,
+                             signal=signal, on_result=lambda r: r.ok or signal.set())
+    assert [(r.ok, r.error) for r in results] == [
+        (True, None), (False, "bad_request: refused")] + [(False, "not started: 1 task failed (max_errors=1)")] * 2
+
+
 def _waiting_chat(messages, *, signal=None, **_):
     """Answers "fast" at once; any other prompt waits up to 30 s for the signal."""
     if messages[-1]["content"] != "fast":
