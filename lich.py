@@ -542,9 +542,11 @@ def _any_of_check(value, branches, where, problems, root=None, results=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
     else, when each is an enum or null, one problem naming their values; else the problems
     of the branch that took its type (of its ``type``, or failing only within it) with the
-    fewest (the first of equals); else one problem naming them all. ``results`` are the
-    branches' own ``(checked, problems)`` when the caller has them already."""
-    refusals, taken = [], None
+    fewest (the first of equals; when such branches each fail once at one place, as the
+    branches of a tagged union fail on the tag, one problem naming what each wants there);
+    else one problem naming them all. ``results`` are the branches' own ``(checked,
+    problems)`` when the caller has them already."""
+    refusals, taken = [], []
     for i, branch in enumerate(branches):
         if results is None:
             found = []
@@ -553,17 +555,21 @@ def _any_of_check(value, branches, where, problems, root=None, results=None):
             checked, found = results[i]
         if not found:
             return checked
-        if (taken is None or len(found) < len(taken)) and (
-                any(at != where for at, _, _ in found) or _takes_type(value, branch, root)):
-            taken = found  # its type fitted, a bound or something within did not: tell that
+        if any(at != where for at, _, _ in found) or _takes_type(value, branch, root):
+            taken.append(found)  # its type fitted, a bound or something within did not: tell that
         refusals.append(found[0])
+    least = min(map(len, taken), default=0)
+    fewest = [found for found in taken if len(found) == least]
     if all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):
         allowed = [a for b in branches for a in b.get("enum", [None])]
         named = ", ".join(json.dumps(a) for a in allowed if a is not None)
         expected = "null" if not named else "one of " + named + (" or null" if None in allowed else "")
         problems.append((where, expected, _echo(value)))
-    elif taken is not None:
-        problems.extend(taken)
+    elif least == 1 and len(fewest) > 1 and len({(at, got) for (at, _, got), in fewest}) == 1:
+        (at, _, got), = fewest[0]
+        problems.append((at, " or ".join(dict.fromkeys(e for (_, e, _), in fewest)), got))
+    elif taken:
+        problems.extend(fewest[0])
     else:
         expected = dict.fromkeys(e for _, e, _ in refusals)  # each once, in order
         problems.append((where, " or ".join(expected), refusals[0][2]))

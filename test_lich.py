@@ -2067,6 +2067,24 @@ def test_an_answer_no_branch_of_an_any_of_fits_is_told_what_failed_in_the_branch
     assert outcome.output == {"size": "XL", "id": 7}
 
 
+def test_an_answer_no_branch_of_a_tagged_union_fits_is_told_every_branchs_tag():
+    # Pydantic's discriminated union: each branch fails on its tag alone, so all are named
+    schema = {"type": "object", "properties": {"pet": {
+        "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        "discriminator": {"propertyName": "kind", "mapping": {"cat": "#/$defs/Cat", "dog": "#/$defs/Dog"}}}},
+        "required": ["pet"], "$defs": {
+            "Cat": {"type": "object", "properties": {"kind": {"const": "cat", "type": "string"}, "lives": {
+                "type": "integer"}}, "required": ["kind"]},
+            "Dog": {"type": "object", "properties": {"kind": {"const": "dog", "type": "string"}, "good": {
+                "type": "boolean"}}, "required": ["kind"]}}}
+    problems, outcome = corrections_for(schema, '{"pet": {"kind": "bird"}}', '{"pet": {"kind": "cat", "lives": "9"}}',
+                                        '{"pet": {"kind": "dog", "lives": 9}}')
+    assert problems == [
+        'answer["pet"]["kind"] must be "cat" or "dog", not "bird"',
+        'answer["pet"]["lives"] must be an integer, not a string']  # where the branches fail apart: the first
+    assert outcome.output == {"pet": {"kind": "dog", "lives": 9}}
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
