@@ -668,6 +668,7 @@ def _same_json(value, allowed) -> bool:
 _BOUNDS = {"minimum": ("at least", operator.ge), "maximum": ("at most", operator.le),
            "exclusiveMinimum": ("greater than", operator.gt),
            "exclusiveMaximum": ("less than", operator.lt)}
+_DRAFT_4_EXCLUSIVE = {"minimum": "exclusiveMinimum", "maximum": "exclusiveMaximum"}  # as booleans
 _SIZES = {str: ("minLength", "maxLength", "character"), list: ("minItems", "maxItems", "item")}
 
 
@@ -707,11 +708,13 @@ def _value_check(value, schema, where, problems):
     """The keywords that hold a value of one type: a number's ``minimum``, ``maximum``, the
     exclusive ones and ``multipleOf``; a string's ``minLength`` and ``maxLength`` (in
     characters) and ``pattern`` (Python's ``re.search``); an array's ``minItems``,
-    ``maxItems`` and ``uniqueItems``. A bound that is no number (draft 4's
-    ``exclusiveMinimum: true``) is let be."""
+    ``maxItems`` and ``uniqueItems``. Draft 4's ``exclusiveMinimum: true`` (or
+    ``exclusiveMaximum``) makes ``minimum`` (``maximum``) exclusive."""
     if _is_number(value):
         for keyword, (words, holds) in _BOUNDS.items():
             bound = schema.get(keyword)
+            if schema.get(_DRAFT_4_EXCLUSIVE.get(keyword)) is True:
+                words, holds = _BOUNDS[_DRAFT_4_EXCLUSIVE[keyword]]
             if _is_number(bound) and not holds(value, bound):
                 problems.append((where, f"{words} {_echo(bound)}", _echo(value)))
         step = schema.get("multipleOf")

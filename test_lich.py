@@ -1980,19 +1980,20 @@ def test_a_structured_answer_is_held_to_its_bounds_of_numbers_lengths_and_items(
         "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "name": {"type": "string", "minLength": 1, "maxLength": 5},
         "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 2},
-        "old": {"minimum": 1, "exclusiveMinimum": True}}}  # draft 4's boolean form is let be
+        # draft 4's boolean form: true makes minimum or maximum exclusive
+        "old": {"minimum": 1, "exclusiveMinimum": True, "maximum": 9, "exclusiveMaximum": False}}}
     problems, outcome = corrections_for(
-        schema, '{"age": -1, "score": 0, "name": "", "tags": ["a", "b", "c"], "old": 2}',
+        schema, '{"age": -1, "score": 0, "name": "", "tags": ["a", "b", "c"], "old": 9}',
         '{"age": 150, "score": 1.5, "name": "Ramona", "tags": [], "old": 1}',
-        '{"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1}')
+        '{"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1.5}')
     assert problems == [
         ('answer["age"] must be at least 0, not -1; answer["score"] must be greater than 0, not 0; '
          'answer["name"] must be at least 1 character long, not 0 characters; '
          'answer["tags"] must be at most 2 items long, not 3 items'),
         ('answer["age"] must be less than 150, not 150; answer["score"] must be at most 1, not 1.5; '
          'answer["name"] must be at most 5 characters long, not 6 characters; '
-         'answer["tags"] must be at least 1 item long, not 0 items')]
-    assert outcome.output == {"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1}
+         'answer["tags"] must be at least 1 item long, not 0 items; answer["old"] must be greater than 1, not 1')]
+    assert outcome.output == {"age": 149, "score": 1, "name": "Ana", "tags": ["x"], "old": 1.5}
     # beside enum and const the bounds hold too; a bound of more digits than Python writes is named
     problems, outcome = corrections_for({"enum": [1, 5], "minimum": 3, "maxLength": 2.0}, "1", "5")
     assert (problems, outcome.output) == (["answer must be at least 3, not 1"], 5)
