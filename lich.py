@@ -538,7 +538,19 @@ def _takes_type(value, schema, root) -> bool:
     return isinstance(schema, dict) and "type" in schema and _type_check(value, schema["type"], "", [])
 
 
-def _any_of_check(value, branches, where, problems, root=None, results=None):
+def _branch_check(value, branch, where, root, memo):
+    """``value`` checked against one branch of an anyOf or oneOf, as ``(checked, problems)``:
+    once a walk for each value, branch and place. Branches that recurse (an expression tree's
+    Add and Mul, each holding either) met a failing answer's depths again from each branch,
+    twice as long a level. The entry holds the value, so its id is not reused meanwhile."""
+    key = (id(value), id(branch), where)
+    if key not in memo:
+        found = []
+        memo[key] = (value, _schema_check(value, branch, where, found, root, memo), found)
+    return memo[key][1:]
+
+
+def _any_of_check(value, branches, where, problems, root, memo, results=None):
     """``value`` checked against ``anyOf`` ``branches``: as the first that it fits made it;
     else, when each is an enum or null, one problem naming their values; else the problems
     of the branch that took its type (of its ``type``, or failing only within it) with the
@@ -548,11 +560,7 @@ def _any_of_check(value, branches, where, problems, root=None, results=None):
     problems)`` when the caller has them already."""
     refusals, taken = [], []
     for i, branch in enumerate(branches):
-        if results is None:
-            found = []
-            checked = _schema_check(value, branch, where, found, root)
-        else:
-            checked, found = results[i]
+        checked, found = _branch_check(value, branch, where, root, memo) if results is None else results[i]
         if not found:
             return checked
         if any(at != where for at, _, _ in found) or _takes_type(value, branch, root):
@@ -576,17 +584,14 @@ def _any_of_check(value, branches, where, problems, root=None, results=None):
     return value
 
 
-def _one_of_check(value, branches, where, problems, root):
+def _one_of_check(value, branches, where, problems, root, memo):
     """``value`` checked against ``oneOf`` ``branches``: it must fit exactly one."""
-    results = []
-    for branch in branches:  # each once: checking them again would double at every level
-        found = []
-        results.append((_schema_check(value, branch, where, found, root), found))
+    results = [_branch_check(value, branch, where, root, memo) for branch in branches]
     fits = [checked for checked, found in results if not found]
     if len(fits) == 1:
         return fits[0]
     if not fits:
-        return _any_of_check(value, branches, where, problems, root, results)
+        return _any_of_check(value, branches, where, problems, root, memo, results)
     problems.append((where, f"valid under exactly one of its oneOf schemas (it fits {len(fits)})",
                      _echo(value)))
     return value
@@ -743,13 +748,14 @@ def _value_check(value, schema, where, problems):
                     break
 
 
-def _schema_check(value, schema, where, problems, root=None):
+def _schema_check(value, schema, where, problems, root=None, memo=None):
     """``value`` checked against ``schema`` (type, enum, const, anyOf, oneOf, allOf, not,
     $ref into ``root``, items, prefixItems, properties, patternProperties, required,
     additionalProperties, and the keywords of ``_value_check``); each mismatch appends
     ``(where, expected, got)`` to ``problems``.
     Returns the value, an integer made a float where the schema wants only a number, and a
     whole float an int where it wants only an integer."""
+    memo = {} if memo is None else memo  # one for the walk: see _branch_check
     if schema is False:
         problems.append((where, "absent (the schema allows no value here)", _echo(value)))
         return value
@@ -757,24 +763,24 @@ def _schema_check(value, schema, where, problems, root=None):
         return value
     if root is not None and "$ref" in schema:
         count = len(problems)
-        value = _schema_check(value, _ref_target(root, schema["$ref"]), where, problems, root)
+        value = _schema_check(value, _ref_target(root, schema["$ref"]), where, problems, root, memo)
         if len(problems) > count:
             return value
     for keyword, check in (("anyOf", _any_of_check), ("oneOf", _one_of_check)):
         if keyword in schema:
             count = len(problems)
-            value = check(value, schema[keyword], where, problems, root)
+            value = check(value, schema[keyword], where, problems, root, memo)
             if len(problems) > count:
                 return value
     if "allOf" in schema:
         count = len(problems)
         for branch in schema["allOf"]:
-            value = _schema_check(value, branch, where, problems, root)
+            value = _schema_check(value, branch, where, problems, root, memo)
         if len(problems) > count:
             return value
     if "not" in schema:
         found = []
-        _schema_check(value, schema["not"], where, found, root)
+        _schema_check(value, schema["not"], where, found, root, memo)
         if not found:
             problems.append((where, 'a value its "not" schema refuses', _echo(value)))
             return value
@@ -820,7 +826,7 @@ def _schema_check(value, schema, where, problems, root=None):
         if not positional and rest is None:
             return value
         return [_schema_check(item, positional[i] if i < len(positional) else rest,
-                              f"{where}[{i}]", problems, root)
+                              f"{where}[{i}]", problems, root, memo)
                 for i, item in enumerate(value)]
     if isinstance(value, dict):
         properties = schema.get("properties") or {}
@@ -831,14 +837,14 @@ def _schema_check(value, schema, where, problems, root=None):
             path = f"{where}[{json.dumps(key, ensure_ascii=False)}]"
             matched = [s for pattern, s in patterns.items() if re.search(pattern, key)]
             if key in properties:
-                checked[key] = _schema_check(item, properties[key], path, problems, root)
+                checked[key] = _schema_check(item, properties[key], path, problems, root, memo)
             elif not matched and extra is False:
                 problems.append((path, "absent (no such property)", _echo(item)))
             elif not matched:
-                checked[key] = _schema_check(item, extra, path, problems, root)
+                checked[key] = _schema_check(item, extra, path, problems, root, memo)
             for pattern_schema in matched:
                 checked[key] = _schema_check(checked.get(key, item), pattern_schema, path,
-                                             problems, root)
+                                             problems, root, memo)
         for key in schema.get("required") or ():
             if key not in value:
                 problems.append((f"{where}[{json.dumps(key)}]", "present (it is required)",
