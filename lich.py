@@ -1782,7 +1782,7 @@ def _clean_message(message) -> Optional[dict]:
     if type(message) is not dict:
         return None
     role = message.get("role")
-    if role not in _MESSAGE_ROLES:
+    if type(role) is not str or role not in _MESSAGE_ROLES:  # a list or object is unhashable
         return None
     content = message.get("content")
     if type(content) is not str:

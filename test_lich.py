@@ -3003,6 +3003,13 @@ def test_read_session_messages_is_lenient(tmp_path):
                                                assistant("second"), assistant("")]
 
 
+def test_read_session_messages_skips_a_role_that_is_no_string(tmp_path):
+    # a list or an object cannot be looked up among the roles (unhashable): skipped, not raised
+    path = write_records(tmp_path / "s.jsonl", msg(user("q")), msg({"role": ["user"], "content": "x"}),
+                         msg({"role": {"user": 1}, "content": "x"}), msg(assistant("a")))
+    assert lich.read_session_messages(path) == [user("q"), assistant("a")]
+
+
 def test_read_session_messages_drops_every_trailing_user_message(tmp_path):
     path = write_records(tmp_path / "s.jsonl", msg(user("q")), msg(assistant("a")),
                          msg(user("retry 1")), meta(event="run_error", error="x"), msg(user("retry 2")))
