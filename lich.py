@@ -1905,7 +1905,8 @@ def _session_order(name):
     """A session name as a sort key: its stamp, then its counter as a number (-10 after -9)."""
     stamp, _, rest = name.partition("-")
     counter = rest.split("-", 1)[0].split(".", 1)[0]
-    return (stamp, int(counter) if counter.isdigit() else -1, name)
+    # isdecimal, not isdigit: "²" is a digit that int() refuses
+    return (stamp, int(counter) if counter.isdecimal() else -1, name)
 
 
 def resolve_session(session_dir, ref) -> str:
@@ -2966,7 +2967,7 @@ def _choice_error(chat, choice, beside=None):
     text, codes = _error_fields(choice)
     label = f" ({codes[0]})" if codes else ""
     kind, retryable = "server", None
-    if codes and codes[0].isdigit() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
+    if codes and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
         kind, retryable = _status_kind(int(codes[0]), text or "", codes)
     return chat._error(f"the answer failed mid-generation{label}: "
                        f"{_redact_secrets(text) if text else 'no reason given'}", kind,

@@ -2986,6 +2986,15 @@ def test_list_sessions_breaks_a_tie_of_times_by_the_counter(tmp_path):
     assert [os.path.basename(p) for p in lich.list_sessions(tmp_path)] == names[::-1]
 
 
+def test_list_sessions_orders_a_counter_of_other_digits_as_no_counter(tmp_path):
+    # "²".isdigit() holds but int("²") raises: such a counter sorts as none, before the others
+    names = ["20261130T120000Z-2.jsonl", "20261130T120000Z-1.jsonl", "20261130T120000Z-\u00b2.jsonl"]
+    for name in names:
+        (tmp_path / name).write_text("")
+        os.utime(tmp_path / name, (1_700_000_000, 1_700_000_000))
+    assert [os.path.basename(p) for p in lich.list_sessions(tmp_path)] == names
+
+
 # --- reading ---
 
 
@@ -3483,7 +3492,8 @@ def test_an_answer_that_failed_mid_generation_is_a_retryable_server_error(server
 @pytest.mark.parametrize("code, said, kind, retryable", [
     (429, "upstream said no", "rate_limit", True), (400, "upstream said no", "bad_request", False),
     (400, "This endpoint's maximum context length is 8192 tokens", "overflow", False),
-    ("provider_error", "upstream said no", "server", True)])
+    ("provider_error", "upstream said no", "server", True),
+    ("4\u00b2\u00b2", "upstream said no", "server", True)])  # "²".isdigit() holds; no status all the same
 def test_an_answer_that_failed_mid_generation_is_of_the_kind_its_code_says(server, code, said, kind, retryable):
     server.reply(200, {"choices": [{"index": 0, "finish_reason": "error", "message": {"role": "assistant", "content": ""},
                                     "error": {"code": code, "message": said}}]})
