@@ -2399,11 +2399,19 @@ def _watched_adapter_class():
     return WatchedAdapter
 
 
+def _no_redirect_target(response) -> None:
+    """None, for every response: no redirect for requests to follow; each 3xx is lich's."""
+
+
 def _new_http_session(url):
     """A requests session for ``url`` whose proxies and CA bundle are read from the
     environment now, not on every request (which costs requests ~0.25 ms a call)."""
     requests = _requests()
     session = requests.Session()
+    # Even with allow_redirects=False, requests readies the next request of a redirect: it
+    # reads the whole body, however long, and parses the Location, raising ValueError on
+    # one that is no URL. With no target it hands the response over as it came.
+    session.get_redirect_target = _no_redirect_target
     adapter = _watched_adapter_class()()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -2590,11 +2598,17 @@ class _HTTPChat:
             if status in (301, 302, 303, 307, 308) and response.headers.get("location"):
                 from urllib.parse import urljoin
 
-                target = urljoin(url, response.headers["location"])
                 response.close()
-                if _origin(target) != _origin(url):  # a key must not follow the conversation
+                try:
+                    target = urljoin(url, response.headers["location"])
+                    origin = _origin(target)
+                except ValueError as e:  # "http://[::1", a port past 65535
+                    raise self._error(f"HTTP {status}: redirected to a Location that is no URL "
+                                      f"({_redact_secrets(str(e))})", "invalid_response",
+                                      status=status) from None
+                if origin != _origin(url):  # a key must not follow the conversation
                     raise self._error(f"HTTP {status}: redirected to another origin, "
-                                      f"{_redact_url(_origin(target))}, which lich does not "
+                                      f"{_redact_url(origin)}, which lich does not "
                                       f"follow; set the base URL to where the API is",
                                       "not_found", status=status)
                 if status in (307, 308):

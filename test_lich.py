@@ -4001,6 +4001,37 @@ def test_a_redirect_within_the_origin_is_followed_with_the_same_request(server):
         ("/v2/chat/completions", {"model": "gpt-test", "messages": USER})]
 
 
+@pytest.mark.parametrize("status", [302, 307])
+@pytest.mark.parametrize("location, reason", [
+    ("http://[::1/v1", "Invalid IPv6 URL"), ("http://127.0.0.1:99999/v1", "Port out of range 0-65535")],
+    ids=["bracket", "port"])
+def test_a_redirect_whose_location_is_no_url_is_an_invalid_response(server, status, location, reason):
+    server.reply(status, "", headers={"Location": location})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.status, info.value.retryable, str(info.value)) == (
+        "invalid_response", status, False, f"openai: HTTP {status}: redirected to a Location that is no URL ({reason})")
+    assert len(server.requests) == 1
+
+
+def test_a_redirects_body_is_not_read(server):
+    # the body's end is held back: reading it (as requests does to follow a redirect) would wait
+    hold = threading.Event()
+    server.reply(301, chunks=["x" * 1000, "y"], hold=hold, headers={"Location": "/v2/chat/completions"})
+
+    def call():
+        try:
+            openai_at(server)(USER)
+        except lich.ProviderError as e:
+            return str(e)
+
+    try:
+        said = finishes(call, timeout=2)
+    finally:
+        hold.set()
+    assert said == f"openai: HTTP 301: redirected to {server.url}/v2/chat/completions; set the base URL to where the API is"
+
+
 # --- wire ---
 
 
@@ -8884,6 +8915,13 @@ def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
     with pytest.raises(lich.MCPError) as info:
         lich.mcp_tools(server.url + "/nothing")
     assert str(info.value) == f"the MCP server {server.url}/nothing answered HTTP 404: no such page"
+
+
+def test_an_mcp_http_url_that_redirects_is_an_mcp_error_whatever_its_location(server):
+    server.responder = lambda request: Reply(302, "moved", headers={"Location": "http://[::1/mcp"})
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(server.url + "/mcp")
+    assert str(info.value) == f"the MCP server {server.url}/mcp answered HTTP 302: moved"
 
 
 def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
