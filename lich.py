@@ -2713,8 +2713,8 @@ class _HTTPChat:
         parts = []
         held = ""  # a high surrogate that ended an event: its pair's other half comes next
         for event, data in events:
-            if data == b"[DONE]":
-                state.done = True
+            if data == b"[DONE]":  # OpenAI's end; in another dialect's stream, an early one
+                state.done = state.end_marker == "[DONE]"
                 break
             try:
                 payload = _json_of(data)
@@ -3358,7 +3358,9 @@ class _AnthropicStream:
         self.model = self.stop = None
         self.usage = _zero_usage()
         self.blocks = {}  # index -> None (text, thinking, ...) or [id, name, [json fragments], input]
-        self.thinking = {}  # index -> a thinking or redacted_thinking block, as it grows
+        # index -> a thinking or redacted_thinking block, its texts as lists of the pieces
+        # that came, joined at the end: adding each piece to a string copied it every time
+        self.thinking = {}
 
     def feed(self, event, payload):
         kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
@@ -3371,9 +3373,9 @@ class _AnthropicStream:
                 return _content_text(delta["text"])
             block = self.thinking.get(index)
             if delta.get("type") == "thinking_delta" and block is not None:
-                block["thinking"] += _content_text(delta["thinking"]) or ""
+                block["thinking"].append(_content_text(delta["thinking"]) or "")
             elif delta.get("type") == "signature_delta" and block is not None:
-                block["signature"] += _content_text(delta["signature"]) or ""
+                block["signature"].append(_content_text(delta["signature"]) or "")
             if delta.get("type") == "input_json_delta" and self.blocks[index] is not None:
                 fragment = delta["partial_json"]
                 if not isinstance(fragment, str):
@@ -3390,7 +3392,9 @@ class _AnthropicStream:
                 if block["type"] == "text":
                     return _content_text(block.get("text"))
                 if block["type"] in _THINKING_BLOCKS:
-                    self.thinking[payload["index"]] = _thinking_block(block)
+                    self.thinking[payload["index"]] = {
+                        key: value if key == "type" else [value]
+                        for key, value in _thinking_block(block).items()}
         elif kind == "message_start":
             message = payload["message"]
             self.model = message.get("model")
@@ -3409,7 +3413,10 @@ class _AnthropicStream:
         return self.done
 
     def reasoning(self):
-        return {"thinking": list(self.thinking.values())} if self.thinking else None
+        if not self.thinking:
+            return None
+        return {"thinking": [{key: value if key == "type" else "".join(value)
+                              for key, value in block.items()} for block in self.thinking.values()]}
 
     def calls(self):
         calls = []

@@ -5082,6 +5082,31 @@ def test_anthropic_stream_text_tool_use_pings_and_usage(server):
                                           "messages": USER, "stream": True}
 
 
+def test_an_anthropic_stream_that_says_done_before_message_stop_is_an_invalid_response(server):
+    # [DONE] is OpenAI's end: in an Anthropic stream it ends the stream early, what follows unread
+    body = anthropic_sse(message_start(), block_start(0, text_block("")),
+                         block_delta(0, type="text_delta", text="Hi"), message_delta("end_turn", 2))
+    server.reply(200, chunks=[body + "data: [DONE]\n\n", anthropic_sse(MESSAGE_STOP)])
+    with pytest.raises(lich.ProviderError) as info:
+        anthropic_at(server, stream=True)(USER)
+    assert (info.value.kind, info.value.retryable, str(info.value)) == (
+        "invalid_response", False, "anthropic: invalid response: stream ended before message_stop")
+
+
+def test_anthropic_streamed_thinking_is_assembled_in_linear_time(server):
+    count, piece = 80_000, "t" * 300  # 24 MB of thinking: adding each piece to a string took minutes
+    body = anthropic_sse(
+        message_start(), block_start(0, {"type": "thinking", "thinking": "", "signature": ""}),
+        *[block_delta(0, type="thinking_delta", thinking=piece)] * count,
+        block_delta(0, type="signature_delta", signature="s"), block_delta(0, type="signature_delta", signature="ig"),
+        block_start(1, tool_use_block("toolu_a", "clock", {})), message_delta("tool_use", 2), MESSAGE_STOP)
+    server.reply(200, chunks=[body])
+    got = finishes(lambda: anthropic_at(server, stream=True, timeout=60)(USER), timeout=10)
+    expected = result("", ("toolu_a", "clock", "{}"), usage=(25, 2), model="claude-test-1", stop="tool_calls")
+    expected.message["thinking"] = [{"type": "thinking", "thinking": piece * count, "signature": "sig"}]
+    assert got == expected
+
+
 def test_anthropic_stream_error_event_overloaded_is_retryable(server):
     body = anthropic_sse(message_start(), block_start(0, text_block("")),
                          block_delta(0, type="text_delta", text="Hi"),
