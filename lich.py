@@ -1998,10 +1998,11 @@ def _unreachable_reason(error) -> str:
 
 
 def _count(value):
-    """A token count from a usage field: an int, or 0 when absent or not a number."""
+    """A token count from a usage field: an int, or 0 when absent, not a number or negative
+    (a negative count would lower a run's total)."""
     if isinstance(value, float) and math.isfinite(value):
-        return int(value)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        value = int(value)
+    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _normalise_stop(reason):
@@ -2746,8 +2747,13 @@ class _HTTPChat:
                               "invalid_response")
         return ChatResult(message=_assistant_message("".join(parts), state.calls(),
                                                      state.reasoning()),
-                          usage=state.usage, model=state.model or self.model,
+                          usage=state.usage, model=self._answered_model(state.model),
                           stop_reason=_normalise_stop(state.stop))
+
+    def _answered_model(self, model):
+        """The model an answer names; the one asked for when it names none (or names it
+        with a number or an object, which ChatResult.model may not be)."""
+        return model if isinstance(model, str) and model else self.model
 
     # -- the request body, from messages encoded once --
 
@@ -3262,7 +3268,7 @@ class OpenAIChat(_HTTPChat):
         return ChatResult(message=_assistant_message(content, calls, {"reasoning_content": thought}
                                                      if isinstance(thought, str) and thought else None),
                           usage=_openai_usage(usage) if isinstance(usage, dict) else _zero_usage(),
-                          model=data.get("model") or self.model,
+                          model=self._answered_model(data.get("model")),
                           stop_reason=_normalise_stop(choice.get("finish_reason")))
 
 
@@ -3634,7 +3640,7 @@ class AnthropicChat(_HTTPChat):
         return ChatResult(message=_assistant_message("".join(texts), calls,
                                                      {"thinking": thinking} if thinking else None),
                           usage=usage,
-                          model=data.get("model") or self.model,
+                          model=self._answered_model(data.get("model")),
                           stop_reason=_normalise_stop(data.get("stop_reason")))
 
 

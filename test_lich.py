@@ -4628,10 +4628,21 @@ def test_a_base_url_that_is_not_http_is_refused():
                  result("", ("call_0", "clock", "{}"), ("call_1", "weather", '{"city": "Oslo"}'),
                         model="gpt-test"),
                  id="calls-without-ids-and-object-arguments"),
+    pytest.param({**openai_reply("Hi", model={"name": "gpt-test-1"}), "usage": {
+                     "prompt_tokens": -12, "completion_tokens": -5.5,
+                     "prompt_tokens_details": {"cached_tokens": -3}, "completion_tokens_details": {"reasoning_tokens": -1}}},
+                 result("Hi", usage=usage(0, 0, cache_read_tokens=0, reasoning_tokens=0), model="gpt-test", stop="stop"),
+                 id="model-not-a-string-negative-counts"),
 ])
 def test_openai_answer_becomes_a_chat_result(server, body, expected):
     server.reply(200, body)
     assert openai_at(server)(USER) == expected
+
+
+def test_an_openai_stream_whose_model_is_no_string_and_counts_negative_gives_the_models_name_and_0(server):
+    server.reply(200, chunks=[openai_sse({**delta_chunk(content="Hi"), "model": 5}, delta_chunk(finish="stop"),
+                                         {"choices": [], "usage": {"prompt_tokens": -9, "completion_tokens": -2}})])
+    assert openai_at(server, stream=True)(USER) == result("Hi", usage=(0, 0), model="gpt-test", stop="stop")
 
 
 def test_openai_refusal_with_null_content_is_the_answer_text(server):
@@ -5049,6 +5060,21 @@ def test_anthropic_key_comes_from_the_environment(server, monkeypatch):
 def test_anthropic_answer_becomes_a_chat_result(server, body, expected):
     server.reply(200, body)
     assert anthropic_at(server)(USER) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_anthropic_answer_whose_model_is_no_string_and_counts_negative_gives_the_models_name_and_0(server, stream):
+    counts = {"input_tokens": -7, "output_tokens": -3, "cache_read_input_tokens": -100,
+              "cache_creation_input_tokens": -10}
+    if stream:
+        start = message_start()
+        start["message"].update(model=["claude-test-1"], usage=counts)
+        server.reply(200, chunks=[anthropic_sse(start, block_start(0, text_block("4")), message_delta("end_turn", -3),
+                                                MESSAGE_STOP)])
+    else:
+        server.reply(200, {**anthropic_reply(text_block("4"), model=["claude-test-1"]), "usage": counts})
+    assert anthropic_at(server, stream=stream)(USER) == result(
+        "4", usage=usage(0, 0, cache_read_tokens=0, cache_write_tokens=0), model="claude-test", stop="stop")
 
 
 def test_anthropic_stream_text_tool_use_pings_and_usage(server):
