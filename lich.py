@@ -245,6 +245,17 @@ def _redact_log_record(record) -> bool:
     return True
 
 
+def _writable(text: str) -> str:
+    """``text`` with each lone surrogate made U+FFFD. JSON may escape one ("\\ud800") and
+    json.loads keeps it, but no UTF-8 stream can write it: an error that carried one raised
+    UnicodeEncodeError wherever it was printed or logged."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return re.sub("[\ud800-\udfff]", "\ufffd", text)
+    return text
+
+
 _JSON_ESCAPE = r"\\u([0-9a-fA-F]{4})"
 
 
@@ -2801,7 +2812,8 @@ class _HTTPChat:
 
     def _error(self, message, kind, **fields):
         # what came from outside (bodies, exception texts) is redacted where it enters
-        return ProviderError(f"{self.provider}: {message}", kind, provider=self.provider, **fields)
+        return ProviderError(f"{self.provider}: {_writable(message)}", kind, provider=self.provider,
+                             **fields)
 
     def _invalid(self, reason, body):
         return self._error(f"invalid response: {reason}: {_snippet(body)!r}", "invalid_response")
@@ -6186,7 +6198,7 @@ def _rpc_result(answer) -> dict:
     the answer is an error."""
     if "error" in answer:
         error = answer["error"] if isinstance(answer["error"], dict) else {}
-        raise _RPCError(error.get("code"), str(error.get("message") or answer["error"]))
+        raise _RPCError(error.get("code"), _writable(str(error.get("message") or answer["error"])))
     return answer.get("result") if isinstance(answer.get("result"), dict) else {}
 
 

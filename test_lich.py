@@ -3628,6 +3628,25 @@ def test_provider_errors_and_reprs_never_carry_the_key(server):
     assert [t for t in texts if SECRET in t] == []
 
 
+@pytest.mark.parametrize("at, reply, said", [
+    ("openai", Reply(400, '{"error": {"message": "bad \\ud800 thing", "type": "x"}}', content_type="application/json"),
+     "openai: HTTP 400 (x): bad \ufffd thing"),
+    ("anthropic", Reply(200, chunks=[sse(("error", ('{"type": "error", "error": {"type": "api_error", '
+                                                    '"message": "bad \\udfff thing"}}')))]),
+     "anthropic: error event in stream (api_error): bad \ufffd thing"),
+    ("openai", Reply(200, '{"choices": [{"finish_reason": "error", "error": {"message": "half \\ud83d"}}]}',
+                     content_type="application/json"),
+     "openai: the answer failed mid-generation: half \ufffd"),
+], ids=["http-error", "stream-error-event", "mid-generation"])
+def test_a_lone_surrogate_in_a_servers_error_text_becomes_a_replacement_character(server, at, reply, said):
+    # a lone surrogate cannot be written as UTF-8: printing the error, or logging it, raised
+    server.replies.append(reply)
+    with pytest.raises(lich.ProviderError) as info:
+        (openai_at if at == "openai" else anthropic_at)(server, stream=True)(USER)
+    assert str(info.value) == said
+    assert str(info.value).encode() == said.encode()
+
+
 def test_anthropic_thinking_goes_back_with_its_tool_calls_and_blank_text_does_not(server):
     redacted = {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix/LafPsn4a"}
     thought = {"type": "thinking", "thinking": "Two cities.", "signature": "c2ln"}
@@ -8973,6 +8992,14 @@ def test_an_mcp_http_url_that_redirects_is_an_mcp_error_whatever_its_location(se
     with pytest.raises(lich.MCPError) as info:
         lich.mcp_tools(server.url + "/mcp")
     assert str(info.value) == f"the MCP server {server.url}/mcp answered HTTP 302: moved"
+
+
+def test_a_lone_surrogate_in_an_mcp_servers_error_becomes_a_replacement_character(server):
+    server.responder = lambda request: Reply(200, '{"jsonrpc": "2.0", "id": 1, "error": {"code": -32600, '
+                                                  '"message": "no \\ud800 way"}}', content_type="application/json")
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(server.url + "/mcp")
+    assert str(info.value) == f"the MCP server {server.url}/mcp refused to start a session: no \ufffd way"
 
 
 def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
