@@ -6196,7 +6196,7 @@ class _SessionExpired(_Gone):
 def _rpc_result(answer) -> dict:
     """The result of a JSON-RPC answer (an empty dict when it holds none); _RPCError when
     the answer is an error."""
-    if "error" in answer:
+    if answer.get("error") is not None:  # "error": null beside a result is no error
         error = answer["error"] if isinstance(answer["error"], dict) else {}
         raise _RPCError(error.get("code"), _writable(str(error.get("message") or answer["error"])))
     return answer.get("result") if isinstance(answer.get("result"), dict) else {}
@@ -6230,7 +6230,9 @@ def _mcp_content(result) -> str:
         elif kind == "resource_link":
             lines.append(f"[resource: {item.get('uri', '?')}]")
         elif kind == "resource":
-            lines.append(f"[resource: {(item.get('resource') or {}).get('uri', '?')}]")
+            resource = item.get("resource")
+            uri = resource.get("uri", "?") if isinstance(resource, dict) else "?"
+            lines.append(f"[resource: {uri}]")
         else:
             lines.append(f"[{kind} content]")
     if not lines and result.get("structuredContent") is not None:
@@ -6863,7 +6865,7 @@ class MCPTools:
             "protocolVersion": _MCP_PROTOCOL, "capabilities": {},
             "clientInfo": {"name": "lich", "version": __version__}}, self.timeout, None)
         protocol = result.get("protocolVersion")
-        if protocol not in _MCP_PROTOCOLS:
+        if not isinstance(protocol, str) or protocol not in _MCP_PROTOCOLS:  # a list: unhashable
             raise MCPError(f"the MCP server {self.name} speaks protocol {protocol!r}, which lich "
                            f"does not ({', '.join(sorted(_MCP_PROTOCOLS))})")
         self.protocol = self._server.protocol = protocol
@@ -6889,18 +6891,45 @@ class MCPTools:
                     _log.warning("cannot list the tools of the MCP server %s: %s", self.name,
                                  e.args[-1] if e.args else e)
                     return []
-                tools += [t for t in page.get("tools") or () if isinstance(t, dict)
-                          and isinstance(t.get("name"), str)]
+                listed = page.get("tools")
+                if listed is not None and not isinstance(listed, list):
+                    _log.warning("cannot list the tools of the MCP server %s: its tools are %s, "
+                                 "not an array", self.name, _json_kind(listed))
+                    return []
+                tools += listed or ()
                 cursor = page.get("nextCursor")
                 if not cursor:
                     break
+            tools = self._usable(tools)
             if changes == self._changes:  # else the list changed meanwhile: asked for again next
                 self._tools = tools
         offered = [(self._offered_name(t["name"]), t) for t in tools]
         self._names = {name: t["name"] for name, t in offered if name != self.prefix + t["name"]}
-        return [{"name": name, "description": t.get("description") or "",
-                 "parameters": t.get("inputSchema") or {"type": "object", "properties": {}}}
+        return [{"name": name,
+                 "description": t["description"] if isinstance(t.get("description"), str) else "",
+                 "parameters": t["inputSchema"] if isinstance(t.get("inputSchema"), dict)
+                 and t["inputSchema"] else {"type": "object", "properties": {}}}
                 for name, t in offered]
+
+    def _usable(self, listed) -> list:
+        """The listed tools lich can offer: objects with a string name, each name once (a
+        provider refuses a name offered twice); the others skipped with a warning."""
+        usable, names = [], set()
+        for tool in listed:
+            name = tool.get("name") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict):
+                _log.warning("the MCP server %s listed a tool that is %s, not an object: lich "
+                             "skips it", self.name, _json_kind(tool))
+            elif not isinstance(name, str):
+                _log.warning("the MCP server %s listed a tool whose name is %s, not a string: "
+                             "lich skips it", self.name, _json_kind(name))
+            elif name in names:
+                _log.warning("the MCP server %s listed the tool %r twice: lich offers the first",
+                             self.name, name)
+            else:
+                names.add(name)
+                usable.append(tool)
+        return usable
 
     def _request(self, method, params, signal):
         """The server's result; a session that an HTTP server forgot gets a new handshake
@@ -6930,6 +6959,13 @@ class MCPTools:
             params = {"name": real if real is not None else name[len(self.prefix):],
                       "arguments": _arguments_object(name, call.get("arguments"))}  # as Tools does
             result = self._request("tools/call", params, signal)
+            content = result.get("content")
+            if content is not None and not isinstance(content, list):
+                _log.warning("the MCP server %s answered the call of %s with content that is %s, "
+                             "not an array: lich leaves it out", self.name, params["name"],
+                             _json_kind(content))
+                result = {**result, "content": []}
+            text = _truncate(_mcp_content(result), DEFAULT_MAX_OUTPUT_CHARS)  # as a Tools' tool is
         except _Cut as cut:
             return ToolResult(ok=False, error="aborted" if cut.args[0] == "aborted"
                               else f"timed out after {self.timeout:g} s")
@@ -6942,7 +6978,6 @@ class MCPTools:
         except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
-        text = _truncate(_mcp_content(result), DEFAULT_MAX_OUTPUT_CHARS)  # as a Tools' tool is
         if result.get("isError"):
             return ToolResult(ok=False, error=text or "the tool reported an error")
         return ToolResult(ok=True, output=text)

@@ -8980,6 +8980,88 @@ def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_ho
     assert sent == ["initialize"] + ["tools/list"] * 100 + ["tools/call"] * 4
 
 
+def mcp_answering(server, *, initialize=None, tools=(), calls=None):
+    """Makes the loopback server a Streamable HTTP MCP server that answers initialize with
+    ``initialize`` (the result, or the whole answer when it holds "jsonrpc"), tools/list with
+    ``tools`` (the list as given: any JSON) and tools/call of a name with ``calls[name]`` (the
+    same way)."""
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            return Reply(405, "")
+        if "id" not in body:  # a notification
+            return Reply(202, "")
+        if body["method"] == "initialize":
+            result = initialize or {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
+        elif body["method"] == "tools/list":
+            result = {"tools": tools}
+        else:
+            result = (calls or {})[body["params"]["name"]]
+        answer = result if "jsonrpc" in result else {"jsonrpc": "2.0", "result": result}
+        return Reply(200, {**answer, "id": body["id"]})
+
+    server.responder = respond
+    return server.url + "/mcp"
+
+
+@pytest.mark.parametrize("protocol", [["2025-06-18"], {"version": "2025-06-18"}], ids=["array", "object"])
+def test_an_mcp_handshake_whose_protocol_is_no_string_is_an_mcp_error(server, protocol):
+    url = mcp_answering(server, initialize={"protocolVersion": protocol, "capabilities": {}})
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(url)
+    assert str(info.value) == (f"the MCP server {url} speaks protocol {protocol!r}, which lich does not "
+                               f"(2024-11-05, 2025-03-26, 2025-06-18, 2025-11-25)")
+
+
+def test_an_mcp_answer_whose_error_is_null_beside_its_result_is_that_result(server):
+    url = mcp_answering(server, initialize={"jsonrpc": "2.0", "error": None, "result": {"protocolVersion": "2025-06-18"}},
+                        tools=[{"name": "echo"}], calls={"echo": {"jsonrpc": "2.0", "error": None, "result": {
+                            "content": [{"type": "text", "text": "echoed"}]}}})
+    with lich.mcp_tools(url) as tools:
+        assert (tools.protocol, tools.run(tool_call("echo"))) == ("2025-06-18", lich.ToolResult(ok=True, output="echoed"))
+
+
+def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(server, caplog):
+    url = mcp_answering(server, tools=[
+        {"name": "a", "description": 5, "inputSchema": "no schema"}, {"name": "a", "description": "again"}, 7,
+        {"name": ["b"]}, {"name": "c", "description": "fine", "inputSchema": {"type": "object"}}, {"name": "a"}])
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert tools.specs() == [
+            {"name": "a", "description": "", "parameters": {"type": "object", "properties": {}}},
+            {"name": "c", "description": "fine", "parameters": {"type": "object"}}]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {url} listed the tool 'a' twice: lich offers the first",
+        f"the MCP server {url} listed a tool that is an integer, not an object: lich skips it",
+        f"the MCP server {url} listed a tool whose name is an array, not a string: lich skips it",
+        f"the MCP server {url} listed the tool 'a' twice: lich offers the first"]
+
+
+@pytest.mark.parametrize("listed, kind", [(5, "an integer"), ("abc", "a string"), ({"name": "x"}, "an object")],
+                         ids=["integer", "string", "object"])
+def test_mcp_tools_listed_as_no_array_are_no_tools_with_a_warning(server, caplog, listed, kind):
+    url = mcp_answering(server, tools=listed)
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert tools.specs() == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"cannot list the tools of the MCP server {url}: its tools are {kind}, not an array"]
+
+
+@pytest.mark.parametrize("result, output, warned", [
+    ({"content": 5}, "", "an integer"),
+    ({"content": "text"}, "", "a string"),
+    ({"content": {"type": "text", "text": "an object"}, "structuredContent": {"n": 1}}, '{"n": 1}', "an object"),
+    ({"content": [5, "text", None, {"type": "text", "text": "kept"}]}, "kept", None),
+    ({"content": [{"type": "resource", "resource": "file:///a.txt"}]}, "[resource: ?]", None),
+], ids=["integer", "string", "object-beside-structured", "items-no-objects", "resource-no-object"])
+def test_an_mcp_calls_content_of_bad_shapes_is_left_out(server, caplog, result, output, warned):
+    url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": result})
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("t")) == lich.ToolResult(ok=True, output=output)
+    assert [r.getMessage() for r in caplog.records] == ([
+        (f"the MCP server {url} answered the call of t with content that is {warned}, not an array: "
+         "lich leaves it out")] if warned else [])
+
+
 def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
     server.responder = lambda request: Reply(404, "no such page")
     with pytest.raises(lich.MCPError) as info:
