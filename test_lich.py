@@ -23,6 +23,11 @@ import lich
 
 HERE = Path(__file__).resolve().parent
 LICH_PY = HERE / "lich.py"
+# The command line as a child process starts as `python lich.py` does (__main__, argv[0] and
+# sys.path[0] as there) but from lich's bytecode cache: a script by path is compiled at each
+# start (some 80 ms for lich.py). The tests of what only a start by path shows use LICH_PY.
+LICH = ("-c", (f"import runpy, sys; sys.path[0] = {str(HERE)!r}; "
+               "runpy.run_module('lich', run_name='__main__', alter_sys=True)"))
 # Responses recorded from the providers' APIs (not shipped): LICH_TEST_FIXTURES names their folder
 FIXTURES = Path(os.environ.get("LICH_TEST_FIXTURES") or HERE.parent / "shared" / "fixtures" / "providers")
 NO_FIXTURES = f"the recorded provider responses are absent ({FIXTURES}; set LICH_TEST_FIXTURES)"
@@ -790,8 +795,8 @@ class Process:
 
 
 class Pty:
-    """``python lich.py ARGS`` on a pseudo-terminal: stdin, stdout (unless given a file) and
-    stderr are the terminal.
+    """lich ARGS (started as ``python lich.py ARGS`` is) on a pseudo-terminal: stdin, stdout
+    (unless given a file) and stderr are the terminal.
 
     ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
     ``columns`` gives the terminal a width (else it has none, and lich takes 100).
@@ -806,7 +811,7 @@ class Pty:
             import termios
 
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        self.proc = subprocess.Popen([sys.executable, str(LICH_PY), *args], stdin=slave,
+        self.proc = subprocess.Popen([sys.executable, *LICH, *args], stdin=slave,
                                      stdout=slave if stdout is None else stdout, stderr=slave,
                                      env={**os.environ, **(env or {})}, close_fds=True)
         os.close(slave)
@@ -8258,7 +8263,7 @@ def _bash_then(server, command, then="Done."):
 def test_a_key_read_from_lichs_own_environ_is_redacted_everywhere(server, tmp_path, workspace):
     key = "sk-proc-Zq8Wm3Kp7Xv2Ln5Rt9"
     _bash_then(server, "tr '\\0' '\\n' < /proc/$PPID/environ | grep OPENAI_API_KEY; env | grep -c OPENAI_API_KEY || true")
-    code, out, err = Process(LICH_PY, "--yolo", "--json", "--root", workspace, "look",
+    code, out, err = Process(*LICH, "--yolo", "--json", "--root", workspace, "look",
                              env={"LICH_MODEL": f"openai:gpt-test@{server.url}/v1", "OPENAI_API_KEY": key}).wait()
     assert code == 0, err
     tool_result = server.requests[1]["json"]["messages"][-1]["content"]
@@ -8291,7 +8296,7 @@ def test_lich_with_tools_is_not_dumpable_so_its_environ_cannot_be_read(server, r
     request.addfinalizer(lambda: shutil.rmtree(ws, ignore_errors=True))
     _bash_then(server, "cat /proc/$PPID/environ > /dev/null && echo READABLE || echo REFUSED")
     env = {**os.environ, "LICH_MODEL": f"openai:gpt-test@{server.url}/v1", "OPENAI_API_KEY": "sk-x-1234567890ab"}
-    proc = subprocess.run([*prefix, sys.executable, str(LICH_PY), "--yolo", "--no-session", "--no-stream",
+    proc = subprocess.run([*prefix, sys.executable, *LICH, "--yolo", "--no-session", "--no-stream",
                            "--root", str(ws), "look"], env=env, capture_output=True, text=True, timeout=60,
                           cwd=str(ws), check=False)
     assert proc.returncode == 0, proc.stderr
@@ -8304,7 +8309,7 @@ def test_a_running_shell_command_dies_with_lich_however_lich_ends(server, lich_m
     import signal as signals
 
     _bash_then(server, "echo $$ > shell.pid; sleep 300 & echo $! > child.pid; wait")
-    child = Process(LICH_PY, "--yolo", "--no-stream", "--no-session", "--root", workspace, "run it")
+    child = Process(*LICH, "--yolo", "--no-stream", "--no-session", "--root", workspace, "run it")
     eventually(lambda: (workspace / "child.pid").exists() and (workspace / "child.pid").read_text().strip(),
                20, "the command never started")
     pids = [int((workspace / name).read_text()) for name in ("shell.pid", "child.pid")]
@@ -10220,7 +10225,7 @@ def test_otel_without_the_sdk_is_a_usage_error_naming_the_packages(lich_model):
 def test_otel_sends_the_runs_spans_to_the_console_exporter_on_stderr(server, lich_model):
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
     queue(server, openai_reply("traced"))
-    code, out, err = Process(LICH_PY, "--otel", "--no-stream", "hi",
+    code, out, err = Process(*LICH, "--otel", "--no-stream", "hi",
                              env={"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "lich-test"}).wait()
     assert (code, out) == (0, "traced\n"), err
     names = re.findall(r'"name": "([^"]+)"', err)
@@ -10233,11 +10238,11 @@ def test_otel_exports_with_otlp_unless_told_otherwise_as_the_sdk_does(server, li
 
     if any(d.metadata["Name"] == "opentelemetry-exporter-otlp-proto-http" for d in distributions()):
         pytest.skip("an OTLP exporter is installed here")
-    assert Process(LICH_PY, "--otel", "hi").wait() == (2, "", (
+    assert Process(*LICH, "--otel", "hi").wait() == (2, "", (
         "lich: --otel: no OpenTelemetry exporter named 'otlp' is installed "
         "(for otlp: pip install opentelemetry-exporter-otlp)\n"))
     queue(server, openai_reply("untraced"))
-    assert Process(LICH_PY, "--otel", "-q", "--no-stream", "hi", env={"OTEL_TRACES_EXPORTER": "none"}).wait() == (
+    assert Process(*LICH, "--otel", "-q", "--no-stream", "hi", env={"OTEL_TRACES_EXPORTER": "none"}).wait() == (
         0, "untraced\n", "")
 
 
@@ -10369,7 +10374,7 @@ def test_help_lists_the_options():
 def test_piped_bytes_that_are_not_utf8_are_replaced(server, lich_model, encoding):
     # the process's own stdin, as PYTHONIOENCODING sets it up
     queue(server, openai_reply("ok"))
-    assert Process(LICH_PY, "--no-stream", "summarise", input=b"caf\xe9 \xff\xfe\nend\n",
+    assert Process(*LICH, "--no-stream", "summarise", input=b"caf\xe9 \xff\xfe\nend\n",
                    env={"PYTHONIOENCODING": encoding}).wait() == (0, b"ok\n", USAGE_LINE.encode())
     piped = "```\ncaf\ufffd \ufffd\ufffd\nend\n```\n\nsummarise"
     assert server.requests[0]["json"]["messages"][-1] == user(piped)
@@ -10383,7 +10388,7 @@ def test_json_lines_are_utf8_whatever_the_file_names(server, lich_model, tmp_pat
     ws.mkdir()
     (ws / os.fsdecode(b"caf\xe9.txt")).write_text("x")  # a name that is not UTF-8
     queue(server, tool_reply(("c1", "list_files", "{}")), openai_reply("done"))
-    code, out, err = Process(LICH_PY, "--json", "--no-session", "--root", ws, "go", input=b"").wait()
+    code, out, err = Process(*LICH, "--json", "--no-session", "--root", ws, "go", input=b"").wait()
     assert (code, err) == (0, b"")
     lines = [json.loads(line.decode("utf-8")) for line in out.splitlines()]  # strict UTF-8
     assert lines[4]["result"]["output"] == "caf\ufffd.txt"  # no lone surrogate's escape: jq, serde refuse it
@@ -10401,7 +10406,7 @@ def test_stdout_that_is_not_a_terminal_gets_only_the_final_answer(server, lich_m
 
 def test_a_closed_stdout_ends_lich_quietly(server, lich_model):
     queue(server, stream_reply(*[f"word{i} " for i in range(20000)]))
-    child = subprocess.Popen([sys.executable, str(LICH_PY), "long answer"], stdout=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, *LICH, "long answer"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
     head = child.stdout.read(20)
     child.stdout.close()  # as `head -c 20` does
@@ -10413,7 +10418,7 @@ def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
     d = tmp_path / "sessions"
     make_sessions(d, *[f"20260101T0000{i:02d}Z-1" for i in range(40)])
     code, out, err = Process("-c", "import subprocess, sys\n"
-                             f"p = subprocess.Popen([sys.executable, {str(LICH_PY)!r}, '--list-sessions'], "
+                             f"p = subprocess.Popen([sys.executable, *{LICH!r}, '--list-sessions'], "
                              "stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
                              "print(p.stdout.readline().decode().split()[0]); p.stdout.close()\n"
                              "print(p.wait()); sys.stderr.write(p.stderr.read().decode())").wait()
@@ -10537,13 +10542,13 @@ def test_a_narrow_terminal_gets_lines_that_fit_it(server, lich_model, workspace,
 def test_an_answer_holding_a_lone_surrogate_is_printed_not_dropped(server, lich_model, stream):
     content = "Here \ud83d and more"
     queue(server, stream_reply(content) if stream else openai_reply(content))
-    assert Process(LICH_PY, *(() if stream else ("--no-stream",)), "-q", "hi").wait() == (
+    assert Process(*LICH, *(() if stream else ("--no-stream",)), "-q", "hi").wait() == (
         0, "Here \\ud83d and more\n", "")
 
 
 def test_json_lines_hold_a_lone_surrogate_as_every_json_reader_takes_it(server, lich_model):
     queue(server, openai_reply("Here \ud83d and more"))
-    code, out, _ = Process(LICH_PY, "--json", "hi").wait()
+    code, out, _ = Process(*LICH, "--json", "hi").wait()
     [final] = [line for line in out.splitlines() if json.loads(line)["type"] == "final"]
     assert (code, json.loads(final)["message"]["content"]) == (0, "Here \ufffd and more")
     assert "\\ud83d" not in out  # jq 1.6 refuses the whole line over the escape
@@ -11255,7 +11260,7 @@ def test_an_unwritable_session_dir_leaves_the_run_unrecorded_and_says_so(server,
     sessions.chmod(0o500)
     queue(server, openai_reply("answer"))
     if os.geteuid() == 0:  # root ignores the folder's mode, unless a process gives that power up
-        code, out, err = Process("-c", DROP_DAC, LICH_PY, "--no-stream", "hi").wait()
+        code, out, err = Process("-c", DROP_DAC, *LICH, "--no-stream", "hi").wait()
         if code == 99:
             pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
     else:
@@ -11282,7 +11287,7 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
     queue(server, *[openai_reply("x" * 300, call, finish="tool_calls") for call in calls],
           openai_reply("All read."))
     limit = 4000  # RLIMIT_FSIZE holds for the whole process: lich runs in one of its own
-    code, out, err = Process("-c", LIMIT_FILE_SIZE, limit, LICH_PY, "-q", "--no-stream", "-s", "sys",
+    code, out, err = Process("-c", LIMIT_FILE_SIZE, limit, *LICH, "-q", "--no-stream", "-s", "sys",
                              "--root", workspace, "read it").wait()
     assert (code, out) == (0, "All read.\n"), err
     [path] = sessions_in(tmp_path)
@@ -11304,7 +11309,7 @@ def test_a_full_disk_mid_run_stops_recording_once_and_keeps_whole_lines(server, 
 def test_a_full_disk_as_a_turn_begins_leaves_no_gap_in_the_session(server, lich_model, tmp_path, workspace):
     queue(server, openai_reply("Short."), openai_reply("Resumed."))
     system, prompt = "S" * 3000, "p" * 3000  # the disk fills at the prompt; the answer would fit
-    code, out, err = Process("-c", LIMIT_FILE_SIZE, 3800, LICH_PY, "-q", "--no-stream", "-s", system,
+    code, out, err = Process("-c", LIMIT_FILE_SIZE, 3800, *LICH, "-q", "--no-stream", "-s", system,
                              "--root", workspace, prompt).wait()
     assert (code, out) == (0, "Short.\n"), err
     [path] = sessions_in(tmp_path)
@@ -11312,7 +11317,7 @@ def test_a_full_disk_as_a_turn_begins_leaves_no_gap_in_the_session(server, lich_
                    f"keeps the chat before this turn\n")
     assert records(path) == [run_start(3000, 0, cwd=workspace, model="gpt-test"),
                              msg({"role": "system", "content": system})]
-    code, out, _ = Process(LICH_PY, "-q", "--no-stream", "-c", "-s", system, "--root", workspace, "go on").wait()
+    code, out, _ = Process(*LICH, "-q", "--no-stream", "-c", "-s", system, "--root", workspace, "go on").wait()
     assert (code, out) == (0, "Resumed.\n")
     assert server.requests[-1]["json"]["messages"] == [{"role": "system", "content": system}, user("go on")]
 
@@ -11416,17 +11421,17 @@ def test_a_session_that_cannot_be_read_is_listed_so_and_continue_passes_it_over_
     os.utime(older, (1_700_000_000, 1_700_000_000))
     newest.chmod(0o000)
     drop = ("-c", DROP_DAC) if os.geteuid() == 0 else ()  # root reads it all the same
-    code, out, err = Process(*drop, LICH_PY, "--list-sessions").wait()
+    code, out, err = Process(*drop, *LICH, "--list-sessions").wait()
     if code == 99:
         pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
     assert (code, err) == (0, "")
     cells = [newest.stem, "-".ljust(16), "-".ljust(len(str(workspace))), "-".ljust(len("gpt-test")),
              " " * len("   3 messages"), "(cannot read it: Permission denied)"]
     assert out.splitlines()[0] == "  ".join(cells)
-    code, out, _ = Process(*drop, LICH_PY, "--list-sessions", "--json").wait()
+    code, out, _ = Process(*drop, *LICH, "--list-sessions", "--json").wait()
     assert json.loads(out.splitlines()[0]) == {"id": newest.stem, "path": str(newest),
                                                "error": "cannot read it: Permission denied"}
-    code, out, err = Process(*drop, LICH_PY, "--no-stream", "-q", "-c", "--root", workspace, "go on").wait()
+    code, out, err = Process(*drop, *LICH, "--no-stream", "-q", "-c", "--root", workspace, "go on").wait()
     assert (code, out, err) == (0, "continued\n", (f"lich: warning: passed over {newest}: cannot read it: "
                                                     f"Permission denied\nyou: first\nlich: one\n"))  # and a recap
     assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["first", "one", "go on"]
@@ -11894,7 +11899,7 @@ def test_a_batch_killed_and_run_again_ends_every_task_exactly_once(batch_server,
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("".join(f"task {i}\n" for i in range(30)))
     out = tmp_path / "out.jsonl"
-    argv = [LICH_PY, "--batch", tasks, "--out", out, "--workers", "4", "--root", workspace]
+    argv = [*LICH, "--batch", tasks, "--out", out, "--workers", "4", "--root", workspace]
     child = Process(*argv)
     eventually(lambda: out.exists() and out.read_text().count("\n") >= 5, 30)
     child.popen.send_signal(signals.SIGKILL)
@@ -11916,7 +11921,7 @@ def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, li
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("".join(f"task {i}\n" for i in range(200)))
     out = tmp_path / "out.jsonl"
-    child = Process(LICH_PY, "--batch", tasks, "--out", out, "--workers", "2", "--root", workspace)
+    child = Process(*LICH, "--batch", tasks, "--out", out, "--workers", "2", "--root", workspace)
     eventually(lambda: out.exists() and out.read_text().count("\n") >= 3, 30)
     child.popen.send_signal(signals.SIGINT)
     code, _, err = child.wait(timeout=30)
@@ -11929,7 +11934,7 @@ def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, w
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
     tasks = tmp_path / "tasks.txt"
     tasks.write_text("one\ntwo\n")
-    code, _, err = Process(LICH_PY, "--otel", "--batch", tasks, "--out", tmp_path / "out.jsonl", "--root", workspace,
+    code, _, err = Process(*LICH, "--otel", "--batch", tasks, "--out", tmp_path / "out.jsonl", "--root", workspace,
                            env={"OTEL_TRACES_EXPORTER": "console"}).wait()
     assert code == 0, err
     names = collections.Counter(re.findall(r'"name": "(invoke_agent|chat [^"]+|execute_tool [^"]+)"', err))
@@ -12110,7 +12115,7 @@ def test_ctrl_c_exits_130_and_keeps_the_request_for_continue(server, lich_model,
         child.expect("partial ")
         proc = child.proc
     else:
-        child = Process(LICH_PY, "--no-stream", "slow question")
+        child = Process(*LICH, "--no-stream", "slow question")
         wait_for_request(server)
         proc = child.popen
     started = time.monotonic()
@@ -12145,7 +12150,7 @@ def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspa
     import signal as signals
 
     queue(server, tool_reply(("c1", "bash", json.dumps({"command": "echo $$ > pid; sleep 30 & wait"}))))
-    child = Process(LICH_PY, "--yolo", "--no-stream", "--root", workspace, "run it")
+    child = Process(*LICH, "--yolo", "--no-stream", "--root", workspace, "run it")
     pid_file = workspace / "pid"
     eventually(lambda: pid_file.exists() and pid_file.read_text().strip(), 10)
     shell = int(pid_file.read_text())
@@ -12170,7 +12175,7 @@ def test_ctrl_c_during_a_tool_does_not_repeat_what_the_model_said_before_it(serv
     queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="Running it."),
                                                 delta_chunk(tool_calls=[call_delta(0, command, id="c1", name="bash")]),
                                                 delta_chunk(finish="tool_calls"))]))
-    child = Process(LICH_PY, "--yolo", "--root", workspace, "run it")  # streamed
+    child = Process(*LICH, "--yolo", "--root", workspace, "run it")  # streamed
     eventually(lambda: (workspace / "pid").exists() and (workspace / "pid").read_text().strip(), 10)
     child.popen.send_signal(signals.SIGINT)
     assert child.wait(timeout=10)[0] == 130
@@ -12185,7 +12190,7 @@ def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(ser
 
     command, log = fake_mcp
     queue(server, tool_reply(("c1", "sleep", "{}"), ("c2", "first", "{}")))
-    child = Process(LICH_PY, "--no-stream", "--no-session", "--mcp", " ".join([*command, "first,sleep"]), "wait",
+    child = Process(*LICH, "--no-stream", "--no-session", "--mcp", " ".join([*command, "first,sleep"]), "wait",
                     env={"NO_COLOR": "1"})
     eventually(lambda: log.exists() and any(m.get("method") == "tools/call" for m in received(log)), 10)
     child.popen.send_signal(signals.SIGINT)
