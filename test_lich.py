@@ -9821,26 +9821,36 @@ def test_a_stopped_batch_takes_back_the_tasks_waiting_in_the_executors_queue(sto
     import concurrent.futures
 
     release, signal = threading.Event(), threading.Event()
-    asked = []
+    asked, released = [], []
 
     def chat(messages, **options):
         asked.append(messages[-1]["content"])
         if stop == "max_errors" and asked == ["a"]:
             raise lich.ProviderError("refused", "bad_request")
-        release.wait(5)
+        released.append(release.wait(5))
         return lich.ChatResult(assistant("done"))
 
-    batch = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # one thread: the other tasks wait in its queue
+    class Pool(concurrent.futures.ThreadPoolExecutor):
+        """Releases the running task once no task waits in its queue: the ones there were
+        taken back (cancelled) while it ran."""
+
+        def submit(self, fn, /, *args, **kwargs):
+            future = super().submit(fn, *args, **kwargs)
+            made.append(future)
+            future.add_done_callback(lambda done: done.cancelled() and len(made) == 4 and all(
+                f.running() or f.done() for f in made) and release.set())
+            return future
+
+    batch, made = [], []
+    with Pool(1) as pool:  # one thread: the other tasks wait in its queue
         runner = threading.Thread(target=lambda: batch.extend(lich.run_batch(
             ["a", "b", "c", "d"], chat=chat, executor=pool, max_turns=1, signal=signal, max_errors=1)))
         runner.start()
         eventually(lambda: asked)
         if stop == "signal":
             signal.set()
-        time.sleep(1.0)  # run_batch looks every 100 ms: ten looks, for a loaded machine
-        release.set()
-        runner.join(10)
+        runner.join(20)
+    assert all(released)  # by the tasks taken back, not by the 5 s
     if stop == "signal":
         assert asked == ["a"] and [(r.ok, r.error) for r in batch] == [(True, None)] + [
             (False, "not started: the signal was set")] * 3
