@@ -8440,8 +8440,11 @@ while True:
                 {"type": "text", "text": "last words"}]}}))
             sys.stdout.flush()
             os._exit(0)
-        elif name == "nap":  # busy a while: reads nothing meanwhile
-            time.sleep(2.5)
+        elif name == "nap":  # busy until the file FAKE_WAKE names is made: reads nothing meanwhile
+            for _ in range(3000):
+                if os.path.exists(os.environ["FAKE_WAKE"]):
+                    break
+                time.sleep(0.01)
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "napped"}]}})
         elif name == "deaf":  # answers, then reads nothing more
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "deaf now"}]}})
@@ -8543,13 +8546,13 @@ def test_mcp_accepts_an_older_protocol_and_refuses_an_unknown_one(fake_mcp, monk
 
 def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
     command, log = fake_mcp
-    with lich.mcp_tools(command, timeout=1) as tools:
+    with lich.mcp_tools(command, timeout=0.5) as tools:
         signal = threading.Event()
         threading.Timer(0.2, signal.set).start()
         started = time.monotonic()
         assert tools.run(tool_call("sleep"), signal) == lich.ToolResult(ok=False, error="aborted")
         assert time.monotonic() - started < 1
-        assert tools.run(tool_call("sleep")) == lich.ToolResult(ok=False, error="timed out after 1 s")
+        assert tools.run(tool_call("sleep")) == lich.ToolResult(ok=False, error="timed out after 0.5 s")
     cancels = [m["params"] for m in received(log) if m.get("method") == "notifications/cancelled"]
     assert cancels == [{"requestId": 2, "reason": "the client aborted"},
                        {"requestId": 3, "reason": "the client timeout"}]
@@ -8696,14 +8699,17 @@ def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp)
     assert children_of_this_process("fake_mcp.py") == []
 
 
-def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp):
+def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp, monkeypatch, tmp_path):
     command, log = fake_mcp
+    monkeypatch.setenv("FAKE_WAKE", str(tmp_path / "wake"))
     with lich.mcp_tools(command, timeout=5) as tools:
         napper, results = mcp_call_in_the_background(tools, "nap", log)
         stop = threading.Event()
         threading.Timer(0.3, stop.set).start()
         assert tools.run(tool_call("big", {"blob": "y" * 300_000}), stop) == lich.ToolResult(
             ok=False, error="aborted")
+        assert napper.is_alive()  # the server is still busy: it wakes now
+        (tmp_path / "wake").touch()
         napper.join(5)
         assert results == {"nap": lich.ToolResult(ok=True, output="napped")}
         assert tools.run(tool_call("small")) == lich.ToolResult(
