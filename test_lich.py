@@ -7669,10 +7669,19 @@ def test_a_search_ends_at_its_time_limit_saying_so_with_what_it_found(ws, monkey
         "found so far; narrow the path, glob or pattern]"))
 
 
-def test_the_signal_stops_a_search_inside_one_huge_file(ws, engine):
-    with open(ws / "huge.txt", "wb") as f:
+@pytest.fixture(scope="module")
+def huge_file(tmp_path_factory):
+    """A file of 300 MB, written once for the tests that only read it."""
+    path = tmp_path_factory.mktemp("huge") / "huge.txt"
+    with open(path, "wb") as f:
         line = b"x" * 1000 + b"\n"
-        f.write(line * 300_000)  # 300 MB, one file
+        f.write(line * 300_000)
+    yield path
+    path.unlink()
+
+
+def test_the_signal_stops_a_search_inside_one_huge_file(ws, engine, huge_file):
+    os.link(huge_file, ws / "huge.txt")  # 300 MB, one file
     signal = threading.Event()
     threading.Timer(0.2, signal.set).start()
     started = time.monotonic()
