@@ -263,6 +263,20 @@ def eventually(check, seconds=5.0, what="it never happened"):
         time.sleep(0.01)
 
 
+def set_after(signal, check, delay=0.1):
+    """Set ``signal`` ``delay`` seconds after ``check()`` holds (looked at every 10 ms, for
+    5 s at most), from a thread of its own: a signal for what has begun, not at a guessed time."""
+
+    def wait_and_set():
+        deadline = time.monotonic() + 5
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(delay)
+        signal.set()
+
+    threading.Thread(target=wait_and_set, daemon=True).start()
+
+
 def exit_code_of_child(pid, seconds=5.0):
     """The exit code of the forked child ``pid`` (minus its signal when one killed it), or
     None when it has not ended within ``seconds``: it is killed then."""
@@ -4392,7 +4406,7 @@ def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(serv
         body = json.dumps(openai_reply("late"))
         server.reply(200, chunks=[body[:10], body[10:]], hold=release, content_type="application/json")
     signal = threading.Event()
-    threading.Timer(0.5, signal.set).start()
+    set_after(signal, lambda: server.requests, 0 if phase == "headers" else 0.1)  # the body's head came
     started = time.monotonic()
     try:
         with pytest.raises(lich.AbortError):
@@ -4411,7 +4425,7 @@ def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{silent.getsockname()[1]}")
     signal = threading.Event()
-    threading.Timer(0.5, signal.set).start()
+    set_after(signal, lambda: accepted)  # the request is on its way to the proxy
     started = time.monotonic()
     try:
         with pytest.raises(lich.AbortError):
@@ -4428,7 +4442,7 @@ def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
     import socket
 
     listener = socket.create_server(("127.0.0.1", 0))  # an HTTP/1.0 server: the body ends when it closes
-    held = []
+    held, sent = [], []
 
     def serve():
         connection, _ = listener.accept()
@@ -4436,11 +4450,12 @@ def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
         connection.recv(65536)
         connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
                            + b"data: " + json.dumps(delta_chunk(content="Hi")).encode() + b"\n\n")
+        sent.append(True)
 
     threading.Thread(target=serve, daemon=True).start()
     signal = threading.Event()
     if stop == "signal":
-        threading.Timer(0.5, signal.set).start()
+        set_after(signal, lambda: sent)  # in the stream, after its first chunk
     chat = lich.OpenAIChat("gpt-test", base_url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1",
                            stream=True, timeout=60 if stop == "signal" else 0.5)
     try:
