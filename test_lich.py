@@ -808,6 +808,23 @@ class Process:
         return self.popen.returncode, out, err
 
 
+# The numbers of select and pselect6, where readline and select.select wait for a key
+_SELECT_CALLS = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(os.uname().machine, set())
+
+
+def _waits_in_select(pid):
+    """Whether a thread of process ``pid`` is blocked in a call of _SELECT_CALLS (Linux's
+    /proc/PID/task/TID/syscall; False where that cannot be read)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                if f.read().split(" ", 1)[0] in _SELECT_CALLS:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 class Pty:
     """lich ARGS (started as ``python lich.py ARGS`` is) on a pseudo-terminal: stdin, stdout
     (unless given a file) and stderr are the terminal.
@@ -866,8 +883,12 @@ class Pty:
     def signal_at_prompt(self, number):
         """Send signal ``number`` to lich waiting at a prompt. CPython's readline shows the
         prompt a moment before it waits: a signal in between is seen only at the next key,
-        a window no hand hits but a test does; so wait a little first."""
-        time.sleep(0.3)
+        a window no hand hits but a test does; so wait until a thread of it waits for a key
+        (in select: readline at a chat's prompt, a poll at an approval's), or 0.3 s where
+        that cannot be seen."""
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline and not _waits_in_select(self.proc.pid):
+            time.sleep(0.005)
         self.proc.send_signal(number)
 
     def close(self):
