@@ -8205,14 +8205,10 @@ def test_a_background_process_that_left_the_group_is_said_to_run_on(ws):
 def test_bash_abort_mid_command(ws):
     tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=30)
     event = threading.Event()
-    timer = threading.Timer(0.3, event.set)
-    timer.start()
+    set_after(event, lambda: (ws / "sh.pid").exists())  # the command runs
     started = time.monotonic()
-    try:
-        result = tools.run(tool_call("bash", {"command": "echo $$ > sh.pid; echo started; "
-                                                         "sleep 30"}), event)
-    finally:
-        timer.cancel()
+    result = tools.run(tool_call("bash", {"command": "echo $$ > sh.pid; echo started; "
+                                                     "sleep 30"}), event)
     assert time.monotonic() - started < 2
     assert result == lich.ToolResult(ok=False, output="started\n",
                                      error="the command was aborted and killed")
@@ -9958,9 +9954,14 @@ def test_running_tasks_stop_when_the_batch_is_left_by_an_exception_or_the_signal
             lich.run_batch(["slow", "slow", "fast"], chat=_waiting_chat, workers=3, max_turns=1,
                            executor=pool, on_result=fail)
         assert time.monotonic() - started < 5
-        signal = threading.Event()
-        threading.Timer(0.3, signal.set).start()
-        results = lich.run_batch(["slow", "slow", "slow"], chat=_waiting_chat, workers=2, max_turns=1,
+        signal, waiting = threading.Event(), []
+        set_after(signal, lambda: len(waiting) == 2, 0.05)  # both running tasks wait in their chat
+
+        def chat(messages, **options):
+            waiting.append(messages)
+            return _waiting_chat(messages, **options)
+
+        results = lich.run_batch(["slow", "slow", "slow"], chat=chat, workers=2, max_turns=1,
                                  executor=pool, signal=signal)
         assert time.monotonic() - started < 10
         assert [(r.stopped_reason, r.error) for r in results] == [("aborted", None)] * 2 + [
