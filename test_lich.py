@@ -8400,6 +8400,11 @@ changed = False
 def send(message):
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
+def woken(name):  # once the test makes the file FAKE_WAKE-name (30 s at most)
+    for _ in range(3000):
+        if os.path.exists(os.environ["FAKE_WAKE"] + "-" + name):
+            return
+        time.sleep(0.01)
 def read():
     line = sys.stdin.readline()
     if not line and os.environ.get("FAKE_GOODBYE"):  # more than a pipe holds, on the way out
@@ -8461,13 +8466,13 @@ while True:
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "after it"}]}})
         elif name == "hold":  # answered when release is called, before release itself
             held = ident
-        elif name == "release":
+        elif name == "release":  # hold's answer, then its own once woken
             send({"jsonrpc": "2.0", "id": held, "result": {"content": [{"type": "text", "text": "held"}]}})
-            time.sleep(0.3)
+            woken("release")
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "released"}]}})
-        elif name == "ping_later":  # answers, then pings lich while nobody waits
+        elif name == "ping_later":  # answers, then pings lich once woken, while nobody waits
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "later"}]}})
-            time.sleep(0.3)
+            woken("ping_later")
             send({"jsonrpc": "2.0", "id": "idle-ping", "method": "ping"})
         elif name == "spew":  # answers, then logs more than a pipe holds before reading on
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "spewing"}]}})
@@ -8481,11 +8486,8 @@ while True:
                 {"type": "text", "text": "last words"}]}}))
             sys.stdout.flush()
             os._exit(0)
-        elif name == "nap":  # busy until the file FAKE_WAKE names is made: reads nothing meanwhile
-            for _ in range(3000):
-                if os.path.exists(os.environ["FAKE_WAKE"]):
-                    break
-                time.sleep(0.01)
+        elif name == "nap":  # busy until woken: reads nothing meanwhile
+            woken("nap")
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "napped"}]}})
         elif name == "deaf":  # answers, then reads nothing more
             send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "deaf now"}]}})
@@ -8509,11 +8511,13 @@ while True:
 
 @pytest.fixture
 def fake_mcp(tmp_path, monkeypatch):
-    """(command, log path) of a scripted stdio MCP server that logs what it receives."""
+    """(command, log path) of a scripted stdio MCP server that logs what it receives; the
+    tools that wait for the test wait for a file wake-NAME beside the log."""
     script = tmp_path / "fake_mcp.py"
     script.write_text(FAKE_MCP)
     log = tmp_path / "mcp.log"
     monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setenv("FAKE_WAKE", str(tmp_path / "wake"))
     return [sys.executable, str(script)], log
 
 
@@ -8657,12 +8661,17 @@ def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_w
     with lich.mcp_tools(command) as tools:
         holder, results = mcp_call_in_the_background(tools, "hold", log)
         started = time.monotonic()
-        results["release"] = tools.run(tool_call("release"))  # its answer comes 0.3 s after hold's
+        # release's answer comes once hold's caller has had its answer (handed over by
+        # the thread that read it), or after 5 s, too late
+        threading.Thread(target=lambda: (holder.join(5), (log.parent / "wake-release").touch()),
+                         daemon=True).start()
+        results["release"] = tools.run(tool_call("release"))
         holder.join(5)
         assert results == {"hold": lich.ToolResult(ok=True, output="held"),
                            "release": lich.ToolResult(ok=True, output="released")}
         assert time.monotonic() - started < 1
         assert tools.run(tool_call("ping_later")) == lich.ToolResult(ok=True, output="later")
+        (log.parent / "wake-ping_later").touch()  # the ping comes now: nobody waits
         pong = {"jsonrpc": "2.0", "id": "idle-ping", "result": {}}
         eventually(lambda: pong in received(log), what="the idle ping was never answered")
 
@@ -8740,9 +8749,8 @@ def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp)
     assert children_of_this_process("fake_mcp.py") == []
 
 
-def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp, monkeypatch, tmp_path):
+def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mcp):
     command, log = fake_mcp
-    monkeypatch.setenv("FAKE_WAKE", str(tmp_path / "wake"))
     with lich.mcp_tools(command, timeout=5) as tools:
         napper, results = mcp_call_in_the_background(tools, "nap", log)
         stop = threading.Event()
@@ -8750,7 +8758,7 @@ def test_an_mcp_call_aborted_half_written_leaves_the_busy_server_working(fake_mc
         assert tools.run(tool_call("big", {"blob": "y" * 300_000}), stop) == lich.ToolResult(
             ok=False, error="aborted")
         assert napper.is_alive()  # the server is still busy: it wakes now
-        (tmp_path / "wake").touch()
+        (log.parent / "wake-nap").touch()
         napper.join(5)
         assert results == {"nap": lich.ToolResult(ok=True, output="napped")}
         assert tools.run(tool_call("small")) == lich.ToolResult(
