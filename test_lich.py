@@ -8195,7 +8195,8 @@ def test_a_background_process_that_left_the_group_is_said_to_run_on(ws):
     tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=10)
     try:
         assert run_tool(tools, "bash", command="setsid sh -c 'echo $$ > away.pid; exec sleep 30' & "
-                                               "sleep 0.2; echo started") == lich.ToolResult(
+                                               "until [ -s away.pid ]; do sleep 0.01; done; "
+                                               "echo started") == lich.ToolResult(
             ok=True, output="started\n[a background process that left the command's process group still runs]\n"
                             "[exit code 0]")
     finally:
