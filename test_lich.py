@@ -6073,10 +6073,11 @@ def test_a_pickled_limiter_is_let_go_and_a_forked_child_has_limiters_of_its_own(
     assert gone() is None  # pickling it kept no reference
 
 
-def _limited_calls(limiter, n, work=0.05, signal=None):
-    """``n`` threads calling one limited chat at once; (in flight at most, start times)."""
+def _limited_calls(limiter, n, work=0.05, signal=None, starts=None):
+    """``n`` threads calling one limited chat at once; (in flight at most, start times).
+    ``starts``, a list, gets the start times as they come."""
     state = {"now": 0, "most": 0}
-    starts = []
+    starts = [] if starts is None else starts
     lock = threading.Lock()
 
     def chat(messages, **kwargs):
@@ -6112,19 +6113,19 @@ def test_limiter_caps_calls_in_flight_across_threads():
 
 
 def test_limiter_holds_requests_per_minute_by_waiting_and_the_signal_ends_the_wait():
-    signal = threading.Event()
-    threading.Timer(0.5, signal.set).start()
+    signal, begun = threading.Event(), []
+    set_after(signal, lambda: len(begun) == 4)  # the other two wait at the limiter
     started = time.monotonic()
-    _, starts, errors = _limited_calls(lich.Limiter(requests_per_minute=4), 6, work=0, signal=signal)
+    _, starts, errors = _limited_calls(lich.Limiter(requests_per_minute=4), 6, work=0, signal=signal, starts=begun)
     assert len(starts) == 4 and time.monotonic() - started < 1.5
     assert [type(e) for e in errors] == [lich.AbortError, lich.AbortError]
 
 
 def test_limiter_holds_estimated_tokens_per_minute():
     limiter = lich.Limiter(tokens_per_minute=lich.estimate_messages_tokens(USER) * 2)
-    signal = threading.Event()
-    threading.Timer(0.4, signal.set).start()
-    _, starts, errors = _limited_calls(limiter, 3, work=0, signal=signal)
+    signal, begun = threading.Event(), []
+    set_after(signal, lambda: len(begun) == 2)  # the third waits at the limiter
+    _, starts, errors = _limited_calls(limiter, 3, work=0, signal=signal, starts=begun)
     assert (len(starts), [type(e) for e in errors]) == (2, [lich.AbortError])
 
 
