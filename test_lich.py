@@ -267,9 +267,15 @@ def set_after(signal, check, delay=0.1):
     """Set ``signal`` ``delay`` seconds after ``check()`` holds (looked at every 10 ms, for
     5 s at most), from a thread of its own: a signal for what has begun, not at a guessed time."""
 
+    def holds():
+        try:
+            return check()
+        except ValueError:  # a line of a log read half-written: look again
+            return False
+
     def wait_and_set():
         deadline = time.monotonic() + 5
-        while not check() and time.monotonic() < deadline:
+        while not holds() and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(delay)
         signal.set()
@@ -8595,7 +8601,7 @@ def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
     command, log = fake_mcp
     with lich.mcp_tools(command, timeout=0.5) as tools:
         signal = threading.Event()
-        threading.Timer(0.2, signal.set).start()
+        set_after(signal, lambda: "tools/call" in [m.get("method") for m in received(log)], 0)  # it has the call
         started = time.monotonic()
         assert tools.run(tool_call("sleep"), signal) == lich.ToolResult(ok=False, error="aborted")
         assert time.monotonic() - started < 1
