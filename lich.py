@@ -1945,56 +1945,25 @@ def resolve_session(session_dir, ref) -> str:
 
 
 # ============================================================================
-# Providers
+# HTTP
 # ============================================================================
 
-_OPENAI_BASE_URL = "https://api.openai.com/v1"
-# Azure OpenAI takes its key in an ``api-key`` header: its hosts, or its deployments' path
-_AZURE_HOSTS = (".openai.azure.com", ".cognitiveservices.azure.com", ".services.ai.azure.com")
-_ANTHROPIC_BASE_URL = "https://api.anthropic.com"
-_ANTHROPIC_VERSION = "2023-06-01"
-_DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
+# The exchanges of providers and of MCP over HTTP: requests sessions of lich's own, a
+# whole-exchange clock and a signal that cut the socket, bounded bodies and SSE events.
+
 _CONNECT_TIMEOUT = 10.0            # seconds; capped by the caller's timeout
-_ANTHROPIC_MAX_TOKENS = 4096       # the Messages API requires an output cap on every request
-_ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError message
 _SNIPPET_MAX_CHARS = 200           # body excerpt quoted when a response is not what we expect
 _BODY_MAX_BYTES = 64 << 20         # a whole answer, streamed or not; a longer one is not an answer
 _SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event
 _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
 _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
-_STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
-_REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
-_SCHEMAS_REFUSED_KEPT = 100        # schemas an AnthropicChat remembers Anthropic refused
-_MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
-_MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
-_RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
-_CACHE_CONTROL = {"type": "ephemeral"}
-
-# --- errors ---
-
-_STOP_REASONS = {
-    "end_turn": "stop", "stop_sequence": "stop", "eos": "stop", "eos_token": "stop",
-    "tool_use": "tool_calls", "function_call": "tool_calls", "max_tokens": "length",
-    "model_context_window_exceeded": "length",
-}
-_OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded",
-                             "request_too_large", "string_above_max_length",
-                             "too_many_prompt_tokens", "exceed_context_size_error"})
-_OVERFLOW_TEXT = (
-    r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
-    r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
-    r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
-    r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
-    r"|exceeds? (?:the )?context limit")
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
-_HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--.*?-->\s*)*(?:<!doctype html|<html)"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
-_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
-_SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
 
 def _snippet(body):
+    """The start of a body to quote in an error, secrets redacted."""
     text = body.decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else str(body)
     text = _redact_secrets(text.strip())
     return text[:_SNIPPET_MAX_CHARS] + ("..." if len(text) > _SNIPPET_MAX_CHARS else "")
@@ -2006,151 +1975,6 @@ def _unreachable_reason(error) -> str:
     text = _redact_url(_redact_secrets(str(error)))
     found = re.search(_ERRNO_TEXT, text)
     return found.group(0) if found else _snippet(text)
-
-
-def _count(value):
-    """A token count from a usage field: an int, or 0 when absent, not a number or negative
-    (a negative count would lower a run's total)."""
-    if isinstance(value, float) and math.isfinite(value):
-        value = int(value)
-    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _normalise_stop(reason):
-    if not isinstance(reason, str):
-        return None
-    reason = reason.lower()
-    return _STOP_REASONS.get(reason, reason)
-
-
-def _retry_after(headers):
-    """Seconds the server asks us to wait, from ``retry-after-ms`` or ``Retry-After``; or None."""
-    value = headers.get("retry-after-ms")
-    if value:
-        try:
-            seconds = float(value) / 1000.0
-        except ValueError:
-            seconds = -1.0
-        if 0.0 <= seconds < 1e9:
-            return seconds
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        import email.utils  # only on this rare error path
-        from datetime import datetime, timezone
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError, OverflowError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
-    return seconds if 0.0 <= seconds < 1e9 else None
-
-
-def _error_from_wire(body):
-    """(text, codes) from an error body of any provider; ``codes`` are its code and type strings."""
-    raw = _redact_secrets(body.decode("utf-8", "replace").strip()) if body else ""
-    try:
-        data = json.loads(raw) if raw[:1] in ("{", "[") else None
-    except (ValueError, RecursionError):
-        data = None
-    text, codes = _error_fields(data)
-    if not text:
-        text = _page_text(raw) if re.match(_HTML_PAGE, raw) else raw or "(empty body)"
-    text = _redact_secrets(text)
-    if len(text) > _ERROR_TEXT_MAX_CHARS:
-        text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
-    return text, codes
-
-
-def _page_text(page):
-    """What an HTML error page (a proxy's 502) says, in one line: its title, else its text."""
-    import html
-
-    found = re.search(r"(?is)<title[^>]*>(.*?)</title>", page)
-    if found is None:  # its text, without the scripts and styles in it
-        page = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->", " ", page)
-    text = " ".join(html.unescape(found.group(1) if found else re.sub(r"<[^>]*>", " ", page)).split())
-    return f"{text[:_SNIPPET_MAX_CHARS]} (an HTML page)" if text else "an HTML page without text"
-
-
-def _error_fields(data):
-    """(text or None, codes) from a parsed error object: OpenAI's, Anthropic's, FastAPI's..."""
-    text = None
-    codes = ()
-    if isinstance(data, list) and len(data) == 1:  # Google's: the error object in an array
-        data = data[0]
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict):
-            text = error.get("message")
-            codes = tuple(str(error[k]) for k in ("code", "type") if error.get(k) is not None)
-            metadata = error.get("metadata")
-            if isinstance(metadata, dict) and isinstance(metadata.get("raw"), str):
-                text = f"{text}: {metadata['raw']}" if isinstance(text, str) else metadata["raw"]
-        elif isinstance(error, str):
-            text = error
-        if not isinstance(text, str) or not text:
-            for key in ("message", "detail"):
-                value = data.get(key)
-                if isinstance(value, str) and value:
-                    text = value
-                    break
-                if value:
-                    text = json.dumps(value, ensure_ascii=False)
-                    break
-    return (text if isinstance(text, str) and text else None), codes
-
-
-def _classify_http_error(status, body, headers):
-    """(message, kind, retryable, retry_after) for a non-2xx response, per API.md's table."""
-    text, codes = _error_from_wire(body)
-    kind, retryable = _status_kind(status, text, codes)
-    label = f" ({codes[0]})" if codes else ""
-    return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
-
-
-def _status_kind(status, text, codes):
-    """(kind, retryable or None for "by kind") of an HTTP status and the error it came with."""
-    retryable = None
-    if status in (401, 403):
-        kind = "auth"
-    elif status == 404:
-        kind = "not_found"
-    elif status == 408:
-        kind = "timeout"
-    elif status == 429:
-        kind = "rate_limit"
-        if "insufficient_quota" in codes:
-            retryable = False  # a billing stop: waiting does not help
-    elif status in (503, 529) or "overloaded_error" in codes:
-        kind = "overloaded"
-    elif 400 <= status < 500:
-        overflow = status == 413 or not _OVERFLOW_CODES.isdisjoint(codes) \
-            or re.search(_OVERFLOW_TEXT, text) is not None
-        kind = "overflow" if overflow else "bad_request"
-    elif status >= 500:
-        kind = "server"
-    else:
-        kind = "invalid_response"
-    return kind, retryable
-
-
-def _origin(url) -> str:
-    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme.lower()}://{host}{port}"
-
-
-# --- wire ---
 
 
 def _arriving_chunks(response):
@@ -2442,6 +2266,192 @@ def _http_session_of_this_thread(local, url):
         session = local.session = _new_http_session(url)
         local.session_pid = os.getpid()
     return session
+
+
+# ============================================================================
+# Providers
+# ============================================================================
+
+_OPENAI_BASE_URL = "https://api.openai.com/v1"
+# Azure OpenAI takes its key in an ``api-key`` header: its hosts, or its deployments' path
+_AZURE_HOSTS = (".openai.azure.com", ".cognitiveservices.azure.com", ".services.ai.azure.com")
+_ANTHROPIC_BASE_URL = "https://api.anthropic.com"
+_ANTHROPIC_VERSION = "2023-06-01"
+_DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
+_ANTHROPIC_MAX_TOKENS = 4096       # the Messages API requires an output cap on every request
+_ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError message
+_STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
+_REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
+_SCHEMAS_REFUSED_KEPT = 100        # schemas an AnthropicChat remembers Anthropic refused
+_MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
+_MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
+_RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
+_CACHE_CONTROL = {"type": "ephemeral"}
+
+# --- errors ---
+
+_STOP_REASONS = {
+    "end_turn": "stop", "stop_sequence": "stop", "eos": "stop", "eos_token": "stop",
+    "tool_use": "tool_calls", "function_call": "tool_calls", "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+}
+_OVERFLOW_CODES = frozenset({"context_length_exceeded", "context_window_exceeded",
+                             "request_too_large", "string_above_max_length",
+                             "too_many_prompt_tokens", "exceed_context_size_error"})
+_OVERFLOW_TEXT = (
+    r"(?i)context[ _-]?(?:length|window|size)|prompt (?:is )?too long|input (?:is )?too long"
+    r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
+    r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
+    r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
+    r"|exceeds? (?:the )?context limit")
+_HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--.*?-->\s*)*(?:<!doctype html|<html)"
+_HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
+_SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
+
+
+def _count(value):
+    """A token count from a usage field: an int, or 0 when absent, not a number or negative
+    (a negative count would lower a run's total)."""
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
+    return max(value, 0) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _normalise_stop(reason):
+    if not isinstance(reason, str):
+        return None
+    reason = reason.lower()
+    return _STOP_REASONS.get(reason, reason)
+
+
+def _retry_after(headers):
+    """Seconds the server asks us to wait, from ``retry-after-ms`` or ``Retry-After``; or None."""
+    value = headers.get("retry-after-ms")
+    if value:
+        try:
+            seconds = float(value) / 1000.0
+        except ValueError:
+            seconds = -1.0
+        if 0.0 <= seconds < 1e9:
+            return seconds
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        import email.utils  # only on this rare error path
+        from datetime import datetime, timezone
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+    return seconds if 0.0 <= seconds < 1e9 else None
+
+
+def _error_from_wire(body):
+    """(text, codes) from an error body of any provider; ``codes`` are its code and type strings."""
+    raw = _redact_secrets(body.decode("utf-8", "replace").strip()) if body else ""
+    try:
+        data = json.loads(raw) if raw[:1] in ("{", "[") else None
+    except (ValueError, RecursionError):
+        data = None
+    text, codes = _error_fields(data)
+    if not text:
+        text = _page_text(raw) if re.match(_HTML_PAGE, raw) else raw or "(empty body)"
+    text = _redact_secrets(text)
+    if len(text) > _ERROR_TEXT_MAX_CHARS:
+        text = text[:_ERROR_TEXT_MAX_CHARS] + "..."
+    return text, codes
+
+
+def _page_text(page):
+    """What an HTML error page (a proxy's 502) says, in one line: its title, else its text."""
+    import html
+
+    found = re.search(r"(?is)<title[^>]*>(.*?)</title>", page)
+    if found is None:  # its text, without the scripts and styles in it
+        page = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->", " ", page)
+    text = " ".join(html.unescape(found.group(1) if found else re.sub(r"<[^>]*>", " ", page)).split())
+    return f"{text[:_SNIPPET_MAX_CHARS]} (an HTML page)" if text else "an HTML page without text"
+
+
+def _error_fields(data):
+    """(text or None, codes) from a parsed error object: OpenAI's, Anthropic's, FastAPI's..."""
+    text = None
+    codes = ()
+    if isinstance(data, list) and len(data) == 1:  # Google's: the error object in an array
+        data = data[0]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict):
+            text = error.get("message")
+            codes = tuple(str(error[k]) for k in ("code", "type") if error.get(k) is not None)
+            metadata = error.get("metadata")
+            if isinstance(metadata, dict) and isinstance(metadata.get("raw"), str):
+                text = f"{text}: {metadata['raw']}" if isinstance(text, str) else metadata["raw"]
+        elif isinstance(error, str):
+            text = error
+        if not isinstance(text, str) or not text:
+            for key in ("message", "detail"):
+                value = data.get(key)
+                if isinstance(value, str) and value:
+                    text = value
+                    break
+                if value:
+                    text = json.dumps(value, ensure_ascii=False)
+                    break
+    return (text if isinstance(text, str) and text else None), codes
+
+
+def _classify_http_error(status, body, headers):
+    """(message, kind, retryable, retry_after) for a non-2xx response, per API.md's table."""
+    text, codes = _error_from_wire(body)
+    kind, retryable = _status_kind(status, text, codes)
+    label = f" ({codes[0]})" if codes else ""
+    return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
+
+
+def _status_kind(status, text, codes):
+    """(kind, retryable or None for "by kind") of an HTTP status and the error it came with."""
+    retryable = None
+    if status in (401, 403):
+        kind = "auth"
+    elif status == 404:
+        kind = "not_found"
+    elif status == 408:
+        kind = "timeout"
+    elif status == 429:
+        kind = "rate_limit"
+        if "insufficient_quota" in codes:
+            retryable = False  # a billing stop: waiting does not help
+    elif status in (503, 529) or "overloaded_error" in codes:
+        kind = "overloaded"
+    elif 400 <= status < 500:
+        overflow = status == 413 or not _OVERFLOW_CODES.isdisjoint(codes) \
+            or re.search(_OVERFLOW_TEXT, text) is not None
+        kind = "overflow" if overflow else "bad_request"
+    elif status >= 500:
+        kind = "server"
+    else:
+        kind = "invalid_response"
+    return kind, retryable
+
+
+def _origin(url) -> str:
+    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme.lower()}://{host}{port}"
+
+
+# --- wire ---
 
 
 def _assistant_message(text, tool_calls, reasoning=None):
@@ -3745,9 +3755,10 @@ class Router:
             if i and self.on_failover is not None:
                 self.on_failover(last, i)
             more = i + 1 < len(self.chats)
+            # response_format only when set, as the loop passes it: a ChatFn may not take it
+            extras = {} if response_format is None else {"response_format": response_format}
             call = functools.partial(chat, messages, tools=tools, temperature=temperature,
-                                     max_tokens=max_tokens, signal=signal,
-                                     **_chat_extras(response_format))
+                                     max_tokens=max_tokens, signal=signal, **extras)
             try:
                 return run_with_retries(
                     call, retries=self.retries, base_delay=self.base_delay,

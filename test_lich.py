@@ -924,6 +924,57 @@ USAGE_LINE = "tokens: 7 in, 3 out\n"  # the usage line of a run of one openai_re
 
 
 SECRET = "sk-MARKER-0123456789-secret"
+KEY = "sk-test-0123456789abcdefSECRET"
+
+
+def openai_at(server, **options):
+    options.setdefault("timeout", 5)
+    return lich.OpenAIChat("gpt-test", base_url=server.url + "/v1", **options)
+
+
+def anthropic_at(server, **options):
+    options.setdefault("timeout", 5)
+    options.setdefault("api_key", "test-key")
+    return lich.AnthropicChat("claude-test", base_url=server.url, **options)
+
+
+USER = [{"role": "user", "content": "Hi"}]
+
+
+def pieces(text, size):
+    """``text`` cut into pieces of ``size`` bytes, to cross SSE line boundaries."""
+    data = _as_bytes(text)
+    return [data[i:i + size] for i in range(0, len(data), size)]
+
+
+def result(content="", *calls, usage=(0, 0), model=None, stop=None):
+    """A ChatResult; ``usage`` is an (input, output) pair or a whole usage dict."""
+    counts = usage if isinstance(usage, dict) else {"input_tokens": usage[0],
+                                                     "output_tokens": usage[1]}
+    return lich.ChatResult(message=assistant(content, *calls), usage=counts, model=model,
+                           stop_reason=stop)
+
+
+def answer(text):
+    return {"role": "assistant", "content": text}
+
+
+def tool_call(name, arguments="{}", call_id="call_1"):
+    """A ToolCall; ``arguments`` that are not a str are JSON-encoded."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return {"id": call_id, "name": name, "arguments": arguments}
+
+
+def failed(error, output=""):
+    return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
+
+
+def strict_json(body):
+    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
+    text = body.decode("utf-8")
+    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
+    return json.loads(text)
 
 
 # ============================================================================
@@ -3202,61 +3253,128 @@ def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
 
 
 # ============================================================================
-# Providers
+# HTTP
 # ============================================================================
 
 
-KEY = "sk-test-0123456789abcdefSECRET"
-
-WEATHER_SPEC = {"name": "weather", "description": "Current weather in a city.",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                               "required": ["city"]}}
-CLOCK_SPEC = {"name": "clock", "description": "The time.",
-              "parameters": {"type": "object", "properties": {}}}
-TOOL_ERROR = '{"ok": false, "output": "", "error": "unknown city"}'
-
-# Every message kind: two system messages, a tool batch with valid, invalid and empty
-# arguments, a failed tool result, and a user message right after the tool results.
-HISTORY = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "system", "content": "Use metric units."},
-    {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
-    assistant("Checking.", ("c1", "weather", '{"city": "Paris"}'),
-              ("c2", "weather", '{"city": Rome'), ("c3", "clock", "")),
-    {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "18C", "is_error": False},
-    {"role": "tool", "tool_call_id": "c2", "name": "weather", "content": TOOL_ERROR,
-     "is_error": True},
-    {"role": "tool", "tool_call_id": "c3", "name": "clock", "content": "12:00", "is_error": False},
-    {"role": "user", "content": "Also, hurry."},
-    {"role": "assistant", "content": "Paris: 18C. It is noon."},
-    {"role": "user", "content": "Thanks"},
-]
-USER = [{"role": "user", "content": "Hi"}]
+def test_openai_stream_follows_sse_framing_rules(server):
+    second = json.dumps(delta_chunk(content="lo")).replace('"delta":', '\ndata: "delta":')
+    body = (": keep-alive\r\n\r\n"
+            f"data: {json.dumps(delta_chunk(content='Hel'))}\r\n\r\n"
+            f"data: {second}\r\n\r\n"                         # data split over two lines
+            f"data: {json.dumps(delta_chunk(index=1, content='other choice'))}\n\n"
+            "id: 7\nretry: 100\nevent: message\n"
+            f"data: {json.dumps(delta_chunk(finish='stop'))}\n\n"
+            "data: [DONE]")                                    # no trailing newline
+    server.reply(200, chunks=pieces(body, 5))
+    deltas = []
+    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (got, deltas) == (result("Hello", model="gpt-test-1", stop="stop"), ["Hel", "lo"])
 
 
-def openai_at(server, **options):
-    options.setdefault("timeout", 5)
-    return lich.OpenAIChat("gpt-test", base_url=server.url + "/v1", **options)
+def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
+    import gzip
+    body = gzip.compress(_as_bytes(stream_reply_body("Hello ", "there.")))
+    server.reply(200, body, headers={"Content-Encoding": "gzip"}, content_type="text/event-stream")
+    deltas = []
+    answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
+    assert (answer.message, "".join(deltas)) == (assistant("Hello there."), "Hello there.")
 
 
-def anthropic_at(server, **options):
-    options.setdefault("timeout", 5)
-    options.setdefault("api_key", "test-key")
-    return lich.AnthropicChat("claude-test", base_url=server.url, **options)
+def test_an_endless_sse_line_is_an_invalid_response(server):
+    megabyte = b"y" * (1 << 20)
+    server.reply(200, chunks=[b"data: ", *[megabyte] * 40, b"\n\n"])
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True)(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "invalid_response", "openai: invalid response: an SSE line exceeds 33554432 bytes")
 
 
-@pytest.mark.parametrize("make", [
-    lambda: lich.OpenAIChat("m", base_url="http://127.0.0.1:9"),
-    lambda: lich.AnthropicChat("m", base_url="http://127.0.0.1:9", api_key="k"),
-    lambda: lich.Router([lambda messages, **options: None]),
-], ids=["openai", "anthropic", "router"])
-def test_every_chat_class_says_the_chatfn_keywords_in_its_signature(make):
-    import inspect
+def test_an_endless_stream_is_cut_at_64_mib(server):
+    mib = b": " + b"k" * ((1 << 20) - 3) + b"\n"  # comment lines: no event ever ends the stream
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="hi"), done=False), *[mib] * 70])
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=True, timeout=30)(USER)
+    assert (info.value.kind, str(info.value)) == (
+        "invalid_response", "openai: invalid response: the stream exceeds 67108864 bytes")
 
-    parameters = inspect.signature(make()).parameters
-    assert [(name, p.kind.name, p.default) for name, p in parameters.items()] == [
-        ("messages", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty)] + [
-        (name, "KEYWORD_ONLY", None) for name in ("tools", "temperature", "max_tokens", "signal", "response_format")]
+
+def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
+    cap = 64 << 20  # the cap the README documents for a response
+    server.reply(200, b'{"pad": "' + b"x" * (cap + 10) + b'"}')
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert info.value.kind == "invalid_response"
+    assert str(info.value).startswith(f"openai: invalid response: body larger than {cap} bytes: ")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_calls_from_one_thread_reuse_one_connection(server, stream):
+    handlers = []  # the server runs one handler thread per connection
+
+    def responder(request):
+        handlers.append(threading.current_thread())
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply("x"))
+
+    server.responder = responder
+    chat = openai_at(server, stream=stream)
+    for _ in range(3):
+        assert chat(USER).message == {"role": "assistant", "content": "x"}
+    assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
+    # The loopback server writes headers and body separately with Nagle's algorithm on:
+    # without an immediate ACK each call on a reused connection would stall ~40 ms.
+    def responder(request):
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply("x"))
+
+    server.responder = responder
+    chat = openai_at(server, stream=stream)
+    chat(USER)
+    started = time.monotonic()
+    for _ in range(20):
+        chat(USER)
+    assert time.monotonic() - started < 0.6  # stalling, 20 calls would take 0.8 s or more
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_one_chat_object_serves_32_threads(server, stream):
+    def echo(request):
+        said = request["json"]["messages"][-1]["content"]
+        if stream:
+            return Reply(200, chunks=[openai_sse(delta_chunk(content=said),
+                                                 delta_chunk(finish="stop"))])
+        return Reply(200, openai_reply(said))
+
+    server.responder = echo
+    chat = openai_at(server, stream=stream)
+    answers = {}
+    failures = []
+
+    def worker(n):
+        try:
+            for turn in range(3):
+                said = f"thread {n} turn {turn}"
+                answers[said] = chat([{"role": "user", "content": said}]).message["content"]
+        except (lich.ProviderError, lich.AbortError) as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert failures == []
+    assert len(answers) == 96 and all(said == got for said, got in answers.items())
 
 
 def in_a_forked_child(work):
@@ -3288,27 +3406,314 @@ def test_a_forked_child_opens_connections_of_its_own(server):
     assert first == again != child
 
 
+def test_connection_refused_is_a_network_error():
+    port = free_port()
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("m", base_url=f"http://127.0.0.1:{port}/v1", timeout=5)(USER)
+    err = info.value
+    assert (err.kind, err.retryable, err.status) == ("network", True, None)
+    assert str(err).startswith(f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions:")
+
+
+def test_connection_closed_before_headers_is_a_network_error(server):
+    server.reply(reset_after=0)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", True)
+
+
+def test_a_body_cut_off_mid_way_is_a_network_error(server):
+    server.reply(200, chunks=['{"choices": [', "]}"], content_type="application/json",
+                 reset_after=1)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", True)
+
+
+@pytest.mark.parametrize("stream, reply", [
+    pytest.param(False, lambda held: Reply(200, openai_reply(), hold=held),
+                 id="no-answer-within-the-read-timeout"),
+    pytest.param(False, lambda held: Reply(200, chunks=[json.dumps(openai_reply())], hold=held,
+                                           content_type="application/json"),
+                 id="a-body-that-stalls"),
+    pytest.param(True, lambda held: Reply(200, chunks=pieces(openai_sse(delta_chunk(content="a"),
+                                                                        delta_chunk(finish="stop")), 60),
+                                          hold=held),
+                 id="a-stream-that-stalls-between-chunks"),
+])
+def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply):
+    silence = threading.Event()  # what the server holds back comes only after the test
+    server.replies.append(reply(silence))
+    try:
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=stream, timeout=0.2)(USER)
+    finally:
+        silence.set()
+    assert (info.value.kind, info.value.retryable) == ("timeout", True)
+
+
+def test_a_slow_but_steady_stream_within_the_timeout_is_not_a_timeout(server):
+    body = openai_sse(*[delta_chunk(content=c) for c in "abcde"], delta_chunk(finish="stop"))
+    server.reply(200, chunks=pieces(body, len(body) // 5 + 1), delay=0.1)
+    assert openai_at(server, stream=True, timeout=3)(USER).message["content"] == "abcde"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-body"])
+def test_the_timeout_bounds_the_whole_exchange_however_steadily_bytes_trickle(server, stream):
+    # a byte every 0.1 s never lets the read timeout fire: the clock of the whole exchange does
+    if stream:
+        body = openai_sse(*[delta_chunk(content="x")] * 100, delta_chunk(finish="stop"))
+    else:
+        body = json.dumps(openai_reply("x" * 100))
+    server.reply(200, chunks=pieces(body, 8), delay=0.1,
+                 content_type="text/event-stream" if stream else "application/json")
+    started = time.monotonic()
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=stream, timeout=0.5)(USER)
+    assert time.monotonic() - started < 2
+    assert (info.value.kind, info.value.retryable, str(info.value)) == (
+        "timeout", True, f"openai: timed out: no whole answer within 0.5s from {server.url}/v1/chat/completions")
+
+
+def test_a_set_signal_stops_before_sending(server):
+    signal = threading.Event()
+    signal.set()
+    for chat in (openai_at(server), anthropic_at(server, stream=True)):
+        with pytest.raises(lich.AbortError):
+            chat(USER, signal=signal)
+    assert server.requests == []
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_signal_set_mid_stream_stops_reading(server, at):
+    if at == "openai":
+        events = [delta_chunk(content=t) for t in ("one ", "two ", "three ")]
+        body, chat = openai_sse(*events, delta_chunk(finish="stop")), openai_at
+    else:
+        body = anthropic_sse(message_start(), block_start(0, text_block("")),
+                             *[block_delta(0, type="text_delta", text=t)
+                               for t in ("one ", "two ", "three ")],
+                             message_delta("end_turn", 3), MESSAGE_STOP)
+        chat = anthropic_at
+    cut = body.index("two")
+    server.reply(200, chunks=[body[:cut], body[cut:]], delay=0.05)
+    signal = threading.Event()
+    deltas = []
+
+    def on_delta(text):
+        deltas.append(text)
+        signal.set()
+
+    started = time.monotonic()
+    with pytest.raises(lich.AbortError):
+        chat(server, stream=True, on_delta=on_delta)(USER, signal=signal)
+    assert deltas == ["one "] and time.monotonic() - started < 2
+
+
+def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
+    signal, shown = threading.Event(), []
+    # the answer is held back until the signal, which another thread sets once it was asked
+    server.reply(200, chunks=[json.dumps(openai_reply("late"))], hold=signal,
+                 content_type="application/json")
+    threading.Thread(target=lambda: (wait_for_request(server), signal.set()), daemon=True).start()
+    with pytest.raises(lich.AbortError):
+        openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
+    assert shown == []
+
+
+@pytest.mark.parametrize("phase", ["headers", "whole-body", "json-to-a-stream"])
+def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(server, phase):
+    release = threading.Event()
+    if phase == "headers":
+        server.reply(200, openai_reply("late"), hold=release)
+    else:
+        body = json.dumps(openai_reply("late"))
+        server.reply(200, chunks=[body[:10], body[10:]], hold=release, content_type="application/json")
+    signal = threading.Event()
+    set_after(signal, lambda: server.requests, 0 if phase == "headers" else 0.1)  # the body's head came
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            openai_at(server, stream=phase == "json-to-a-stream", timeout=60)(USER, signal=signal)
+        assert time.monotonic() - started < 1.5
+    finally:
+        release.set()
+
+
+def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))  # a proxy that takes the request and never answers
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    signal = threading.Event()
+    set_after(signal, lambda: accepted)  # the request is on its way to the proxy
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", timeout=60)(USER, signal=signal)
+        assert time.monotonic() - started < 1.5 and len(accepted) == 1
+    finally:
+        for connection, _ in accepted:
+            connection.close()
+        silent.close()
+
+
+@pytest.mark.parametrize("stop", ["signal", "timeout"])
+def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))  # an HTTP/1.0 server: the body ends when it closes
+    held, sent = [], []
+
+    def serve():
+        connection, _ = listener.accept()
+        held.append(connection)
+        connection.recv(65536)
+        connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+                           + b"data: " + json.dumps(delta_chunk(content="Hi")).encode() + b"\n\n")
+        sent.append(True)
+
+    threading.Thread(target=serve, daemon=True).start()
+    signal = threading.Event()
+    if stop == "signal":
+        set_after(signal, lambda: sent)  # in the stream, after its first chunk
+    chat = lich.OpenAIChat("gpt-test", base_url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1",
+                           stream=True, timeout=60 if stop == "signal" else 0.5)
+    try:
+        with pytest.raises((lich.AbortError, lich.ProviderError)) as info:
+            chat(USER, signal=signal)
+        if stop == "signal":
+            assert info.type is lich.AbortError
+        else:
+            assert (info.type, info.value.kind, info.value.retryable) == (lich.ProviderError, "timeout", True)
+    finally:
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_a_redirect_to_another_origin_is_not_followed_and_carries_no_key(server):
+    other = LoopbackServer()
+    try:
+        server.reply(307, "", headers={"Location": f"{other.url}/v1/chat/completions?x=1"})
+        with pytest.raises(lich.ProviderError) as info:
+            anthropic_at(server, api_key=KEY)(USER)
+        assert (info.value.kind, info.value.status, str(info.value)) == (
+            "not_found", 307, (f"anthropic: HTTP 307: redirected to another origin, {other.url}, "
+                               f"which lich does not follow; set the base URL to where the API is"))
+        assert other.requests == [] and len(server.requests) == 1
+    finally:
+        other.close()
+
+
+def test_a_redirect_within_the_origin_is_followed_with_the_same_request(server):
+    server.reply(308, "", headers={"Location": "/v2/chat/completions"})
+    server.reply(200, openai_reply("moved"))
+    assert openai_at(server)(USER).message["content"] == "moved"
+    assert [(r["path"], r["json"]) for r in server.requests] == [
+        ("/v1/chat/completions", {"model": "gpt-test", "messages": USER}),
+        ("/v2/chat/completions", {"model": "gpt-test", "messages": USER})]
+
+
+@pytest.mark.parametrize("status", [302, 307])
+@pytest.mark.parametrize("location, reason", [
+    ("http://[::1/v1", "Invalid IPv6 URL"), ("http://127.0.0.1:99999/v1", "Port out of range 0-65535")],
+    ids=["bracket", "port"])
+def test_a_redirect_whose_location_is_no_url_is_an_invalid_response(server, status, location, reason):
+    server.reply(status, "", headers={"Location": location})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.status, info.value.retryable, str(info.value)) == (
+        "invalid_response", status, False, f"openai: HTTP {status}: redirected to a Location that is no URL ({reason})")
+    assert len(server.requests) == 1
+
+
+def test_a_redirects_body_is_not_read(server):
+    # the body's end is held back: reading it (as requests does to follow a redirect) would wait
+    hold = threading.Event()
+    server.reply(301, chunks=["x" * 1000, "y"], hold=hold, headers={"Location": "/v2/chat/completions"})
+
+    def call():
+        try:
+            openai_at(server)(USER)
+        except lich.ProviderError as e:
+            return str(e)
+
+    try:
+        said = finishes(call, timeout=2)
+    finally:
+        hold.set()
+    assert said == f"openai: HTTP 301: redirected to {server.url}/v2/chat/completions; set the base URL to where the API is"
+
+
+@pytest.mark.parametrize("at", ["openai", "anthropic"])
+def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
+    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
+    chat = openai_at(server) if at == "openai" else anthropic_at(server)
+    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
+    queue(server, done)
+    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
+    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
+    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
+    assert lich.read_session_messages(run.session_path) == run.messages
+    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
+    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
+
+
+# ============================================================================
+# Providers
+# ============================================================================
+
+
+WEATHER_SPEC = {"name": "weather", "description": "Current weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                               "required": ["city"]}}
+CLOCK_SPEC = {"name": "clock", "description": "The time.",
+              "parameters": {"type": "object", "properties": {}}}
+TOOL_ERROR = '{"ok": false, "output": "", "error": "unknown city"}'
+
+# Every message kind: two system messages, a tool batch with valid, invalid and empty
+# arguments, a failed tool result, and a user message right after the tool results.
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "system", "content": "Use metric units."},
+    {"role": "user", "content": "Weather in Paris and Rome, and the time?"},
+    assistant("Checking.", ("c1", "weather", '{"city": "Paris"}'),
+              ("c2", "weather", '{"city": Rome'), ("c3", "clock", "")),
+    {"role": "tool", "tool_call_id": "c1", "name": "weather", "content": "18C", "is_error": False},
+    {"role": "tool", "tool_call_id": "c2", "name": "weather", "content": TOOL_ERROR,
+     "is_error": True},
+    {"role": "tool", "tool_call_id": "c3", "name": "clock", "content": "12:00", "is_error": False},
+    {"role": "user", "content": "Also, hurry."},
+    {"role": "assistant", "content": "Paris: 18C. It is noon."},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: lich.OpenAIChat("m", base_url="http://127.0.0.1:9"),
+    lambda: lich.AnthropicChat("m", base_url="http://127.0.0.1:9", api_key="k"),
+    lambda: lich.Router([lambda messages, **options: None]),
+], ids=["openai", "anthropic", "router"])
+def test_every_chat_class_says_the_chatfn_keywords_in_its_signature(make):
+    import inspect
+
+    parameters = inspect.signature(make()).parameters
+    assert [(name, p.kind.name, p.default) for name, p in parameters.items()] == [
+        ("messages", "POSITIONAL_OR_KEYWORD", inspect.Parameter.empty)] + [
+        (name, "KEYWORD_ONLY", None) for name in ("tools", "temperature", "max_tokens", "signal", "response_format")]
+
+
 def tool_use_block(id, name, input):
     return {"type": "tool_use", "id": id, "name": name, "input": input}
-
-
-def pieces(text, size):
-    """``text`` cut into pieces of ``size`` bytes, to cross SSE line boundaries."""
-    data = _as_bytes(text)
-    return [data[i:i + size] for i in range(0, len(data), size)]
 
 
 def usage(input_tokens, output_tokens, **more):
     """A usage dict: the two counts, then the cache and reasoning counts given."""
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, **more}
-
-
-def result(content="", *calls, usage=(0, 0), model=None, stop=None):
-    """A ChatResult; ``usage`` is an (input, output) pair or a whole usage dict."""
-    counts = usage if isinstance(usage, dict) else {"input_tokens": usage[0],
-                                                     "output_tokens": usage[1]}
-    return lich.ChatResult(message=assistant(content, *calls), usage=counts, model=model,
-                           stop_reason=stop)
 
 
 def echo_tools():
@@ -3718,6 +4123,18 @@ def test_anthropic_thinking_goes_back_with_its_tool_calls_and_blank_text_does_no
         {"role": "user", "content": "(empty message)"}]
 
 
+def _serve_recording(server, name):
+    """Queue the recorded body; returns the chat that speaks its protocol."""
+    raw = (FIXTURES / name).read_bytes()
+    stream = name.endswith(".sse")
+    if stream:
+        server.reply(200, chunks=pieces(raw, 61))
+    else:
+        server.reply(200, raw, content_type="application/json")
+    at = anthropic_at if name.startswith("anthropic/") else openai_at
+    return at(server, stream=stream)
+
+
 @needs_fixtures
 def test_the_recorded_thinking_stream_goes_back_whole_on_the_next_turn(server):
     recording = (FIXTURES / "anthropic" / "stream_thinking_tool_use.sse").read_text()
@@ -3966,15 +4383,6 @@ def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, mo
         [wire_call], [wire_call], [{k: v for k, v in wire_call.items() if k != "extra_content"}]]
 
 
-def test_a_gzipped_stream_without_chunked_encoding_is_read(server):
-    import gzip
-    body = gzip.compress(_as_bytes(stream_reply_body("Hello ", "there.")))
-    server.reply(200, body, headers={"Content-Encoding": "gzip"}, content_type="text/event-stream")
-    deltas = []
-    answer = openai_at(server, stream=True, on_delta=deltas.append)(USER)
-    assert (answer.message, "".join(deltas)) == (assistant("Hello there."), "Hello there.")
-
-
 @pytest.mark.parametrize("body", [
     {"error": {"message": "The total length of all messages is too long.",
                "type": "too_many_prompt_tokens", "code": 400}},
@@ -4043,76 +4451,7 @@ def test_a_key_echoed_json_escaped_and_cut_leaves_no_eight_characters_of_it(serv
     assert not any(KEY[i:i + 8] in text for i in range(len(KEY) - 7)), text[-80:]
 
 
-def test_a_redirect_to_another_origin_is_not_followed_and_carries_no_key(server):
-    other = LoopbackServer()
-    try:
-        server.reply(307, "", headers={"Location": f"{other.url}/v1/chat/completions?x=1"})
-        with pytest.raises(lich.ProviderError) as info:
-            anthropic_at(server, api_key=KEY)(USER)
-        assert (info.value.kind, info.value.status, str(info.value)) == (
-            "not_found", 307, (f"anthropic: HTTP 307: redirected to another origin, {other.url}, "
-                               f"which lich does not follow; set the base URL to where the API is"))
-        assert other.requests == [] and len(server.requests) == 1
-    finally:
-        other.close()
-
-
-def test_a_redirect_within_the_origin_is_followed_with_the_same_request(server):
-    server.reply(308, "", headers={"Location": "/v2/chat/completions"})
-    server.reply(200, openai_reply("moved"))
-    assert openai_at(server)(USER).message["content"] == "moved"
-    assert [(r["path"], r["json"]) for r in server.requests] == [
-        ("/v1/chat/completions", {"model": "gpt-test", "messages": USER}),
-        ("/v2/chat/completions", {"model": "gpt-test", "messages": USER})]
-
-
-@pytest.mark.parametrize("status", [302, 307])
-@pytest.mark.parametrize("location, reason", [
-    ("http://[::1/v1", "Invalid IPv6 URL"), ("http://127.0.0.1:99999/v1", "Port out of range 0-65535")],
-    ids=["bracket", "port"])
-def test_a_redirect_whose_location_is_no_url_is_an_invalid_response(server, status, location, reason):
-    server.reply(status, "", headers={"Location": location})
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert (info.value.kind, info.value.status, info.value.retryable, str(info.value)) == (
-        "invalid_response", status, False, f"openai: HTTP {status}: redirected to a Location that is no URL ({reason})")
-    assert len(server.requests) == 1
-
-
-def test_a_redirects_body_is_not_read(server):
-    # the body's end is held back: reading it (as requests does to follow a redirect) would wait
-    hold = threading.Event()
-    server.reply(301, chunks=["x" * 1000, "y"], hold=hold, headers={"Location": "/v2/chat/completions"})
-
-    def call():
-        try:
-            openai_at(server)(USER)
-        except lich.ProviderError as e:
-            return str(e)
-
-    try:
-        said = finishes(call, timeout=2)
-    finally:
-        hold.set()
-    assert said == f"openai: HTTP 301: redirected to {server.url}/v2/chat/completions; set the base URL to where the API is"
-
-
 # --- wire ---
-
-
-def test_openai_stream_follows_sse_framing_rules(server):
-    second = json.dumps(delta_chunk(content="lo")).replace('"delta":', '\ndata: "delta":')
-    body = (": keep-alive\r\n\r\n"
-            f"data: {json.dumps(delta_chunk(content='Hel'))}\r\n\r\n"
-            f"data: {second}\r\n\r\n"                         # data split over two lines
-            f"data: {json.dumps(delta_chunk(index=1, content='other choice'))}\n\n"
-            "id: 7\nretry: 100\nevent: message\n"
-            f"data: {json.dumps(delta_chunk(finish='stop'))}\n\n"
-            "data: [DONE]")                                    # no trailing newline
-    server.reply(200, chunks=pieces(body, 5))
-    deltas = []
-    got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
-    assert (got, deltas) == (result("Hello", model="gpt-test-1", stop="stop"), ["Hel", "lo"])
 
 
 def test_openai_stream_to_a_server_that_answers_json_gives_one_delta(server):
@@ -4121,24 +4460,6 @@ def test_openai_stream_to_a_server_that_answers_json_gives_one_delta(server):
     got = openai_at(server, stream=True, on_delta=deltas.append)(USER)
     assert (got, deltas) == (result("Whole answer.", usage=(7, 3), model="gpt-test-1",
                                     stop="stop"), ["Whole answer."])
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_calls_from_one_thread_reuse_one_connection(server, stream):
-    handlers = []  # the server runs one handler thread per connection
-
-    def responder(request):
-        handlers.append(threading.current_thread())
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
-
-    server.responder = responder
-    chat = openai_at(server, stream=stream)
-    for _ in range(3):
-        assert chat(USER).message == {"role": "assistant", "content": "x"}
-    assert len(handlers) == 3 and handlers[0] is handlers[1] is handlers[2]
 
 
 def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
@@ -4151,104 +4472,6 @@ def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
     finally:
         terminator.set()
     assert got.message == {"role": "assistant", "content": "x"}
-
-
-@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux-only")
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
-    # The loopback server writes headers and body separately with Nagle's algorithm on:
-    # without an immediate ACK each call on a reused connection would stall ~40 ms.
-    def responder(request):
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
-
-    server.responder = responder
-    chat = openai_at(server, stream=stream)
-    chat(USER)
-    started = time.monotonic()
-    for _ in range(20):
-        chat(USER)
-    assert time.monotonic() - started < 0.6  # stalling, 20 calls would take 0.8 s or more
-
-
-def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
-    cap = 64 << 20  # the cap the README documents for a response
-    server.reply(200, b'{"pad": "' + b"x" * (cap + 10) + b'"}')
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert info.value.kind == "invalid_response"
-    assert str(info.value).startswith(f"openai: invalid response: body larger than {cap} bytes: ")
-
-
-def test_connection_refused_is_a_network_error():
-    port = free_port()
-    with pytest.raises(lich.ProviderError) as info:
-        lich.OpenAIChat("m", base_url=f"http://127.0.0.1:{port}/v1", timeout=5)(USER)
-    err = info.value
-    assert (err.kind, err.retryable, err.status) == ("network", True, None)
-    assert str(err).startswith(f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions:")
-
-
-def test_connection_closed_before_headers_is_a_network_error(server):
-    server.reply(reset_after=0)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert (info.value.kind, info.value.retryable) == ("network", True)
-
-
-@pytest.mark.parametrize("stream, reply", [
-    pytest.param(False, lambda held: Reply(200, openai_reply(), hold=held),
-                 id="no-answer-within-the-read-timeout"),
-    pytest.param(False, lambda held: Reply(200, chunks=[json.dumps(openai_reply())], hold=held,
-                                           content_type="application/json"),
-                 id="a-body-that-stalls"),
-    pytest.param(True, lambda held: Reply(200, chunks=pieces(openai_sse(delta_chunk(content="a"),
-                                                                        delta_chunk(finish="stop")), 60),
-                                          hold=held),
-                 id="a-stream-that-stalls-between-chunks"),
-])
-def test_silence_past_the_read_timeout_is_a_timeout(server, stream, reply):
-    silence = threading.Event()  # what the server holds back comes only after the test
-    server.replies.append(reply(silence))
-    try:
-        with pytest.raises(lich.ProviderError) as info:
-            openai_at(server, stream=stream, timeout=0.2)(USER)
-    finally:
-        silence.set()
-    assert (info.value.kind, info.value.retryable) == ("timeout", True)
-
-
-def test_a_slow_but_steady_stream_within_the_timeout_is_not_a_timeout(server):
-    body = openai_sse(*[delta_chunk(content=c) for c in "abcde"], delta_chunk(finish="stop"))
-    server.reply(200, chunks=pieces(body, len(body) // 5 + 1), delay=0.1)
-    assert openai_at(server, stream=True, timeout=3)(USER).message["content"] == "abcde"
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole-body"])
-def test_the_timeout_bounds_the_whole_exchange_however_steadily_bytes_trickle(server, stream):
-    # a byte every 0.1 s never lets the read timeout fire: the clock of the whole exchange does
-    if stream:
-        body = openai_sse(*[delta_chunk(content="x")] * 100, delta_chunk(finish="stop"))
-    else:
-        body = json.dumps(openai_reply("x" * 100))
-    server.reply(200, chunks=pieces(body, 8), delay=0.1,
-                 content_type="text/event-stream" if stream else "application/json")
-    started = time.monotonic()
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=stream, timeout=0.5)(USER)
-    assert time.monotonic() - started < 2
-    assert (info.value.kind, info.value.retryable, str(info.value)) == (
-        "timeout", True, f"openai: timed out: no whole answer within 0.5s from {server.url}/v1/chat/completions")
-
-
-def test_a_body_cut_off_mid_way_is_a_network_error(server):
-    server.reply(200, chunks=['{"choices": [', "]}"], content_type="application/json",
-                 reset_after=1)
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server)(USER)
-    assert (info.value.kind, info.value.retryable) == ("network", True)
 
 
 @pytest.mark.parametrize("at", ["openai", "anthropic"])
@@ -4298,15 +4521,6 @@ def test_a_whole_answer_cut_off_mid_way_says_it_broke_off_not_that_the_server_wa
     assert str(info.value).startswith(f"openai: the answer from {server.url}/v1/chat/completions broke off: ")
 
 
-def test_an_endless_sse_line_is_an_invalid_response(server):
-    megabyte = b"y" * (1 << 20)
-    server.reply(200, chunks=[b"data: ", *[megabyte] * 40, b"\n\n"])
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True)(USER)
-    assert (info.value.kind, str(info.value)) == (
-        "invalid_response", "openai: invalid response: an SSE line exceeds 33554432 bytes")
-
-
 def test_on_delta_exceptions_reach_the_caller_unchanged(server):
     server.reply(200, chunks=[openai_sse(delta_chunk(content="a"), delta_chunk(finish="stop"))])
 
@@ -4315,187 +4529,6 @@ def test_on_delta_exceptions_reach_the_caller_unchanged(server):
 
     with pytest.raises(KeyError, match="from the callback"):
         openai_at(server, stream=True, on_delta=broken)(USER)
-
-
-def test_a_set_signal_stops_before_sending(server):
-    signal = threading.Event()
-    signal.set()
-    for chat in (openai_at(server), anthropic_at(server, stream=True)):
-        with pytest.raises(lich.AbortError):
-            chat(USER, signal=signal)
-    assert server.requests == []
-
-
-@pytest.mark.parametrize("at", ["openai", "anthropic"])
-def test_a_signal_set_mid_stream_stops_reading(server, at):
-    if at == "openai":
-        events = [delta_chunk(content=t) for t in ("one ", "two ", "three ")]
-        body, chat = openai_sse(*events, delta_chunk(finish="stop")), openai_at
-    else:
-        body = anthropic_sse(message_start(), block_start(0, text_block("")),
-                             *[block_delta(0, type="text_delta", text=t)
-                               for t in ("one ", "two ", "three ")],
-                             message_delta("end_turn", 3), MESSAGE_STOP)
-        chat = anthropic_at
-    cut = body.index("two")
-    server.reply(200, chunks=[body[:cut], body[cut:]], delay=0.05)
-    signal = threading.Event()
-    deltas = []
-
-    def on_delta(text):
-        deltas.append(text)
-        signal.set()
-
-    started = time.monotonic()
-    with pytest.raises(lich.AbortError):
-        chat(server, stream=True, on_delta=on_delta)(USER, signal=signal)
-    assert deltas == ["one "] and time.monotonic() - started < 2
-
-
-def test_a_json_answer_to_a_stream_request_honours_the_signal(server):
-    signal, shown = threading.Event(), []
-    # the answer is held back until the signal, which another thread sets once it was asked
-    server.reply(200, chunks=[json.dumps(openai_reply("late"))], hold=signal,
-                 content_type="application/json")
-    threading.Thread(target=lambda: (wait_for_request(server), signal.set()), daemon=True).start()
-    with pytest.raises(lich.AbortError):
-        openai_at(server, stream=True, on_delta=shown.append)(USER, signal=signal)
-    assert shown == []
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
-def test_one_chat_object_serves_32_threads(server, stream):
-    def echo(request):
-        said = request["json"]["messages"][-1]["content"]
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content=said),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply(said))
-
-    server.responder = echo
-    chat = openai_at(server, stream=stream)
-    answers = {}
-    failures = []
-
-    def worker(n):
-        try:
-            for turn in range(3):
-                said = f"thread {n} turn {turn}"
-                answers[said] = chat([{"role": "user", "content": said}]).message["content"]
-        except (lich.ProviderError, lich.AbortError) as e:
-            failures.append(e)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert failures == []
-    assert len(answers) == 96 and all(said == got for said, got in answers.items())
-
-
-def strict_json(body):
-    """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
-    text = body.decode("utf-8")
-    assert not re.search(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}", text), "a surrogate escape"
-    return json.loads(text)
-
-
-@pytest.mark.parametrize("at", ["openai", "anthropic"])
-def test_a_file_name_that_is_not_utf8_reaches_the_provider_as_valid_json(server, tmp_path, ws, at):
-    (ws / "caf\udce9.txt").write_bytes(b"x\n")  # the name's bytes: caf\xe9.txt
-    chat = openai_at(server) if at == "openai" else anthropic_at(server)
-    done = openai_reply("done") if at == "openai" else anthropic_reply(text_block("done"))
-    queue(server, done)
-    script = ScriptedChat(assistant("", ("c1", "list_files", "{}")), lambda messages: chat(messages))
-    run = lich.run_agent("l\udcffs", chat=script, tools=lich.coding_tools(ws), max_turns=3, session_dir=tmp_path)
-    assert run.messages[2]["content"] == "caf\udce9.txt"  # as the file system gave it, and so recorded
-    assert lich.read_session_messages(run.session_path) == run.messages
-    sent = json.dumps(strict_json(server.requests[0]["body"]), ensure_ascii=False)
-    assert "caf\ufffd.txt" in sent and "l\ufffds" in sent
-
-
-def test_an_endless_stream_is_cut_at_64_mib(server):
-    mib = b": " + b"k" * ((1 << 20) - 3) + b"\n"  # comment lines: no event ever ends the stream
-    server.reply(200, chunks=[openai_sse(delta_chunk(content="hi"), done=False), *[mib] * 70])
-    with pytest.raises(lich.ProviderError) as info:
-        openai_at(server, stream=True, timeout=30)(USER)
-    assert (info.value.kind, str(info.value)) == (
-        "invalid_response", "openai: invalid response: the stream exceeds 67108864 bytes")
-
-
-@pytest.mark.parametrize("phase", ["headers", "whole-body", "json-to-a-stream"])
-def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(server, phase):
-    release = threading.Event()
-    if phase == "headers":
-        server.reply(200, openai_reply("late"), hold=release)
-    else:
-        body = json.dumps(openai_reply("late"))
-        server.reply(200, chunks=[body[:10], body[10:]], hold=release, content_type="application/json")
-    signal = threading.Event()
-    set_after(signal, lambda: server.requests, 0 if phase == "headers" else 0.1)  # the body's head came
-    started = time.monotonic()
-    try:
-        with pytest.raises(lich.AbortError):
-            openai_at(server, stream=phase == "json-to-a-stream", timeout=60)(USER, signal=signal)
-        assert time.monotonic() - started < 1.5
-    finally:
-        release.set()
-
-
-def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
-    import socket
-
-    silent = socket.create_server(("127.0.0.1", 0))  # a proxy that takes the request and never answers
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
-    monkeypatch.delenv("NO_PROXY")
-    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{silent.getsockname()[1]}")
-    signal = threading.Event()
-    set_after(signal, lambda: accepted)  # the request is on its way to the proxy
-    started = time.monotonic()
-    try:
-        with pytest.raises(lich.AbortError):
-            lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", timeout=60)(USER, signal=signal)
-        assert time.monotonic() - started < 1.5 and len(accepted) == 1
-    finally:
-        for connection, _ in accepted:
-            connection.close()
-        silent.close()
-
-
-@pytest.mark.parametrize("stop", ["signal", "timeout"])
-def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
-    import socket
-
-    listener = socket.create_server(("127.0.0.1", 0))  # an HTTP/1.0 server: the body ends when it closes
-    held, sent = [], []
-
-    def serve():
-        connection, _ = listener.accept()
-        held.append(connection)
-        connection.recv(65536)
-        connection.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
-                           + b"data: " + json.dumps(delta_chunk(content="Hi")).encode() + b"\n\n")
-        sent.append(True)
-
-    threading.Thread(target=serve, daemon=True).start()
-    signal = threading.Event()
-    if stop == "signal":
-        set_after(signal, lambda: sent)  # in the stream, after its first chunk
-    chat = lich.OpenAIChat("gpt-test", base_url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1",
-                           stream=True, timeout=60 if stop == "signal" else 0.5)
-    try:
-        with pytest.raises((lich.AbortError, lich.ProviderError)) as info:
-            chat(USER, signal=signal)
-        if stop == "signal":
-            assert info.type is lich.AbortError
-        else:
-            assert (info.type, info.value.kind, info.value.retryable) == (lich.ProviderError, "timeout", True)
-    finally:
-        for connection in held:
-            connection.close()
-        listener.close()
 
 
 def test_a_stream_ending_after_its_finish_reason_without_done_is_complete(server):
@@ -5550,18 +5583,6 @@ RECORDED = {
 }
 
 
-def _serve_recording(server, name):
-    """Queue the recorded body; returns the chat that speaks its protocol."""
-    raw = (FIXTURES / name).read_bytes()
-    stream = name.endswith(".sse")
-    if stream:
-        server.reply(200, chunks=pieces(raw, 61))
-    else:
-        server.reply(200, raw, content_type="application/json")
-    at = anthropic_at if name.startswith("anthropic/") else openai_at
-    return at(server, stream=stream)
-
-
 @needs_fixtures
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_recorded_success(server, name):
@@ -5581,15 +5602,6 @@ def test_recorded_success(server, name):
         assert "".join(deltas) == content and "" not in deltas
 
 
-def test_every_recording_has_a_case():
-    if not FIXTURES.is_dir():
-        pytest.skip(NO_FIXTURES)
-    names = {str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*")
-             if p.suffix in (".json", ".sse") and not p.name.endswith(".request.json")
-             and p.parent.name != "errors"}
-    assert names - set(RECORDED) == set(STREAM_ERRORS)
-
-
 # fixture -> (kind, retryable, text the message must carry)
 STREAM_ERRORS = {
     "openai-compatible/groq_stream_midstream_error_event.sse": (
@@ -5598,6 +5610,15 @@ STREAM_ERRORS = {
     "openai-compatible/openrouter_stream_comments_midstream_error.sse": (
         "invalid_response", False, "openai: error event in stream (400): Token limit reached"),
 }
+
+
+def test_every_recording_has_a_case():
+    if not FIXTURES.is_dir():
+        pytest.skip(NO_FIXTURES)
+    names = {str(p.relative_to(FIXTURES)) for p in FIXTURES.glob("*/*")
+             if p.suffix in (".json", ".sse") and not p.name.endswith(".request.json")
+             and p.parent.name != "errors"}
+    assert names - set(RECORDED) == set(STREAM_ERRORS)
 
 
 @needs_fixtures
@@ -5803,10 +5824,6 @@ def test_a_signal_set_before_the_first_call_aborts_without_calling():
     with pytest.raises(lich.AbortError):
         lich.run_with_retries(fn, signal=signal)
     assert fn.calls == 0
-
-
-def answer(text):
-    return {"role": "assistant", "content": text}
 
 
 @pytest.mark.parametrize("kind", ["auth", "not_found", "rate_limit", "overloaded", "server",
@@ -6251,13 +6268,6 @@ def test_chat_from_spec_unknown_option_is_a_type_error():
 from typing import Any, Dict, List, Literal, Optional, Union  # noqa: UP035
 
 _SENTINEL = object()
-
-
-def tool_call(name, arguments="{}", call_id="call_1"):
-    """A ToolCall; ``arguments`` that are not a str are JSON-encoded."""
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments)
-    return {"id": call_id, "name": name, "arguments": arguments}
 
 
 @pytest.fixture
@@ -7042,10 +7052,6 @@ def test_coding_tools_refuses_bad_options(ws):
         lich.coding_tools(ws, shell_timeout=0)
     with pytest.raises(TypeError):
         lich.coding_tools(ws, approve="yes")
-
-
-def failed(error, output=""):
-    return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
 
 
 def test_tool_faults_become_results_and_the_run_goes_on(tmp_path, ws):
@@ -7837,6 +7843,16 @@ for name, arguments in (("write_file", {"path": "locked.txt", "content": "change
                         ("write_file", {"path": "open.txt", "content": "changed"})):
     result = tools.run({"id": "c1", "name": name, "arguments": json.dumps(arguments)})
     print(json.dumps(dataclasses.asdict(result)))
+"""
+
+
+DROP_DAC = """
+import ctypes, os, sys
+prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
+for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: root obeys file modes after exec
+    if prctl is None or prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        sys.exit(99)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
@@ -9548,6 +9564,12 @@ print(json.dumps(sorted([s.name, names.get(s.parent.span_id) if s.parent else No
 """
 
 
+@pytest.fixture
+def batch_server(server):
+    server.responder = batch_model
+    return server
+
+
 def test_run_batch_traces_each_task_under_the_callers_span(spans, batch_server, workspace):
     code, out, err = Process("-c", BATCH_TRACED, f"{batch_server.url}/v1", workspace, cwd=HERE).wait()
     assert code == 0, err
@@ -9597,17 +9619,6 @@ def batch_model(request):
     return Reply(200, openai_reply(f"answer to {prompt}: {messages[-1]['content'].split(chr(9))[-1]}"))
 
 
-@pytest.fixture
-def batch_server(server):
-    server.responder = batch_model
-    return server
-
-
-def answered(task_id, prompt, text="hello", session_path=None):
-    return lich.BatchResult(task_id, True, "final", f"answer to {prompt}: {text}", usage=usage(21, 9),
-                            session_path=session_path)
-
-
 def test_run_batch_gives_results_in_task_order_and_writes_each_as_it_finishes(batch_server, workspace, tmp_path):
     tasks = [f"task {i}" for i in range(12)] + [{"id": "named", "prompt": "named task"}]
     out = tmp_path / "out.jsonl"
@@ -9642,6 +9653,11 @@ def test_run_batch_resumes_from_its_out_file_and_redo_runs_all_again(batch_serve
                    max_turns=5, redo=True)
     assert len(batch_server.requests) == requests + 1 + 7
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()].count("0") == 1  # redo starts it afresh
+
+
+def answered(task_id, prompt, text="hello", session_path=None):
+    return lich.BatchResult(task_id, True, "final", f"answer to {prompt}: {text}", usage=usage(21, 9),
+                            session_path=session_path)
 
 
 def test_a_batch_killed_mid_write_resumes_after_its_torn_line(batch_server, workspace, tmp_path):
@@ -10532,6 +10548,11 @@ def test_the_spinner_runs_while_waiting_on_a_terminal(server, lich_model):
     assert term.close() == 0
 
 
+def chat_pty(*args, tmp_path, env=None):
+    """A chat on a terminal, its input history kept under ``tmp_path``."""
+    return Pty(*args, env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})})
+
+
 def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model, tmp_path):
     queue(server, *[stream_reply("ok") for _ in range(3)])
     term = chat_pty(tmp_path=tmp_path)
@@ -11315,16 +11336,6 @@ def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli
     assert code == 0 and out.count("\n") == 2
 
 
-DROP_DAC = """
-import ctypes, os, sys
-prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
-for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: root obeys file modes after exec
-    if prctl is None or prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-        sys.exit(99)
-os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
-"""
-
-
 LIMIT_FILE_SIZE = """
 import os, resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
@@ -11642,11 +11653,6 @@ def test_ctrl_c_in_a_chat_turn_keeps_the_turn_as_the_session_has_it(server, lich
     assert [(m["role"], m["content"]) for m in lich.read_session_messages(path)][1:] == [
         ("user", "slow one"), ("assistant", "[interrupted by the user]"),
         ("user", "next one"), ("assistant", "Fresh answer.")]
-
-
-def chat_pty(*args, tmp_path, env=None):
-    """A chat on a terminal, its input history kept under ``tmp_path``."""
-    return Pty(*args, env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})})
 
 
 def test_a_chat_can_start_with_a_first_prompt(server, lich_model, tmp_path):
