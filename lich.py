@@ -6880,7 +6880,12 @@ class MCPTools:
             raise MCPError(f"the MCP server {self.name} speaks protocol {protocol!r}, which lich "
                            f"does not ({', '.join(sorted(_MCP_PROTOCOLS))})")
         self.protocol = self._server.protocol = protocol
-        self.instructions = result.get("instructions")
+        instructions = result.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            _log.warning("the MCP server %s gave instructions that are %s, not a string: lich "
+                         "leaves them out", self.name, _json_kind(instructions))
+            instructions = None
+        self.instructions = instructions
         self._server.notify("notifications/initialized")
         self._server.listen()
 
@@ -6909,6 +6914,11 @@ class MCPTools:
                     return []
                 tools += listed or ()
                 cursor = page.get("nextCursor")
+                if cursor is not None and not isinstance(cursor, str):  # sent back, it is refused
+                    _log.warning("the MCP server %s gave a next cursor that is %s, not a string: "
+                                 "lich offers the tools of the pages it read", self.name,
+                                 _json_kind(cursor))
+                    break
                 if not cursor:
                     break
             tools = self._usable(tools)

@@ -9064,11 +9064,11 @@ def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_ho
     assert sent == ["initialize"] + ["tools/list"] * 100 + ["tools/call"] * 4
 
 
-def mcp_answering(server, *, initialize=None, tools=(), calls=None):
+def mcp_answering(server, *, initialize=None, tools=(), calls=None, cursor=None):
     """Makes the loopback server a Streamable HTTP MCP server that answers initialize with
     ``initialize`` (the result, or the whole answer when it holds "jsonrpc"), tools/list with
-    ``tools`` (the list as given: any JSON) and tools/call of a name with ``calls[name]`` (the
-    same way)."""
+    ``tools`` (the list as given: any JSON; and ``cursor`` as its nextCursor when given) and
+    tools/call of a name with ``calls[name]`` (the same way)."""
     def respond(request):
         body = request["json"] or {}
         if request["method"] == "GET":
@@ -9078,7 +9078,7 @@ def mcp_answering(server, *, initialize=None, tools=(), calls=None):
         if body["method"] == "initialize":
             result = initialize or {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
         elif body["method"] == "tools/list":
-            result = {"tools": tools}
+            result = {"tools": tools} if cursor is None else {"tools": tools, "nextCursor": cursor}
         else:
             result = (calls or {})[body["params"]["name"]]
         answer = result if "jsonrpc" in result else {"jsonrpc": "2.0", "result": result}
@@ -9118,6 +9118,30 @@ def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(se
         f"the MCP server {url} listed a tool that is an integer, not an object: lich skips it",
         f"the MCP server {url} listed a tool whose name is an array, not a string: lich skips it",
         f"the MCP server {url} listed the tool 'a' twice: lich offers the first"]
+
+
+@pytest.mark.parametrize("cursor, kind", [(2, "an integer"), ({"page": 2}, "an object")], ids=["integer", "object"])
+def test_an_mcp_next_cursor_that_is_no_string_ends_the_listing_with_a_warning(server, caplog, cursor, kind):
+    url = mcp_answering(server, tools=[{"name": "t"}], cursor=cursor)
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["t"]
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"the MCP server {url} gave a next cursor that is {kind}, not a string: lich offers the tools "
+         "of the pages it read")]
+    assert [r["json"]["method"] for r in server.requests if r["method"] == "POST" and "id" in r["json"]] == [
+        "initialize", "tools/list"]
+
+
+@pytest.mark.parametrize("instructions, kind", [(["Be kind."], "an array"), (5, "an integer"), ("Be kind.", None),
+                                                (None, None)], ids=["array", "integer", "string", "null"])
+def test_mcp_instructions_that_are_no_string_are_left_out_with_a_warning(server, caplog, instructions, kind):
+    url = mcp_answering(server, initialize={"protocolVersion": "2025-06-18", "capabilities": {},
+                                            "instructions": instructions})
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert tools.instructions == (None if kind else instructions)
+    assert [r.getMessage() for r in caplog.records] == ([
+        f"the MCP server {url} gave instructions that are {kind}, not a string: lich leaves them out"]
+        if kind else [])
 
 
 @pytest.mark.parametrize("listed, kind", [(5, "an integer"), ("abc", "a string"), ({"name": "x"}, "an object")],
