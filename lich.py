@@ -2614,6 +2614,10 @@ class _HTTPChat:
             except requests.RequestException as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=False) from e
+            except ValueError as e:  # a session of the caller's: requests read a redirect's Location
+                raise self._error(f"requests could not read the answer: "
+                                  f"{_redact_url(_redact_secrets(str(e)))}",
+                                  "invalid_response") from e
             status = response.status_code
             if 200 <= status < 300:
                 return response

@@ -3631,6 +3631,22 @@ def test_a_redirect_whose_location_is_no_url_is_an_invalid_response(server, stat
     assert len(server.requests) == 1
 
 
+@pytest.mark.parametrize("location, status, said", [
+    ("http://[::1/v1", None, "requests could not read the answer: Invalid IPv6 URL"),  # requests raised
+    ("http://127.0.0.1:99999/v1", 302, "HTTP 302: redirected to a Location that is no URL (Port out of range 0-65535)"),
+], ids=["bracket", "port"])
+def test_a_redirect_whose_location_is_no_url_through_a_callers_session_is_an_invalid_response(server, location, status,
+                                                                                              said):
+    import requests
+
+    server.reply(302, "moved", headers={"Location": location})
+    with requests.Session() as session, pytest.raises(lich.ProviderError) as info:
+        openai_at(server, session=session)(USER)
+    assert (info.value.kind, info.value.status, info.value.retryable, str(info.value)) == (
+        "invalid_response", status, False, f"openai: {said}")
+    assert len(server.requests) == 1
+
+
 def test_a_redirects_body_is_not_read(server):
     # the body's end is held back: reading it (as requests does to follow a redirect) would wait
     hold = threading.Event()
