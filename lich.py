@@ -1998,10 +1998,28 @@ def _requests():
     return requests
 
 
+def _check_seconds(name, value, *, none=False):
+    """A TypeError or ValueError naming ``name`` unless ``value`` is a finite number of
+    seconds above 0 (or, with ``none``, None): requests and the clocks take nothing else."""
+    if value is None and none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds{' or None' if none else ''}, "
+                        f"not {value!r}")
+    if not 0 < value < math.inf:  # NaN too
+        raise ValueError(f"{name} must be a finite number of seconds above 0, not {value}")
+
+
 def _timeouts(timeout):
-    """``timeout`` as requests' (connect, read) pair."""
+    """``timeout`` (seconds, a (connect, read) pair, or None) as requests' (connect, read)
+    pair; a TypeError or ValueError when it is none of these."""
     if isinstance(timeout, tuple):
+        if len(timeout) != 2:
+            raise ValueError(f"timeout must be seconds or a (connect, read) pair, not {timeout!r}")
+        for part in timeout:
+            _check_seconds("timeout", part, none=True)
         return timeout
+    _check_seconds("timeout", timeout, none=True)
     if timeout is None:
         return (_CONNECT_TIMEOUT, None)
     return (min(_CONNECT_TIMEOUT, timeout), timeout)
@@ -2481,6 +2499,8 @@ class _HTTPChat:
     def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session,
                  extra_body):
         self.model = model
+        if base_url is not None and not isinstance(base_url, str):
+            raise TypeError(f"base_url must be a string, not {type(base_url).__name__}")
         self.base_url = (base_url or os.environ.get(self.url_env) or self.public_url).rstrip("/")
         if not re.match(_HTTP_URL, self.base_url):
             raise ValueError(f"base_url must be an http:// or https:// URL, not "
@@ -6154,11 +6174,8 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     """
     if approve is not None and not callable(approve):
         raise TypeError(f"approve must be callable or None, not {approve!r}")
-    for name, value in (("shell_timeout", shell_timeout), ("search_timeout", search_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, not {value!r}")
-        if not value > 0:
-            raise ValueError(f"{name} must be above 0, not {value}")
+    _check_seconds("shell_timeout", shell_timeout)
+    _check_seconds("search_timeout", search_timeout)
     workspace = _Workspace(root, approve, shell_timeout, search_timeout)
     tools = Tools()
     tools.root = workspace.root.path
@@ -7024,6 +7041,7 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
     ``lich`` logger. A server that fails to start or to answer within ``timeout`` seconds
     raises MCPError with its own words.
     """
+    _check_seconds("timeout", timeout)
     holder = []
 
     def list_changed():

@@ -3257,6 +3257,40 @@ def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
 # ============================================================================
 
 
+@pytest.mark.parametrize("make", [lich.OpenAIChat, functools.partial(lich.AnthropicChat, api_key="k")],
+                         ids=["openai", "anthropic"])
+@pytest.mark.parametrize("timeout, error, said", [
+    ("10", TypeError, "timeout must be a number of seconds or None, not '10'"),
+    (True, TypeError, "timeout must be a number of seconds or None, not True"),
+    (0, ValueError, "timeout must be a finite number of seconds above 0, not 0"),
+    (-1, ValueError, "timeout must be a finite number of seconds above 0, not -1"),
+    (float("nan"), ValueError, "timeout must be a finite number of seconds above 0, not nan"),
+    (float("inf"), ValueError, "timeout must be a finite number of seconds above 0, not inf"),  # requests: OverflowError
+    ((1,), ValueError, "timeout must be seconds or a (connect, read) pair, not (1,)"),
+    ((1, "2"), TypeError, "timeout must be a number of seconds or None, not '2'"),
+], ids=["string", "boolean", "zero", "negative", "nan", "infinity", "one-of-a-pair", "pair-of-a-string"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_as_the_chat_is_made(make, timeout, error, said):
+    with pytest.raises(error) as info:
+        make("m", base_url="http://127.0.0.1:9", timeout=timeout)
+    assert str(info.value) == said
+
+
+@pytest.mark.parametrize("make", [lich.OpenAIChat, functools.partial(lich.AnthropicChat, api_key="k")],
+                         ids=["openai", "anthropic"])
+def test_timeouts_of_seconds_a_pair_or_none_are_taken(server, make):
+    server.responder = lambda request: Reply(200, openai_reply("ok") if "chat" in request["path"] else anthropic_reply(
+        {"type": "text", "text": "ok"}))
+    for timeout in (5, 2.5, (1, 5), (None, 5), (1, None), None):
+        base = server.url + "/v1" if make is lich.OpenAIChat else server.url
+        assert make("m", base_url=base, timeout=timeout)(USER).message["content"] == "ok"
+
+
+def test_a_base_url_that_is_no_string_is_a_type_error():
+    with pytest.raises(TypeError) as info:
+        lich.OpenAIChat("m", base_url=5)
+    assert str(info.value) == "base_url must be a string, not int"
+
+
 def test_openai_stream_follows_sse_framing_rules(server):
     second = json.dumps(delta_chunk(content="lo")).replace('"delta":', '\ndata: "delta":')
     body = (": keep-alive\r\n\r\n"
@@ -7064,8 +7098,12 @@ def test_coding_tools_offered(ws, options, names):
 def test_coding_tools_refuses_bad_options(ws):
     with pytest.raises(ValueError, match="^root is not a directory: "):
         lich.coding_tools(ws / "missing")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^shell_timeout must be a finite number of seconds above 0, not 0$"):
         lich.coding_tools(ws, shell_timeout=0)
+    with pytest.raises(ValueError, match=r"^search_timeout must be a finite number of seconds above 0, not inf$"):
+        lich.coding_tools(ws, search_timeout=float("inf"))
+    with pytest.raises(TypeError, match=r"^shell_timeout must be a number of seconds, not None$"):
+        lich.coding_tools(ws, shell_timeout=None)
     with pytest.raises(TypeError):
         lich.coding_tools(ws, approve="yes")
 
@@ -9184,6 +9222,17 @@ def test_an_mcp_calls_content_of_bad_shapes_is_left_out(server, caplog, result, 
     assert [r.getMessage() for r in caplog.records] == ([
         (f"the MCP server {url} answered the call of t with content that is {warned}, not an array: "
          "lich leaves it out")] if warned else [])
+
+
+@pytest.mark.parametrize("timeout, error, said", [
+    (None, TypeError, "timeout must be a number of seconds, not None"),
+    ("60", TypeError, "timeout must be a number of seconds, not '60'"),
+    (-1, ValueError, "timeout must be a finite number of seconds above 0, not -1"),
+], ids=["none", "string", "negative"])
+def test_an_mcp_timeout_that_is_no_number_of_seconds_is_refused_before_the_server_starts(server, timeout, error, said):
+    with pytest.raises(error) as info:
+        lich.mcp_tools(server.url + "/mcp", timeout=timeout)
+    assert str(info.value) == said and server.requests == []
 
 
 def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
