@@ -6569,7 +6569,9 @@ class _StdioServer:
         if method is None:  # an answer
             ident = message.get("id")
             with self._lock:
-                slot = self._waiting.get(ident) if isinstance(ident, (int, str)) else None
+                # JSON's true is no id, though True == 1 would find request 1's slot
+                slot = (self._waiting.get(ident) if isinstance(ident, (int, str))
+                        and not isinstance(ident, bool) else None)
             if slot is not None:
                 slot[1] = message
                 slot[0].set()
@@ -6744,9 +6746,10 @@ class _HTTPServer:
                         _sse_events(_arriving_chunks(response), exchange.check) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
-                if isinstance(each, dict) and each.get("method") is None \
-                        and each.get("id") == request_id:
-                    return each
+                answer_id = each.get("id") if isinstance(each, dict) else None
+                if (isinstance(each, dict) and each.get("method") is None
+                        and answer_id == request_id and not isinstance(answer_id, bool)):
+                    return each  # true == 1, but JSON's true is no id
                 self._heard(each)
         exchange.check()
         raise _Gone(f"the MCP server {self.name} ended its answer without one")

@@ -8505,6 +8505,8 @@ while True:
     message = read()
     method, ident = message.get("method"), message.get("id")
     if method == "initialize":
+        if os.environ.get("FAKE_TRUE_ID"):  # an answer whose id is true (== 1 in Python) comes first
+            send({"jsonrpc": "2.0", "id": True, "result": {"protocolVersion": "1999-01-01"}})
         send({"jsonrpc": "2.0", "id": ident, "result": {"protocolVersion": os.environ.get(
             "FAKE_PROTOCOL", message["params"]["protocolVersion"]), "capabilities": {"tools": {"listChanged": True}},
             "serverInfo": {"name": "fake", "version": "1"}}})
@@ -8665,6 +8667,13 @@ def test_mcp_accepts_an_older_protocol_and_refuses_an_unknown_one(fake_mcp, monk
     monkeypatch.setenv("FAKE_PROTOCOL", "1999-01-01")
     with pytest.raises(lich.MCPError, match="speaks protocol '1999-01-01', which lich does not"):
         lich.mcp_tools(command)
+
+
+def test_an_mcp_answer_whose_id_is_true_is_no_answer_to_request_1(fake_mcp, monkeypatch):
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_TRUE_ID", "1")
+    with lich.mcp_tools(command) as tools:
+        assert tools.protocol == "2025-11-25"
 
 
 def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
@@ -9157,6 +9166,21 @@ def test_an_mcp_answer_whose_error_is_null_beside_its_result_is_that_result(serv
                             "content": [{"type": "text", "text": "echoed"}]}}})
     with lich.mcp_tools(url) as tools:
         assert (tools.protocol, tools.run(tool_call("echo"))) == ("2025-06-18", lich.ToolResult(ok=True, output="echoed"))
+
+
+def test_an_mcp_http_answer_whose_id_is_true_is_no_answer_to_request_1(server):
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            return Reply(405, "")
+        if "id" not in body:  # a notification
+            return Reply(202, "")
+        return Reply(200, [{"jsonrpc": "2.0", "id": True, "result": {"protocolVersion": "1999-01-01"}},
+                           {"jsonrpc": "2.0", "id": body["id"], "result": {"protocolVersion": "2025-06-18"}}])
+
+    server.responder = respond
+    with lich.mcp_tools(server.url + "/mcp") as tools:
+        assert tools.protocol == "2025-06-18"
 
 
 def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(server, caplog):
