@@ -7353,6 +7353,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_batch_out_files_after_fork)
 
 
+def _done_result(line):
+    """The BatchResult of a line of an ``out`` file, or None unless it holds a finished task:
+    a BatchResult's fields whose ``ok`` is true and whose ``id`` is a string. Its other
+    fields are read as null (``usage`` as zero) when of another type: the file may have been
+    edited by hand."""
+    try:
+        result = BatchResult(**json.loads(line))
+    except (ValueError, TypeError, RecursionError):
+        return None  # a line cut by a kill, or not ours
+    if result.ok is not True or not isinstance(result.id, str):
+        return None
+    texts = {key: value if isinstance(value, str) else None for key, value in (
+        ("stopped_reason", result.stopped_reason), ("final", result.final),
+        ("error", result.error), ("session_path", result.session_path))}
+    usage = result.usage if isinstance(result.usage, dict) else _zero_usage()
+    return replace(result, usage=usage, **texts)
+
+
 def _results_file(out, redo):
     """(descriptor opened for appending, {id: BatchResult of the ok lines already there}).
 
@@ -7381,11 +7399,8 @@ def _results_file(out, redo):
         done = {}
         with open(out, "rb") as f:
             for line in f:
-                try:
-                    result = BatchResult(**json.loads(line))
-                except (ValueError, TypeError, RecursionError):
-                    continue  # a line cut by a kill, or not ours
-                if result.ok and isinstance(result.id, str):
+                result = _done_result(line)
+                if result is not None:
                     done[result.id] = result
             size = f.tell()
             if size:
@@ -9246,8 +9261,8 @@ def _done_in(out, tasks) -> int:
                     result = BatchResult(**json.loads(line))
                 except (ValueError, TypeError, RecursionError):
                     continue  # a line cut by a kill, or not a result
-                if result.ok and isinstance(result.id, str) and result.id in ids:
-                    done.add(result.id)
+                if result.ok is True and isinstance(result.id, str) and result.id in ids:
+                    done.add(result.id)  # a finished task's line, as run_batch reads it
     except OSError:  # none yet; any other trouble, run_batch says
         return 0
     return len(done)

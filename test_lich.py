@@ -9796,6 +9796,20 @@ def test_an_out_file_cut_after_one_byte_or_holding_lines_not_of_results_is_resum
     assert [(r.id, r.final) for r in results] == [("0", "one"), ("1", "two")]  # only "b" ran
 
 
+def test_an_out_files_line_is_a_finished_task_only_when_ok_is_true_and_its_other_fields_of_other_types_are_null(
+        tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "0", "ok": "no", "stopped_reason": "final", "final": "a string ok"}\n'
+                   '{"id": "1", "ok": 1, "stopped_reason": "final", "final": "ok of 1"}\n'
+                   '{"id": "2", "ok": true, "stopped_reason": 3, "final": 5, "error": ["x"], "usage": "x", '
+                   '"session_path": {}, "output": {"n": 1}}\n')
+    results = lich.run_batch(["a", "b", "c"], chat=ScriptedChat(assistant("ran a"), assistant("ran b")), max_turns=1,
+                             out=out)
+    assert results == [lich.BatchResult("0", True, "final", "ran a", usage=usage(10, 2)),
+                       lich.BatchResult("1", True, "final", "ran b", usage=usage(10, 2)),
+                       lich.BatchResult("2", True, None, None, output={"n": 1})]
+
+
 def test_on_result_finds_its_tasks_line_written_even_when_it_fails(tmp_path):
     out = tmp_path / "out.jsonl"
     seen = []
@@ -12057,6 +12071,15 @@ def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, 
     assert cli("--batch", str(prompts), "--out", str(done), "--root", str(workspace)) == (
         0, "", f"lich: 2 tasks were done before, in {done}; --redo runs them again\n")
     assert len(batch_server.requests) == requests
+
+
+def test_a_batch_out_line_whose_ok_is_no_true_is_not_counted_done(batch_server, lich_model, cli, tmp_path, workspace):
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    prompts.write_text("one\n")
+    out.write_text('{"id": "0", "ok": "no", "stopped_reason": "final", "final": "not done"}\n')
+    code, stdout, err = cli("--batch", str(prompts), "--out", str(out), "--root", str(workspace))
+    assert (code, stdout, err.split(" · ")[:2]) == (0, "", ["1/1 done", "0 failed"])
+    assert json.loads(out.read_text().splitlines()[1])["final"] == "answer to one: hello"
 
 
 def test_a_batch_from_the_command_line_rides_out_rate_limits_as_a_library_batch_does(server, cli, tmp_path,
