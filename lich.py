@@ -2253,19 +2253,26 @@ def _watched_adapter_class():
     return WatchedAdapter
 
 
-def _no_redirect_target(response) -> None:
-    """None, for every response: no redirect for requests to follow; each 3xx is lich's."""
+@functools.cache
+def _session_class():
+    """A requests session that sees no redirect target in any response: each 3xx is lich's.
+
+    Even with allow_redirects=False, requests readies the next request of a redirect: it
+    reads the whole body, however long, and parses the Location, raising ValueError on one
+    that is no URL. With no target it hands the response over as it came.
+    """
+    class Session(_requests().Session):
+        def get_redirect_target(self, response):
+            return None
+
+    return Session
 
 
 def _new_http_session(url):
     """A requests session for ``url`` whose proxies and CA bundle are read from the
     environment now, not on every request (which costs requests ~0.25 ms a call)."""
     requests = _requests()
-    session = requests.Session()
-    # Even with allow_redirects=False, requests readies the next request of a redirect: it
-    # reads the whole body, however long, and parses the Location, raising ValueError on
-    # one that is no URL. With no target it hands the response over as it came.
-    session.get_redirect_target = _no_redirect_target
+    session = _session_class()()
     adapter = _watched_adapter_class()()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
@@ -2634,8 +2641,8 @@ class _HTTPChat:
             except requests.RequestException as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=False) from e
-            except ValueError as e:  # a session of the caller's: requests read a redirect's Location
-                raise self._error(f"requests could not read the answer: "
+            except ValueError as e:  # a session of the caller's: as on a redirect's bad Location
+                raise self._error(f"requests raised ValueError on the answer: "
                                   f"{_redact_url(_redact_secrets(str(e)))}",
                                   "invalid_response") from e
             status = response.status_code
@@ -2760,7 +2767,8 @@ class _HTTPChat:
         held = ""  # a high surrogate that ended an event: its pair's other half comes next
         for event, data in events:
             if data == b"[DONE]":  # OpenAI's end; in another dialect's stream, an early one
-                state.done = state.end_marker == "[DONE]"
+                # unless the answer's stop reason came: gateways end Anthropic streams so too
+                state.done = state.end_marker == "[DONE]" or state.stop is not None
                 break
             try:
                 payload = _json_of(data)
@@ -7024,7 +7032,7 @@ class MCPTools:
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
         if result.get("isError"):
-            return ToolResult(ok=False, error=text or "the tool reported an error")
+            return ToolResult(ok=False, error=_writable(text) or "the tool reported an error")
         return ToolResult(ok=True, output=text)
 
     def close(self) -> None:

@@ -263,9 +263,13 @@ def eventually(check, seconds=5.0, what="it never happened"):
         time.sleep(0.01)
 
 
+SET_AFTER_MISSED = []  # the checks of set_after that never held: the test that set them fails
+
+
 def set_after(signal, check, delay=0.1):
     """Set ``signal`` ``delay`` seconds after ``check()`` holds (looked at every 10 ms, for
-    5 s at most), from a thread of its own: a signal for what has begun, not at a guessed time."""
+    5 s at most), from a thread of its own: a signal for what has begun, not at a guessed time.
+    A check that never holds is recorded before the signal is set, and fails the test."""
 
     def holds():
         try:
@@ -275,12 +279,23 @@ def set_after(signal, check, delay=0.1):
 
     def wait_and_set():
         deadline = time.monotonic() + 5
-        while not holds() and time.monotonic() < deadline:
+        while not holds():
+            if time.monotonic() >= deadline:
+                SET_AFTER_MISSED.append(check)
+                break
             time.sleep(0.01)
         time.sleep(delay)
         signal.set()
 
     threading.Thread(target=wait_and_set, daemon=True).start()
+
+
+@pytest.fixture(autouse=True)
+def set_after_held():
+    """A test whose set_after check never held fails: its signal came at a guessed time."""
+    yield
+    missed, SET_AFTER_MISSED[:] = SET_AFTER_MISSED[:], []
+    assert not missed, f"set_after's check never held in 5 s: {missed}"
 
 
 def exit_code_of_child(pid, seconds=5.0):
@@ -3666,7 +3681,7 @@ def test_a_redirect_whose_location_is_no_url_is_an_invalid_response(server, stat
 
 
 @pytest.mark.parametrize("location, status, said", [
-    ("http://[::1/v1", None, "requests could not read the answer: Invalid IPv6 URL"),  # requests raised
+    ("http://[::1/v1", None, "requests raised ValueError on the answer: Invalid IPv6 URL"),
     ("http://127.0.0.1:99999/v1", 302, "HTTP 302: redirected to a Location that is no URL (Port out of range 0-65535)"),
 ], ids=["bracket", "port"])
 def test_a_redirect_whose_location_is_no_url_through_a_callers_session_is_an_invalid_response(server, location, status,
@@ -5257,15 +5272,22 @@ def test_anthropic_stream_text_tool_use_pings_and_usage(server):
                                           "messages": USER, "stream": True}
 
 
-def test_an_anthropic_stream_that_says_done_before_message_stop_is_an_invalid_response(server):
+def test_an_anthropic_stream_that_says_done_before_its_stop_reason_is_an_invalid_response(server):
     # [DONE] is OpenAI's end: in an Anthropic stream it ends the stream early, what follows unread
-    body = anthropic_sse(message_start(), block_start(0, text_block("")),
-                         block_delta(0, type="text_delta", text="Hi"), message_delta("end_turn", 2))
-    server.reply(200, chunks=[body + "data: [DONE]\n\n", anthropic_sse(MESSAGE_STOP)])
+    body = anthropic_sse(message_start(), block_start(0, text_block("")), block_delta(0, type="text_delta", text="Hi"))
+    server.reply(200, chunks=[body + "data: [DONE]\n\n", anthropic_sse(message_delta("end_turn", 2), MESSAGE_STOP)])
     with pytest.raises(lich.ProviderError) as info:
         anthropic_at(server, stream=True)(USER)
     assert (info.value.kind, info.value.retryable, str(info.value)) == (
         "invalid_response", False, "anthropic: invalid response: stream ended before message_stop")
+
+
+def test_an_anthropic_stream_that_says_done_after_its_stop_reason_is_the_whole_answer(server):
+    # gateways in front of Anthropic end a stream so, without message_stop
+    body = anthropic_sse(message_start(), block_start(0, text_block("")),
+                         block_delta(0, type="text_delta", text="Hi"), message_delta("end_turn", 2))
+    server.reply(200, chunks=[body + "data: [DONE]\n\n"])
+    assert anthropic_at(server, stream=True)(USER) == result("Hi", usage=(25, 2), model="claude-test-1", stop="stop")
 
 
 def test_anthropic_streamed_thinking_is_assembled_in_linear_time(server):
@@ -9279,6 +9301,13 @@ def test_a_lone_surrogate_in_an_mcp_servers_error_becomes_a_replacement_characte
     with pytest.raises(lich.MCPError) as info:
         lich.mcp_tools(server.url + "/mcp")
     assert str(info.value) == f"the MCP server {server.url}/mcp refused to start a session: no \ufffd way"
+
+
+def test_a_lone_surrogate_in_an_mcp_tools_error_text_becomes_a_replacement_character(server):
+    url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": {
+        "content": [{"type": "text", "text": "bad \ud800 input"}], "isError": True}})
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("t")) == lich.ToolResult(ok=False, error="bad \ufffd input")
 
 
 def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
