@@ -3812,11 +3812,16 @@ _sent_limiters = weakref.WeakValueDictionary()  # token: a Limiter of this proce
 _received_limiters_lock = _ForkSafeLock()
 
 
+_all_limiters = weakref.WeakSet()  # every Limiter of this process, renewed in a forked child
+
+
 def _forget_limiters_after_fork():
     """A forked child has copies of its parent's limiters, their calls in flight included:
-    it gets limiters of its own."""
+    it gets limiters of its own, those sent to it and those it inherited alike."""
     _received_limiters.clear()
     _sent_limiters.clear()
+    for limiter in list(_all_limiters):
+        limiter._renew()
 
 
 if hasattr(os, "register_at_fork"):
@@ -3857,6 +3862,14 @@ class Limiter:
         self.requests_per_minute = requests_per_minute
         self.tokens_per_minute = tokens_per_minute
         self._token = os.urandom(8).hex()  # names it in the processes it is sent to
+        self._renew()
+        _all_limiters.add(self)
+
+    def _renew(self):
+        """No call in flight or in the window. Also what a forked child's copy becomes: its
+        parent's calls in flight would never end there (a child of a limiter of
+        max_concurrent=1 forked mid-call waited for ever), and a thread of its parent may
+        have held the condition's lock."""
         self._cond = threading.Condition()
         self._in_flight = 0
         self._starts = deque()  # (start time, estimated tokens) within the window

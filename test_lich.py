@@ -6168,6 +6168,34 @@ def test_a_pickled_limiter_is_let_go_and_a_forked_child_has_limiters_of_its_own(
     assert gone() is None  # pickling it kept no reference
 
 
+def test_a_limiter_a_forked_child_inherits_is_free_of_its_parents_calls():
+    # A pre-forking server or a fork pool whose module-level chat holds a limiter: the
+    # parent's call in flight at the fork would never end in the child.
+    limiter = lich.Limiter(max_concurrent=1, requests_per_minute=1)
+    held, release = threading.Event(), threading.Event()
+
+    def chat(messages, **options):
+        if messages[-1]["content"] == "slow":
+            held.set()
+            release.wait(10)
+        return lich.ChatResult(answer("ok"))
+
+    limited = limiter.wrap(chat)
+    caller = threading.Thread(target=limited, args=([{"role": "user", "content": "slow"}],))
+    caller.start()  # the parent's one slot, and its one request of the minute, are taken
+    held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if limited(USER).message == answer("ok") else 3)
+        finally:
+            os._exit(4)
+    code = exit_code_of_child(pid)  # None: it waited on its parent's call
+    release.set()
+    caller.join(5)
+    assert code == 0
+
+
 def _limited_calls(limiter, n, work=0.05, signal=None, starts=None):
     """``n`` threads calling one limited chat at once; (in flight at most, start times).
     ``starts``, a list, gets the start times as they come."""
