@@ -549,6 +549,27 @@ def _takes_type(value, schema, root) -> bool:
     return isinstance(schema, dict) and "type" in schema and _type_check(value, schema["type"], "", [])
 
 
+def _refuses_its_tag(value, schema, root) -> bool:
+    """Whether the object ``value`` holds a property that ``schema`` (or the one its ``$ref``
+    names) fixes to other values by ``const`` or ``enum``: the tag of a tagged union (a
+    Pydantic discriminator's ``kind``) saying the value is meant for another branch."""
+    while isinstance(schema, dict) and "$ref" in schema and root is not None:
+        schema = _ref_target(root, schema["$ref"])  # no loop: the check before a run refuses one
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(value, dict) or not isinstance(properties, dict):
+        return False
+    for key, tag in properties.items():
+        while isinstance(tag, dict) and "$ref" in tag and root is not None:
+            tag = _ref_target(root, tag["$ref"])
+        if key not in value or not isinstance(tag, dict):
+            continue
+        if "const" in tag and not _same_json(value[key], tag["const"]):
+            return True
+        if isinstance(tag.get("enum"), list) and not any(_same_json(value[key], a) for a in tag["enum"]):
+            return True
+    return False
+
+
 def _branch_check(value, branch, where, root, memo):
     """``value`` checked against one branch of an anyOf or oneOf, as ``(checked, problems)``:
     once a walk for each value, branch and place. Branches that recurse (an expression tree's
@@ -567,16 +588,21 @@ def _any_of_check(value, branches, where, problems, root, memo, results=None):
     of the branch that took its type (of its ``type``, or failing only within it) with the
     fewest (the first of equals; when such branches each fail once at one place, as the
     branches of a tagged union fail on the tag, one problem naming what each wants there);
-    else one problem naming them all. ``results`` are the branches' own ``(checked,
-    problems)`` when the caller has them already."""
-    refusals, taken = [], []
+    else one problem naming them all. Of a tagged union, only the branches whose tag the
+    value holds count as taking its type, when some do: a dog that lacks a field is told
+    that, not to be a cat. ``results`` are the branches' own ``(checked, problems)`` when
+    the caller has them already."""
+    refusals, taken, tagged = [], [], []
     for i, branch in enumerate(branches):
         checked, found = _branch_check(value, branch, where, root, memo) if results is None else results[i]
         if not found:
             return checked
         if any(at != where for at, _, _ in found) or _takes_type(value, branch, root):
             taken.append(found)  # its type fitted, a bound or something within did not: tell that
+            tagged.append(not _refuses_its_tag(value, branch, root))
         refusals.append(found[0])
+    if any(tagged) and not all(tagged):
+        taken = [found for found, its_tag in zip(taken, tagged) if its_tag]
     least = min(map(len, taken), default=0)
     fewest = [found for found in taken if len(found) == least]
     if all(isinstance(b, dict) and ("enum" in b or b.get("type") == "null") for b in branches):

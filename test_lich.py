@@ -2214,6 +2214,28 @@ def test_an_answer_no_branch_of_a_tagged_union_fits_is_told_every_branchs_tag():
     assert outcome.output == {"pet": {"kind": "dog", "lives": 9}}
 
 
+def test_an_answer_of_a_tagged_union_is_told_what_fails_in_the_branch_its_tag_names():
+    # Each branch fails once: Cat on the tag, Dog on a field. The first of equals was Cat's,
+    # and the model that meant a dog was told to make it a cat; so in either order
+    pets = {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "name": {"type": "string"},
+                                                     "lives": {"type": "integer"}}, "required": ["kind", "name"]},
+            "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog", "puppy"]}, "name": {"type": "string"},
+                                                     "good": {"type": "boolean"}}, "required": ["kind", "name", "good"]}}
+    for order in (["Cat", "Dog"], ["Dog", "Cat"]):
+        schema = {"type": "object", "properties": {"pet": {
+            "oneOf": [{"$ref": f"#/$defs/{name}"} for name in order],
+            "discriminator": {"propertyName": "kind"}}}, "required": ["pet"], "$defs": pets}
+        problems, outcome = corrections_for(schema, '{"pet": {"kind": "dog", "name": "Rex"}}',
+                                            '{"pet": {"kind": "cat", "name": 7}}', '{"pet": {"kind": "puppy", "name": 7}}',
+                                            '{"pet": {"kind": "puppy", "name": "Rex", "good": true}}')
+        assert problems == [
+            'answer["pet"]["good"] must be present (it is required), not missing',
+            'answer["pet"]["name"] must be a string, not an integer',
+            ('answer["pet"]["name"] must be a string, not an integer; '
+             'answer["pet"]["good"] must be present (it is required), not missing')], order
+        assert outcome.output == {"pet": {"kind": "puppy", "name": "Rex", "good": True}}
+
+
 TYPE_NAMES = "one of string, integer, number, boolean, array, object, null or a list of them"
 
 
