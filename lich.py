@@ -6929,6 +6929,11 @@ class MCPTools:
     def __repr__(self):
         return f"MCPTools({self.name!r})"
 
+    def __reduce__(self):
+        # A batch on a process pool pickles its tools: say what cannot go, not "_thread.lock"
+        raise TypeError(f"cannot pickle MCPTools ({self.name}): its server answers only the "
+                        f"process that started it; call mcp_tools() in the process that uses it")
+
     def _not_ours(self):
         """Why this process may not use the server (a forked child's), or None."""
         if os.getpid() == self._pid:

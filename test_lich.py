@@ -8885,6 +8885,20 @@ def test_an_mcp_server_is_the_process_that_started_its_own(fake_mcp):
     assert [m.get("method") for m in received(log)].count("tools/call") == 1
 
 
+def test_mcp_tools_refuse_to_pickle_saying_why(fake_mcp):
+    # run_batch on a process pool pickles its tools: this was "cannot pickle '_thread.lock' object"
+    import pickle
+
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        for runner in (tools, lich.combine_tools(lich.Tools(), tools)):
+            with pytest.raises(TypeError) as caught:
+                pickle.dumps(runner)
+            assert str(caught.value) == (
+                f"cannot pickle MCPTools ({os.path.basename(sys.executable)}): its server answers only "
+                f"the process that started it; call mcp_tools() in the process that uses it")
+
+
 def test_mcp_calls_to_a_server_that_stops_reading_end_at_their_timeout(fake_mcp):
     command, _ = fake_mcp
     tools = lich.mcp_tools(command, timeout=0.5)
