@@ -6343,7 +6343,10 @@ class _StdioServer:
                                          stderr=subprocess.PIPE, cwd=cwd, env=environ,
                                          start_new_session=True)
         except OSError as e:
-            raise MCPError(f"cannot start the MCP server {argv[0]!r}: {e.strerror or e}") from e
+            # a cwd that is no folder fails as a missing command would: name the one at fault
+            where = (f" in {os.fsdecode(e.filename)!r}"
+                     if cwd is not None and e.filename not in (None, argv[0]) else "")
+            raise MCPError(f"cannot start the MCP server {argv[0]!r}{where}: {e.strerror or e}") from e
         os.set_blocking(self.proc.stdin.fileno(), False)  # a write waits in poll, watched
         self.name = os.path.basename(argv[0])
         self.on_list_changed = on_list_changed

@@ -8985,6 +8985,16 @@ def test_an_mcp_server_that_does_not_start_is_an_mcp_error_in_its_own_words(comm
     assert error in str(info.value) and time.monotonic() - started < 5
 
 
+def test_an_mcp_server_given_a_cwd_that_is_no_folder_is_told_so(tmp_path):
+    # Popen fails on the cwd with the strerror of a missing command: the folder is named
+    name = os.path.basename(sys.executable)
+    (tmp_path / "file").write_text("")
+    for cwd, reason in ((tmp_path / "missing", "No such file or directory"), (tmp_path / "file", "Not a directory")):
+        with pytest.raises(lich.MCPError) as info:
+            lich.mcp_tools([name, "-c", "pass"], cwd=cwd)
+        assert str(info.value) == f"cannot start the MCP server {name!r} in {str(cwd)!r}: {reason}"
+
+
 def test_an_mcp_servers_stderr_shows_no_key_in_use(caplog):
     keep_in_use(api_key=SECRET)
     command = [sys.executable, "-c", f"import sys; sys.stderr.write('bad key {SECRET}'); sys.exit(3)"]
