@@ -4529,12 +4529,23 @@ _WALK_MAX_ENTRIES = 100_000     # list_files stops scanning after this many entr
 _WALK_MAX_DEPTH = 128           # folders deeper than this are not entered (one descriptor each)
 _EDIT_MAX_BYTES = 10_000_000    # edit_file refuses bigger files
 _EDIT_COUNT_MAX = 1000          # places of old_text counted before "more than" that
+_FILE_LOCK_STRIPES = 64         # locks that make the writes of one path wait for each other
 _SKIP_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv", "venv"})
 _UTF8_MAX_BYTES = 4
 _NOTED_MAX = 5                  # paths named in a note about what was not looked at
 # a folder opened beneath another (or the root) following no link
 _SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
                     | getattr(os, "O_CLOEXEC", 0))
+
+
+# A path's lock, by its real path's hash: an edit reads, changes and writes its file under it,
+# so that two threads editing one file (agents of a batch, on workspaces of one root) keep
+# both changes; the second edit read the file before the first was written, and undid it.
+_file_locks = [_ForkSafeLock() for _ in range(_FILE_LOCK_STRIPES)]
+
+
+def _file_lock(real):
+    return _file_locks[hash(real) % _FILE_LOCK_STRIPES]
 
 
 def _fs_failure(error, path):
@@ -5883,7 +5894,8 @@ class _Workspace:
         if self.approve is not None:
             self._approve(call)
             real = self.root.resolve(path)  # again: it may have changed while the user read
-        self.root.write(real, path, data)
+        with _file_lock(real):  # not amid an edit's read and write
+            self.root.write(real, path, data)
         return f"wrote {len(content)} characters to {path}"
 
     def edit_file(self, path: str, old_text: str, new_text: str, call: ToolCall) -> str:
@@ -5898,12 +5910,12 @@ class _Workspace:
         if not old_text:
             raise _ToolFailure("old_text is empty; copy the exact text to replace from the file")
         real = self.root.resolve(path)
-        data = self._edited(real, path, old_text, new_text)
         if self.approve is not None:
+            self._edited(real, path, old_text, new_text)  # a failing edit is not asked about
             self._approve(call)
             real = self.root.resolve(path)  # the file may have changed while the user read
-            data = self._edited(real, path, old_text, new_text)
-        self.root.write(real, path, data)
+        with _file_lock(real):  # read and written with no other write of it between
+            self.root.write(real, path, self._edited(real, path, old_text, new_text))
         return f"replaced 1 occurrence of old_text in {path}"
 
     def bash(self, command: str, call: ToolCall, signal: threading.Event) -> ToolResult:

@@ -7698,6 +7698,28 @@ def test_edit_file(ws):
     assert (ws / "f.py").read_bytes() == b"\xff\nnew = 2\nkeep\n"
 
 
+def test_edits_of_one_file_from_many_threads_keep_every_change(ws):
+    # Agents of a batch on one root, each with workspace tools of its own: an edit that read
+    # the file before another's write undid it, and both said they had replaced their text
+    lines = [f"line {i}\n" for i in range(16)]
+    (ws / "f.txt").write_text("".join(lines) + "x" * 2_000_000 + "\n")  # a read takes a while
+    start = threading.Barrier(16)
+    results = [None] * 16
+
+    def edit(i):
+        tools = lich.coding_tools(ws, allow_write=True)
+        start.wait(5)
+        results[i] = run_tool(tools, "edit_file", path="f.txt", old_text=lines[i], new_text=f"LINE {i}\n")
+
+    threads = [threading.Thread(target=edit, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert results == [lich.ToolResult(ok=True, output="replaced 1 occurrence of old_text in f.txt")] * 16
+    assert (ws / "f.txt").read_text().splitlines()[:16] == [f"LINE {i}" for i in range(16)]
+
+
 @pytest.mark.parametrize("old_text,error", [
     ("absent", ("old_text was not found in f.txt; read the file and copy the text exactly, "
                 "whitespace included")),
