@@ -2203,8 +2203,16 @@ class _Watchdog:
     """One thread, started when first needed, that cuts the exchanges that are due."""
 
     def __init__(self):
+        self._renew()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._renew)
+
+    def _renew(self):
+        """No exchange watched. Also what a forked child's watchdog becomes: its copies of
+        the parent's exchanges hold the parent's sockets, and cutting one when its time was
+        up cut the connection the parent had gone on to use for another request."""
         self._exchanges = set()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # a thread of the parent may have held it
         self._pid = None  # the process whose thread it is: a fork starts its own
 
     def watch(self, exchange):

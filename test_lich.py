@@ -3477,6 +3477,33 @@ def test_a_forked_child_opens_connections_of_its_own(server):
     assert first == again != child
 
 
+def test_a_forked_child_never_cuts_a_connection_of_its_parent(server):
+    # The child's watchdog had the parent's exchange in flight at the fork: at that exchange's
+    # time limit it shut the socket down, which the parent was using for its next request
+    answered_at = {"A": 0.5, "B": 2.25, "child": 2.75}  # B after A's limit (2), within its own
+    started = time.monotonic()
+
+    def respond(request):
+        said, held = request["json"]["messages"][-1]["content"], threading.Event()
+        threading.Timer(max(0.0, started + answered_at[said] - time.monotonic()), held.set).start()
+        return Reply(200, openai_reply(said), hold=held)
+
+    server.responder = respond
+    chat = openai_at(server, timeout=2)
+    answers = []
+
+    def parent():  # A and B in one thread: one connection
+        answers.extend(chat([user(said)]).message["content"] for said in ("A", "B"))
+
+    caller = threading.Thread(target=parent)
+    caller.start()
+    time.sleep(0.2)  # A is in flight
+    assert in_a_forked_child(lambda: openai_at(server, timeout=10)([user("child")]).message["content"]) == "child"
+    caller.join(10)
+    assert answers == ["A", "B"]
+    assert len({r["port"] for r in server.requests if r["json"]["messages"][-1]["content"] in "AB"}) == 1
+
+
 def test_connection_refused_is_a_network_error():
     port = free_port()
     with pytest.raises(lich.ProviderError) as info:
