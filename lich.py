@@ -1700,7 +1700,7 @@ class _SessionMarks:
 
     def __init__(self):
         self._marked = {}  # id(session) -> weakref to it, or the session itself
-        self._lock = threading.Lock()
+        self._lock = _ForkSafeLock()  # every recorded run in a forked child asks for it
 
     def mark(self, session) -> bool:
         """Note ``session``; True when it was not noted before."""

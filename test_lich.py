@@ -2385,6 +2385,29 @@ def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_pat
     assert len(list((tmp_path / "child").iterdir())) == 1 == len(list((tmp_path / "parent").iterdir()))
 
 
+def test_a_child_forked_while_a_thread_looked_a_session_up_can_record_a_run(tmp_path):
+    held, forked = threading.Event(), threading.Event()
+
+    def holder():
+        with lich._sessions_with_a_gap._lock:  # as a recorded run of a server's thread holds it
+            held.set()
+            forked.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            run = lich.run_agent("x", chat=ScriptedChat(assistant("done")), max_turns=1, session_dir=tmp_path)
+            os._exit(0 if lich.read_session_messages(run.session_path) == run.messages else 3)
+        finally:
+            os._exit(4)
+    forked.set()
+    thread.join(5)
+    assert exit_code_of_child(pid, seconds=3) == 0  # None: it waited on what its parent's thread held
+
+
 def test_concurrent_sessions_with_different_labels_get_different_counters(tmp_path):
     paths = []
 
