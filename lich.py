@@ -1538,13 +1538,15 @@ class SessionHandle:
 
     def close(self) -> None:
         """Close the file; appending afterwards raises ValueError."""
+        if os.getpid() != self._pid:  # a forked child's copy, whose lock a parent's thread may hold
+            fd, self._fd = self._fd, None
+            if fd is not None:
+                self._close_fd.detach()  # the parent's descriptor: not ours to close
+                os.close(fd)
+            return
         with self._lock:
             if self._fd is not None:
-                if os.getpid() == self._pid:
-                    self._close_fd()
-                else:
-                    self._close_fd.detach()  # the parent's descriptor: not ours to close
-                    os.close(self._fd)
+                self._close_fd()
                 self._fd = None
 
     def __enter__(self):
@@ -1561,12 +1563,12 @@ class SessionHandle:
                         f"this process; pass the session folder and open one on the other side")
 
     def _append(self, line: bytes) -> None:
+        if os.getpid() != self._pid:  # before the lock, which a parent's thread may have held
+            raise RuntimeError(f"session {self.id} was opened by process {self._pid}; "
+                               f"open a session of your own in this process")
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"session {self.id} is closed")
-            if os.getpid() != self._pid:
-                raise RuntimeError(f"session {self.id} was opened by process {self._pid}; "
-                                   f"open a session of your own in this process")
             if self._torn:
                 line = b"\n" + line
             view = memoryview(line)

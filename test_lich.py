@@ -3135,6 +3135,46 @@ def test_a_session_handle_refuses_a_forked_child_and_leaves_the_parents_records_
     assert records(handle.path) == [meta(event="before"), meta(event="after")]
 
 
+def test_a_session_handle_refuses_a_child_forked_while_a_thread_appended(tmp_path):
+    # The child's append waited for ever on the lock the appending thread held at the fork
+    handle = lich.open_session(tmp_path)
+    held, forked = threading.Event(), threading.Event()
+
+    def appender():
+        with handle._lock:  # as a run of the parent holds it while it writes a record
+            held.set()
+            forked.wait(5)
+
+    thread = threading.Thread(target=appender)
+    thread.start()
+    assert held.wait(5)
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            try:
+                handle.append_meta({"event": "child"})
+                outcome = b"written"
+            except RuntimeError as e:
+                handle.close()
+                outcome = str(e).encode()
+            os.write(write, outcome)
+        finally:
+            os._exit(0)
+    os.close(write)
+    code = exit_code_of_child(pid, seconds=3)  # None: it waited on the appender's lock
+    with os.fdopen(read, "rb") as f:
+        said = f.read().decode()
+    forked.set()
+    thread.join(5)
+    handle.append_meta({"event": "after"})
+    handle.close()
+    assert (code, said) == (0, (f"session {handle.id} was opened by process {os.getpid()}; "
+                                f"open a session of your own in this process"))
+    assert records(handle.path) == [meta(event="after")]
+
+
 def test_list_sessions_breaks_a_tie_of_times_by_the_counter(tmp_path):
     names = ["20261130T120000Z-9.jsonl", "20261130T120000Z-10.jsonl"]
     for name in names:
