@@ -9099,6 +9099,10 @@ class _Cli:
             import readline
         except ImportError:
             return None
+        if "libedit" not in (readline.__doc__ or ""):  # GNU readline's syntax
+            # CPython turns bracketed paste off for its own REPL, and a terminal then types a
+            # paste as keys: each of its lines would be sent as a message of its own.
+            readline.parse_and_bind("set enable-bracketed-paste on")
         path = os.path.join(_state_home(self.environ), "history")
         try:
             with open(path, encoding="utf-8") as f:

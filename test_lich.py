@@ -894,8 +894,10 @@ class Pty:
 
     def _shown(self, data):
         text = self.decoder.decode(data).replace("\r\n", "\n")
-        self.output += text
         self.transcript += text
+        # readline turning bracketed paste on and off around each prompt: no text lich shows
+        text = re.sub("\x1b\\[\\?2004h|\x1b\\[\\?2004l\r", "", text)
+        self.output += text
         return text
 
     def send(self, line):
@@ -10925,6 +10927,16 @@ def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model
     term.send("/exit")
     assert term.close() == 0
     assert server.requests[-1]["json"]["messages"][-1]["content"] == "pasted one\n  pasted two\n"
+
+
+def test_the_chat_asks_the_terminal_to_bracket_a_paste(tmp_path):
+    """A terminal marks a paste only when the program asked it to (ESC [?2004h): without that,
+    a pasted traceback was typed as keys, and each of its lines became a message."""
+    term = chat_pty(tmp_path=tmp_path, env={"TERM": "xterm", "LICH_MODEL": "openai:m"})
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert term.transcript.startswith("lich 0.2.0 · openai:m ·") and "\x1b[?2004h" + PROMPT in term.transcript
 
 
 def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_model, workspace, tmp_path):
