@@ -9073,10 +9073,10 @@ class _Cli:
                         break
                 return line
             except KeyboardInterrupt:
+                sys.stderr.write("\n")  # off the prompt's line, for the note or the shell's prompt
                 if self.interrupts.terminating:
                     raise _Quit(self.interrupts.exit_code) from None
                 self.interrupts.pressed()  # a second one within 2 s quits
-                sys.stderr.write("\n")
                 self.term.note("(Ctrl-C again or Ctrl-D to quit)")
 
     def _input(self, prompt, to_stderr):

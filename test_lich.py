@@ -12108,6 +12108,7 @@ def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lic
     assert term.expect(PROMPT).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
     term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
+    assert term.rest == "\n"  # the shell's prompt comes on a line of its own
 
 
 def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
@@ -12136,6 +12137,7 @@ def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lic
     term.expect(PROMPT)
     term.signal_at_prompt(signals.SIGTERM)
     assert term.close() == 128 + signals.SIGTERM and "Ctrl-C again" not in term.transcript
+    assert term.rest == "\n"
     held = threading.Event()
     queue(server, Reply(200, openai_reply("late"), hold=held))
     term = chat_pty(tmp_path=tmp_path)
