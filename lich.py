@@ -8003,6 +8003,7 @@ class _Terminal:
         self._open_line = False   # a tool line written, its mark not yet
         self._answer_open = False  # streamed text not yet ended by a newline
         self._question_open = False  # a question asked, not ended by the Enter of its answer
+        self._status_open = False  # a status line drawn in place, not ended by a newline
         self._answer_to = None     # where streamed text goes
         self._spinner = None       # (stop Event, thread)
         self._lock = threading.RLock()
@@ -8059,6 +8060,7 @@ class _Terminal:
         text = _visible(text)  # a model's or a server's words cannot move the cursor
         with self._lock:
             self._end_question()
+            self._end_status_line()
             self.end_answer()
             self._stderr(self._paint(text, "2") if dim else text)
             self._stderr("\n")
@@ -8119,12 +8121,20 @@ class _Terminal:
         with self._lock:
             if self.fancy:
                 self._stderr("\r\033[K" + self._fit(text))
+                self._status_open = True
             else:
                 self._stderr(text + "\n")
 
     def end_status(self):
-        if self.fancy and not self.quiet:
+        with self._lock:
+            self._end_status_line()
+
+    def _end_status_line(self):
+        """End the status line drawn in place, so that a note comes on a line of its own (the
+        next status is drawn under it)."""
+        if self._status_open:
             self._stderr("\n")
+            self._status_open = False
 
     def start_spinner(self, label="thinking", started=None):
         if not self.fancy or self.quiet or self.json_lines:

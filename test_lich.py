@@ -12379,6 +12379,28 @@ def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, li
     assert 3 <= len(rows) < 200 and all(r["ok"] or r["stopped_reason"] == "aborted" for r in rows)
 
 
+def test_a_note_during_a_batch_on_a_terminal_comes_under_its_status_line(server, lich_model, tmp_path, workspace):
+    import signal as signals
+
+    held = threading.Event()
+    queue(server, openai_reply("first"), Reply(200, openai_reply("late"), hold=held))
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\ntwo\n")
+    term = Pty("--batch", str(tasks), "--out", str(tmp_path / "out.jsonl"), "--workers", "1", "--root",
+               str(workspace), env={"NO_COLOR": "1", "TERM": "xterm"})
+    try:
+        term.expect("1/2 done")
+        wait_for_request(server, 2)
+        term.proc.send_signal(signals.SIGINT)
+        assert term.close() == 130
+    finally:
+        held.set()
+    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA \d+ s)?", "(time)", term.transcript)
+    assert shown == ("\r\x1b[K1/2 done · 0 failed · 0 running · (time)\n"  # before, the note went on at its end
+                     "interrupted; stopping (Ctrl-C again to quit)\n"
+                     "\r\x1b[K2/2 done · 1 failed · 0 running · (time)\n")
+
+
 def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, workspace):
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
     tasks = tmp_path / "tasks.txt"
