@@ -2759,6 +2759,17 @@ class _HTTPChat:
         import urllib3
 
         chunks = _arriving_chunks(response)
+        # The start of a body that does not say it is a stream, quoted when it holds no event:
+        # a proxy's login page, or a plain-text error sent with 200.
+        start = bytearray()
+        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+
+        def kept(chunks):
+            for chunk in chunks:
+                if not sse and len(start) < _SNIPPET_MAX_CHARS:
+                    start.extend(chunk[:_SNIPPET_MAX_CHARS])
+                yield chunk
+
         shown = []
         on_delta = self.on_delta
         if on_delta is not None:
@@ -2767,7 +2778,8 @@ class _HTTPChat:
                 show(text)
         try:
             try:
-                result = self._read_stream(_sse_events(chunks, exchange.check), on_delta)
+                result = self._read_stream(_sse_events(kept(chunks), exchange.check), on_delta,
+                                           start)
             except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=True) from e
@@ -2796,12 +2808,15 @@ class _HTTPChat:
         except Exception as e:  # cut, reset: the connection is not reused, the answer stands
             _log.debug("the end of a stream was not read: %s", e)
 
-    def _read_stream(self, events, on_delta):
-        """Assemble a ChatResult from SSE events with the dialect's ``_Stream``."""
+    def _read_stream(self, events, on_delta, start):
+        """Assemble a ChatResult from SSE events with the dialect's ``_Stream``; ``start``
+        is the body's start, quoted when it held no event."""
         state = self._Stream(self)
         parts = []
         held = ""  # a high surrogate that ended an event: its pair's other half comes next
+        heard = False
         for event, data in events:
+            heard = True
             if data == b"[DONE]":  # OpenAI's end; in another dialect's stream, an early one
                 # unless the answer's stop reason came: gateways end Anthropic streams so too
                 state.done = state.end_marker == "[DONE]" or state.stop is not None
@@ -2832,6 +2847,8 @@ class _HTTPChat:
             if on_delta is not None:
                 on_delta(held)
         if not state.complete():
+            if not heard and start.strip():
+                raise self._invalid("the body is no event stream", start)
             raise self._error(f"invalid response: stream ended before {state.end_marker}",
                               "invalid_response")
         return ChatResult(message=_assistant_message("".join(parts), state.calls(),

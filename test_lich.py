@@ -6146,6 +6146,9 @@ OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delt
                           + repr(json.dumps(openai_reply("cut"))[:40]))),
     ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="no end"), done=False)])],
      ("invalid_response", "openai: invalid response: stream ended before [DONE]")),
+    ("openai-stream", [Reply(200, "<html><body>Sign in to the proxy</body></html>", content_type="text/html")],
+     ("invalid_response", ("openai: invalid response: the body is no event stream: "
+                           "'<html><body>Sign in to the proxy</body></html>'"))),  # not "stream ended before"
     ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="slow")), ""], delay=0.6),
                        OPENAI_STREAM_OK], "recovered"),
     ("openai", [Reply(429, openai_error("slow down"), headers={"retry-after-ms": "100", "Retry-After": "1"}),
@@ -6156,7 +6159,7 @@ OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delt
     ("anthropic", [Reply(529, anthropic_error("overloaded_error", "Overloaded")),
                    anthropic_reply(text_block("recovered"))], "recovered"),
 ], ids=["reset-before-headers", "reset-mid-stream", "empty-body", "truncated-json", "no-end-marker",
-        "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
+        "a-page-for-a-stream", "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
 def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_kept(
         server, tmp_path, provider, faults, ending):
     if provider == "anthropic":
