@@ -8014,7 +8014,8 @@ class _Terminal:
         self.quiet = quiet
         self.json_lines = json_lines
         self.stdout_tty = _isatty(sys.stdout)
-        self.fancy = _isatty(sys.stderr) and environ.get("TERM") != "dumb"
+        self._stderr_tty = _isatty(sys.stderr)
+        self.fancy = self._stderr_tty and environ.get("TERM") != "dumb"
         self.color = self.fancy and not environ.get("NO_COLOR")
         self._columns = environ.get("COLUMNS", "")  # a width given, over the terminal's
         self._open_line = False   # a tool line written, its mark not yet
@@ -8227,6 +8228,13 @@ class _Terminal:
                 raise _StdoutClosed(_EXIT_OK) from None  # `lich ... | head`: the reader has what it wanted
         except ValueError:  # closed
             pass
+        except OSError as e:
+            # EIO on a terminal: it hung up (a closed window, a dropped ssh). Nothing can be
+            # shown on it; SIGHUP stops the run, whose session keeps the turn as after Ctrl-C.
+            # (On a file, EIO is a failing disk: the answer is lost, which must not pass.)
+            if e.errno != errno.EIO or not (self.stdout_tty if stream is sys.stdout
+                                            else self._stderr_tty):
+                raise
 
 
 def _isatty(stream) -> bool:

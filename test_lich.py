@@ -12157,6 +12157,27 @@ def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lic
     assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
 
 
+def test_a_terminal_that_hangs_up_mid_turn_ends_the_chat_with_the_turn_kept(server, lich_model, tmp_path):
+    """A closed window or a dropped ssh: each write to the terminal fails (EIO), then SIGHUP
+    comes. The failed write of its note ended lich with 1, and the turn was not recorded."""
+    import signal as signals
+
+    held = threading.Event()
+    queue(server, Reply(200, openai_reply("late"), hold=held))
+    term = chat_pty(tmp_path=tmp_path)
+    try:
+        term.expect(PROMPT)
+        term.send("slow")
+        wait_for_request(server)
+        os.close(term.master)
+        term.proc.send_signal(signals.SIGHUP)
+        assert term.proc.wait(timeout=10) == 128 + signals.SIGHUP
+    finally:
+        held.set()
+    [path] = sessions_in(tmp_path)
+    assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
+
+
 def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server, lich_model, tmp_path):
     import signal as signals
 
