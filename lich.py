@@ -9068,9 +9068,12 @@ class _Cli:
                 if line is None:
                     return _EXIT_OK
                 command = line.strip()
-                if command.split(" ", 1)[0] in ("/exit", "/quit") and "\n" not in command:  # "/exit now"
+                name = command.split(None, 1)[0] if command else ""
+                # A first word that is a path ("/usr/bin/env: python: not found") is a message.
+                is_command = name.startswith("/") and "/" not in name[1:] and "\n" not in command
+                if is_command and name in ("/exit", "/quit"):  # "/exit now"
                     return _EXIT_OK
-                if command.startswith("/") and "\n" not in command:
+                if is_command:
                     history, session = self._command(command, history, session)
                     continue
                 if not command:

@@ -12049,9 +12049,14 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     assert "lich: unknown command /compcat; did you mean /compact?" in term.expect(PROMPT)
     term.send("second question")
     term.expect(PROMPT)
+    queue(server, stream_reply("three"))
+    term.send("/usr/bin/env: 'python': No such file or directory")  # a pasted error: no command
+    assert term.expect(PROMPT).endswith("three\n› ")
     term.send("/exit")
     assert term.close() == 0
-    assert [r["json"]["model"] for r in server.requests] == ["first", "second"]
+    assert [r["json"]["model"] for r in server.requests] == ["first", "second", "second"]
+    assert server.requests[-1]["json"]["messages"][-1] == {
+        "role": "user", "content": "/usr/bin/env: 'python': No such file or directory"}
 
 
 def test_compact_compresses_now_and_the_next_turn_goes_on_from_the_summary(server, lich_model, tmp_path):
