@@ -8143,6 +8143,10 @@ class _Terminal:
             else:
                 self._stderr(text + "\n")
 
+    def typed(self, text):
+        """What the chat's input shows on stderr beside readline: a prompt, a line's end."""
+        self._stderr(text)
+
     def end_status(self):
         with self._lock:
             self._end_status_line()
@@ -9111,7 +9115,7 @@ class _Cli:
                         break
                 return line
             except KeyboardInterrupt:
-                sys.stderr.write("\n")  # off the prompt's line, for the note or the shell's prompt
+                self.term.typed("\n")  # off the prompt's line, for the note or the shell's prompt
                 if self.interrupts.terminating:
                     raise _Quit(self.interrupts.exit_code) from None
                 self.interrupts.pressed()  # a second one within 2 s quits
@@ -9120,12 +9124,11 @@ class _Cli:
     def _input(self, prompt, to_stderr):
         try:
             if to_stderr:
-                sys.stderr.write(prompt)
-                sys.stderr.flush()
+                self.term.typed(prompt)
                 return input()
             return input(prompt)
         except EOFError:
-            sys.stderr.write("\n")
+            self.term.typed("\n")
             return None
         except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
             self.term.error("that line is not valid text in this terminal's encoding")

@@ -12183,6 +12183,17 @@ def test_a_terminal_that_hangs_up_mid_turn_ends_the_chat_with_the_turn_kept(serv
     assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
 
 
+def test_a_terminal_gone_at_the_prompt_ends_the_chat_as_ctrl_d_does(server, lich_model, tmp_path):
+    """Its input ends, and the newline after it fails (EIO): that OSError ended lich with 1."""
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("/cost")
+    term.expect(PROMPT)
+    os.close(term.master)
+    assert term.proc.wait(timeout=10) == 0
+    assert (tmp_path / "state" / "lich" / "history").read_text() == '"/cost"\n'
+
+
 def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server, lich_model, tmp_path):
     import signal as signals
 
