@@ -8065,7 +8065,10 @@ class _Terminal:
     def json_line(self, value):
         with self._lock:
             self._end_question()
-        self._write(sys.stdout, _json_text(value) + "\n")
+            if self.stdout_tty and self._status_open:  # a batch's result, on the status's screen
+                self._stderr("\r\033[K")  # the next status is drawn under it
+                self._status_open = False
+            self._write(sys.stdout, _json_text(value) + "\n")
 
     # -- stderr: everything else
 

@@ -12441,6 +12441,24 @@ def test_a_note_during_a_batch_on_a_terminal_comes_under_its_status_line(server,
                      "\r\x1b[K2/2 done · 1 failed · 0 running · (time)\n")
 
 
+def test_a_batchs_results_on_its_terminal_come_on_lines_of_their_own(server, lich_model, tmp_path, workspace):
+    queue(server, openai_reply("first"), openai_reply("second"))
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\ntwo\n")
+    term = Pty("--batch", str(tasks), "--workers", "1", "--no-session", "--root", str(workspace),
+               env={"NO_COLOR": "1", "TERM": "xterm"})
+    assert term.close() == 0
+
+    def result(task_id, final):
+        return json.dumps({"id": task_id, "ok": True, "stopped_reason": "final", "final": final, "output": None,
+                           "error": None, "usage": {"input_tokens": 7, "output_tokens": 3}, "session_path": None})
+
+    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA \d+ s)?", "(time)", term.transcript)
+    assert shown == (result("0", "first") + "\n"  # before, the second result went on at the status's end
+                     "\r\x1b[K1/2 done · 0 failed · 0 running · (time)\r\x1b[K" + result("1", "second") + "\n"
+                     "\r\x1b[K2/2 done · 0 failed · 0 running · (time)\n")
+
+
 def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, workspace):
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
     tasks = tmp_path / "tasks.txt"
