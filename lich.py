@@ -9143,7 +9143,8 @@ class _Cli:
             import readline
         except ImportError:
             return None
-        if "libedit" not in (readline.__doc__ or ""):  # GNU readline's syntax
+        if "libedit" not in (readline.__doc__ or "") and self.environ.get("TERM") not in (
+                None, "", "dumb"):  # GNU readline's syntax; a dumb terminal would show the codes
             # CPython turns bracketed paste off for its own REPL, and a terminal then types a
             # paste as keys: each of its lines would be sent as a message of its own.
             readline.parse_and_bind("set enable-bracketed-paste on")

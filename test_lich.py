@@ -10932,14 +10932,17 @@ def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model
     assert server.requests[-1]["json"]["messages"][-1]["content"] == "pasted one\n  pasted two\n"
 
 
-def test_the_chat_asks_the_terminal_to_bracket_a_paste(tmp_path):
+@pytest.mark.parametrize("terminal, asked", [("xterm", True), ("dumb", False)], ids=["xterm", "dumb"])
+def test_the_chat_asks_the_terminal_to_bracket_a_paste(tmp_path, terminal, asked):
     """A terminal marks a paste only when the program asked it to (ESC [?2004h): without that,
-    a pasted traceback was typed as keys, and each of its lines became a message."""
-    term = chat_pty(tmp_path=tmp_path, env={"TERM": "xterm", "LICH_MODEL": "openai:m"})
+    a pasted traceback was typed as keys, and each of its lines became a message. A dumb
+    terminal would show the codes: it is not asked."""
+    term = chat_pty(tmp_path=tmp_path, env={"TERM": terminal, "LICH_MODEL": "openai:m"})
     term.expect(PROMPT)
     term.send("/exit")
     assert term.close() == 0
-    assert term.transcript.startswith("lich 0.2.0 · openai:m ·") and "\x1b[?2004h" + PROMPT in term.transcript
+    assert term.transcript.startswith("lich 0.2.0 · openai:m ·")
+    assert ("\x1b[?2004h" + PROMPT in term.transcript) is asked and ("\x1b[" in term.transcript) is asked
 
 
 def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_model, workspace, tmp_path):
