@@ -7488,9 +7488,11 @@ def _results_file(out, redo):
                 raise OSError(errno.EBUSY, "another batch is writing to it", out) from None
             except OSError as e:  # ENOLCK, EOPNOTSUPP: some network and FUSE file systems
                 _log.debug("batch out file %s goes unlocked: %s", out, e)
+        done = {}
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a pipe (--out >(gzip ...)) or a device:
+            return fd, done  # nothing to read back, and reading it would wait for ever
         if redo:
             os.ftruncate(fd, 0)
-        done = {}
         with open(out, "rb") as f:
             for line in f:
                 result = _done_result(line)
@@ -9380,6 +9382,8 @@ def _done_in(out, tasks) -> int:
            for position, task in enumerate(tasks)]
     ids = {task_id for task_id in ids if isinstance(task_id, str)}  # run_batch refuses the rest
     done = set()
+    if not os.path.isfile(out):  # none yet, or a pipe or a device, which run_batch does not read
+        return 0
     try:
         with open(out, "rb") as f:
             for line in f:

@@ -12462,6 +12462,17 @@ def test_a_batchs_results_on_its_terminal_come_on_lines_of_their_own(server, lic
                      "\r\x1b[K2/2 done · 0 failed · 0 running · (time)\n")
 
 
+def test_a_batch_whose_out_is_a_pipe_writes_to_it_and_ends(server, lich_model, tmp_path, workspace):
+    """--out /dev/stdout, or >(gzip ...): reading it back for the tasks done before waited for
+    ever, on the pipe lich itself writes to."""
+    queue(server, openai_reply("first"))
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\n")
+    code, out, err = Process(*LICH, "--batch", tasks, "--out", "/dev/stdout", "--no-session", "--root",
+                             workspace).wait(timeout=20)
+    assert (code, [json.loads(line)["final"] for line in out.splitlines()]) == (0, ["first"]), err
+
+
 def test_otel_traces_every_task_of_a_batch(batch_server, lich_model, tmp_path, workspace):
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
     tasks = tmp_path / "tasks.txt"
