@@ -9101,20 +9101,26 @@ class _Cli:
         goes on, ``\"\"\"`` opens and closes a block; a paste is one message (readline's
         bracketed paste)."""
         to_stderr = not self.term.stdout_tty  # the prompt must not go into piped stdout
+        prompt, more_prompt = "› ", "… "
+        try:  # input() cannot show what the terminal's encoding cannot hold: it would raise
+            (prompt + more_prompt).encode(getattr(sys.stderr if to_stderr else sys.stdout,
+                                                  "encoding", None) or "utf-8")
+        except (UnicodeEncodeError, LookupError):
+            prompt, more_prompt = "> ", "... "
         while True:
             try:
-                line = self._input("› ", to_stderr)
+                line = self._input(prompt, to_stderr)
                 if line is None:
                     return None
                 if line.strip() == '"""':
                     block = []
                     while True:
-                        more = self._input("… ", to_stderr)
+                        more = self._input(more_prompt, to_stderr)
                         if more is None or more.strip() == '"""':
                             return "\n".join(block)
                         block.append(more)
                 while line.endswith("\\"):
-                    more = self._input("… ", to_stderr)
+                    more = self._input(more_prompt, to_stderr)
                     line = line[:-1] + "\n" + (more or "")
                     if more is None:
                         break

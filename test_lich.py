@@ -10945,6 +10945,15 @@ def test_the_chat_asks_the_terminal_to_bracket_a_paste(tmp_path, terminal, asked
     assert ("\x1b[?2004h" + PROMPT in term.transcript) is asked and ("\x1b[" in term.transcript) is asked
 
 
+def test_a_chat_on_a_terminal_that_is_not_utf8_has_a_prompt_it_can_show(tmp_path):
+    """input() raised UnicodeEncodeError on the prompt's "›": the chat ended at once, with 1."""
+    term = chat_pty(tmp_path=tmp_path, env={"PYTHONIOENCODING": "latin-1", "TERM": "dumb", "LICH_MODEL": "openai:m"})
+    term.expect("> ")
+    term.send("/exit")
+    assert term.close() == 0
+    assert term.transcript.endswith("/help for commands, Ctrl-D to leave\n> /exit\n")
+
+
 def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_model, workspace, tmp_path):
     queue(server, Reply(200, chunks=[openai_sse(
         delta_chunk(content="Looking first."), delta_chunk(tool_calls=[call_delta(0, "{}", id="c1", name="list_files")]),
