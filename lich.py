@@ -8788,7 +8788,10 @@ class _Cli:
         self.sessions_home = args.session_dir or _default_session_dir(environ)
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
-        self.root = os.path.realpath(args.root)
+        try:
+            self.root = os.path.realpath(args.root)
+        except OSError as e:  # a relative root in a current folder that was removed
+            raise _UsageError(f"--root is not a folder: {args.root} ({e.strerror or e})") from None
         if not os.path.isdir(self.root):
             raise _UsageError(f"--root is not a folder: {args.root}")
         self.approvals = _Approvals(self) if self.asks else None

@@ -10502,6 +10502,16 @@ def test_usage_errors_exit_2(lich_model, cli, args, message):
     assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
 
 
+def test_a_root_that_is_no_folder_is_a_usage_error_a_removed_current_folder_too(lich_model, cli, tmp_path,
+                                                                                monkeypatch):
+    assert cli("--root", str(tmp_path / "none"), "hi") == (2, "", f"lich: --root is not a folder: {tmp_path}/none\n")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()  # a shell left in a folder that a checkout removed: "." resolves nowhere
+    assert cli("hi") == (2, "", "lich: --root is not a folder: . (No such file or directory)\n")
+
+
 def test_no_model_configured_exits_2_naming_the_variables(cli):
     code, out, err = cli("hi")
     assert (code, out) == (2, "")
