@@ -8222,9 +8222,12 @@ class _Terminal:
         return f"\033[{code}m{text}\033[0m" if self.color else text
 
     def _stderr(self, text):
-        self._write(sys.stderr, text)
+        if sys.stderr is not None:  # None: closed as lich started (2>&-), nothing is shown
+            self._write(sys.stderr, text)
 
     def _write(self, stream, text):
+        if stream is None:  # stdout closed as lich started (>&-): as if its reader went away
+            raise _StdoutClosed(_EXIT_OK)
         try:
             try:
                 stream.write(text)

@@ -10865,6 +10865,17 @@ def test_a_closed_stdout_ends_lich_quietly(server, lich_model):
     assert (child.wait(timeout=30), head, err) == (0, b"word0 word1 word2 wo", "")
 
 
+@pytest.mark.parametrize("closed, shown", [(1, b""), (2, b"the answer\n")], ids=["stdout", "stderr"])
+def test_a_stream_closed_as_lich_starts_is_let_be(server, lich_model, closed, shown):
+    """`lich ... 2>&-` (or >&-): Python's sys.stderr is None, and writing the usage line to it
+    raised AttributeError, which ended a run that had answered with 1. A closed stdout is as
+    one whose reader went away."""
+    queue(server, openai_reply("the answer"))
+    child = subprocess.run([sys.executable, *LICH, "--no-stream", "hi"], check=False,
+                           capture_output=True, preexec_fn=lambda: os.close(closed), timeout=30)
+    assert (child.returncode, child.stdout, child.stderr) == (0, shown, b"")
+
+
 def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
     d = tmp_path / "sessions"
     make_sessions(d, *[f"20260101T0000{i:02d}Z-1" for i in range(40)])
