@@ -7139,6 +7139,10 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
     raises MCPError with its own words.
     """
     _check_seconds("timeout", timeout)
+    for name, value in (("env", env), ("headers", headers)):
+        if value is not None and not (isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+            raise TypeError(f"{name} must be a dict of strings to strings, not {value!r}")
     holder = []
 
     def list_changed():

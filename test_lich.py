@@ -9472,6 +9472,14 @@ def test_an_mcp_timeout_that_is_no_number_of_seconds_is_refused_before_the_serve
     assert str(info.value) == said and server.requests == []
 
 
+@pytest.mark.parametrize("option, value", [("env", {"X": 1}), ("env", ["X=1"]), ("headers", {"A": 1}),
+                                           ("headers", "A: b")], ids=["env-int", "env-list", "headers-int", "headers-text"])
+def test_mcp_env_and_headers_that_are_no_dict_of_strings_are_refused_before_the_server_starts(server, option, value):
+    with pytest.raises(TypeError) as info:
+        lich.mcp_tools(server.url + "/mcp", **{option: value})
+    assert str(info.value) == f"{option} must be a dict of strings to strings, not {value!r}" and server.requests == []
+
+
 def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
     server.responder = lambda request: Reply(404, "no such page")
     with pytest.raises(lich.MCPError) as info:
