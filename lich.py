@@ -7546,6 +7546,10 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     # each task's run has an emitter of its own, which sums its usage
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
+    if max_errors is not None and (isinstance(max_errors, bool) or not isinstance(max_errors, int)
+                                   or max_errors < 1):  # 0 would start nothing
+        raise ValueError(f"max_errors must be an int >= 1 or None (the failures after which no "
+                         f"new task starts), not {max_errors!r}")
     tasks = _batch_tasks(tasks)
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \

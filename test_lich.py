@@ -10376,6 +10376,14 @@ def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_p
     assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
 
 
+@pytest.mark.parametrize("max_errors", [0, -1, 1.5, "3", True], ids=["zero", "negative", "float", "string", "boolean"])
+def test_run_batch_refuses_a_max_errors_that_is_no_count_of_one_or_more(server, max_errors):
+    with pytest.raises(ValueError) as info:
+        lich.run_batch(["a"], chat=openai_at(server), max_turns=1, max_errors=max_errors)
+    assert str(info.value) == (f"max_errors must be an int >= 1 or None (the failures after which no new task "
+                               f"starts), not {max_errors!r}") and server.requests == []
+
+
 @pytest.mark.parametrize("tasks, error", [
     (["a", {"id": "0", "prompt": "b"}], "task 1: the id '0' is used twice"),
     ([{"id": "a b", "prompt": "x"}], "task 0: the id 'a b' must be 1 to 64 letters, digits, '_', '.' or '-'"),
