@@ -6311,6 +6311,17 @@ class _SessionExpired(_Gone):
     """An HTTP server no longer knows our session: a new handshake starts another."""
 
 
+def _says_no_session(body) -> bool:
+    """Whether a 400's body is a JSON-RPC error about the session: the TypeScript SDK's
+    servers answer so ("Bad Request: No valid session ID provided") for a session they do
+    not know (after a restart, say), where the spec says 404."""
+    try:
+        message = json.loads(body)["error"]["message"]
+        return "session" in message.lower()
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def _rpc_result(answer) -> dict:
     """The result of a JSON-RPC answer (an empty dict when it holds none); _RPCError when
     the answer is an error."""
@@ -6767,17 +6778,17 @@ class _HTTPServer:
         except requests.RequestException as e:
             exchange.check()
             raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
-        if response.status_code == 404 and sent_in:
-            response.close()
+        status = response.status_code
+        if status < 300:
+            return response
+        body = response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True)
+        response.close()
+        if sent_in and (status == 404 or status == 400 and _says_no_session(body)):
             with self._lock:  # not a session another thread has begun meanwhile
                 if self.session_id == sent_in:
                     self.session_id = None
             raise _SessionExpired(f"the MCP server {self.name} ended the session")
-        if response.status_code >= 300:
-            text = _snippet(response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True))
-            response.close()
-            raise _Gone(f"the MCP server {self.name} answered HTTP {response.status_code}: {text}")
-        return response
+        raise _Gone(f"the MCP server {self.name} answered HTTP {status}: {_snippet(body)}")
 
     def request(self, method, params, seconds, signal):
         with _Exchange(signal, seconds) as exchange:

@@ -9229,14 +9229,15 @@ net.Server.prototype.listen = function (...args) {
 """
 
 
-def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False):
+def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False, forgotten=None):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
-    makes the next request find its session gone, ``slow`` answers once ``seen["release"]`` is
-    set. A GET is refused with 405, or with ``stream`` (messages) answered by a stream that
-    sends them once ``seen["release"]`` is set, then ends; ``pinged`` pings lich in its
-    answer and answers once lich has. ``unframed`` streams without chunked encoding. Returns
-    what it saw: {"sessions": n, "tools": [names], ...}."""
+    makes the next request find its session gone (answered ``forgotten``, by default a 404),
+    ``slow`` answers once ``seen["release"]`` is set. A GET is refused with 405, or with
+    ``stream`` (messages) answered by a stream that sends them once ``seen["release"]`` is
+    set, then ends; ``pinged`` pings lich in its answer and answers once lich has.
+    ``unframed`` streams without chunked encoding. Returns what it saw: {"sessions": n,
+    "tools": [names], ...}."""
     seen = {"sessions": 0, "expired": False, "release": threading.Event(), "pinged": threading.Event(),
             "tools": ["html", "ask", "expire", "slow", "pinged"], "listing": None}
 
@@ -9265,7 +9266,7 @@ def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False):
             return Reply(202, "")
         if seen["expired"]:
             seen["expired"] = False
-            return Reply(404, "no such session")
+            return forgotten or Reply(404, "no such session")
         if method == "tools/list":
             listed = answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
             listed.hold = seen["listing"]  # an Event: the listing waits for it
@@ -9480,6 +9481,18 @@ def test_mcp_env_and_headers_that_are_no_dict_of_strings_are_refused_before_the_
     assert str(info.value) == f"{option} must be a dict of strings to strings, not {value!r}" and server.requests == []
 
 
+def test_an_mcp_http_400_that_is_not_about_the_session_fails_the_call_without_a_new_handshake(server):
+    seen = mcp_over_http(server, forgotten=Reply(400, {"jsonrpc": "2.0", "error": {
+        "code": -32602, "message": "Bad Request: invalid params"}}))
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=(
+            f'the MCP server {url} answered HTTP 400: {{"jsonrpc": "2.0", "error": {{"code": -32602, '
+            f'"message": "Bad Request: invalid params"}}}}'))
+        assert seen["sessions"] == 1
+
+
 def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
     server.responder = lambda request: Reply(404, "no such page")
     with pytest.raises(lich.MCPError) as info:
@@ -9517,8 +9530,13 @@ def test_an_mcp_http_server_whose_handshake_is_not_json_is_an_mcp_error(server):
                                 "<html>a login page</html>")
 
 
-def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_too(server):
-    seen = mcp_over_http(server)
+@pytest.mark.parametrize("forgotten", [
+    Reply(404, "no such session"),
+    # as the TypeScript SDK's servers answer a session they do not know (server-everything after a restart)
+    Reply(400, {"jsonrpc": "2.0", "error": {"code": -32000, "message": "Bad Request: No valid session ID provided"}}),
+], ids=["404", "400-no-valid-session"])
+def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_too(server, forgotten):
+    seen = mcp_over_http(server, forgotten=forgotten)
     with lich.mcp_tools(server.url + "/mcp") as tools:
         assert tools.run(tool_call("expire")) == lich.ToolResult(ok=True, output="expiring")
         assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow", "pinged"]
@@ -9625,6 +9643,34 @@ def test_an_mcp_http_server_without_a_get_stream_is_asked_once(server):
         listener = f"lich-mcp-listen {server.url}/mcp"
         eventually(lambda: listener not in [t.name for t in threading.enumerate()])
     assert [r["method"] for r in server.requests].count("GET") == 1
+
+
+def test_the_real_everything_server_restarted_is_spoken_to_in_a_new_session(everything, tmp_path):
+    # A TypeScript SDK server answers a session it does not know with 400, not the spec's 404
+    preload = tmp_path / "loopback.cjs"
+    preload.write_text(FORCE_LOOPBACK)
+
+    def start(port):
+        process = subprocess.Popen(["node", everything, "streamableHttp"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                   env={**os.environ, "PORT": str(port), "NODE_OPTIONS": f"--require {preload}"})
+        for line in process.stderr:
+            if line.startswith("LISTENING "):
+                return process, int(line.split()[1])
+        raise AssertionError("the server never listened")
+
+    server, port = start(0)
+    try:
+        with lich.mcp_tools(f"http://127.0.0.1:{port}/mcp", timeout=10) as tools:
+            assert tools.run(tool_call("echo", {"message": "one"})) == lich.ToolResult(ok=True, output="Echo: one")
+            os.killpg(server.pid, 9)
+            server.wait()
+            server, _ = start(port)
+            assert tools.run(tool_call("echo", {"message": "two"})) == lich.ToolResult(ok=True, output="Echo: two")
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, 9)
+            server.wait()
 
 
 def test_the_real_everything_server_over_streamable_http_on_loopback(everything, tmp_path):
