@@ -7740,6 +7740,11 @@ class _StdoutClosed(_Quit):
     """The reader of stdout went away (``lich ... | head``): leave quietly, exit code 0."""
 
 
+class _StdoutFailed(_Quit):
+    """stdout cannot be written (a full disk): stop the run, whose output would be lost,
+    and leave with ``args[1]`` said."""
+
+
 # --- options and defaults ---
 
 
@@ -8263,9 +8268,13 @@ class _Terminal:
             # EIO on a terminal: it hung up (a closed window, a dropped ssh). Nothing can be
             # shown on it; SIGHUP stops the run, whose session keeps the turn as after Ctrl-C.
             # (On a file, EIO is a failing disk: the answer is lost, which must not pass.)
-            if e.errno != errno.EIO or not (self.stdout_tty if stream is sys.stdout
-                                            else self._stderr_tty):
-                raise
+            if e.errno == errno.EIO and (self.stdout_tty if stream is sys.stdout
+                                         else self._stderr_tty):
+                return
+            if stream is sys.stdout:  # not an error the run can go on past: all it says is lost
+                raise _StdoutFailed(_EXIT_ERROR, f"cannot write the output: "
+                                                 f"{e.strerror or e}") from None
+            raise
 
 
 def _isatty(stream) -> bool:
@@ -9571,7 +9580,9 @@ def _main(argv, main_thread) -> int:
         cli = _Cli(args, os.environ, term, interrupts)
         return _run_cli(cli)
     except _Quit as quit:
-        if isinstance(quit, _StdoutClosed):
+        if isinstance(quit, _StdoutFailed):
+            term.error(quit.args[1])
+        if isinstance(quit, (_StdoutClosed, _StdoutFailed)):
             _quiet_stdout()
         return quit.args[0]
     except (_UsageError, SessionNotFound) as exc:

@@ -10938,6 +10938,20 @@ def test_a_stream_closed_as_lich_starts_is_let_be(server, lich_model, closed, sh
     assert (child.returncode, child.stdout, child.stderr) == (0, shown, b"")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("flags, asked", [(["--json"], 0), (["--no-stream"], 1)], ids=["json", "answer"])
+def test_a_stdout_that_cannot_be_written_stops_the_run_and_says_so(server, lich_model, tmp_path, flags, asked):
+    """A full disk under stdout: the --json run stops at its first event, before the model is
+    asked (it went on, printing a warning per event); an answer that cannot be shown ends
+    the run with 1 and says why (it said 'error: OSError: [Errno 28] ...')."""
+    queue(server, openai_reply("the answer"))
+    with open("/dev/full", "w") as full:
+        child = subprocess.run([sys.executable, *LICH, *flags, "hi"], check=False, stdout=full,
+                               stderr=subprocess.PIPE, timeout=30, env={**os.environ, "NO_COLOR": "1"})
+    assert (child.returncode, child.stderr.decode(), len(server.requests)) == (
+        1, "lich: cannot write the output: No space left on device\n", asked)
+
+
 def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
     d = tmp_path / "sessions"
     make_sessions(d, *[f"20260101T0000{i:02d}Z-1" for i in range(40)])
