@@ -312,6 +312,31 @@ def exit_code_of_child(pid, seconds=5.0):
     return None
 
 
+def exit_code_of_child_forked_while_held(lock, work):
+    """The exit code of a child forked while a thread of this process holds ``lock`` (as a
+    thread of a server may at a fork), ``work()`` run in it: 0 when it returns something
+    true, 3 when false, 4 when it raises; None when it has not ended within 3 s."""
+    held, forked = threading.Event(), threading.Event()
+
+    def holder():
+        with lock:
+            held.set()
+            forked.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if work() else 3)
+        finally:
+            os._exit(4)
+    forked.set()
+    thread.join(5)
+    return exit_code_of_child(pid, seconds=3)
+
+
 def wait_for_request(server, count=1, timeout=10):
     """Return once ``server`` has received ``count`` requests."""
     eventually(lambda: len(server.requests) >= count, timeout, "no request arrived")
@@ -1078,26 +1103,9 @@ def test_keys_sharing_characters_are_each_redacted_whole_and_only_while_their_ch
 
 
 def test_a_child_forked_while_a_thread_held_the_keys_lock_can_add_a_key():
-    held, forked = threading.Event(), threading.Event()
-
-    def holder():
-        with lich._secrets_lock:  # as _add_secret holds it in a thread of a server
-            held.set()
-            forked.wait(5)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert held.wait(5)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            lich.OpenAIChat("m", api_key="zq-forked-child-key-0001")
-            os._exit(0)
-        finally:
-            os._exit(4)
-    forked.set()
-    thread.join(5)
-    assert exit_code_of_child(pid, seconds=3) == 0  # None: it waited on what its parent's thread held
+    # as _add_secret holds the lock in a thread of a server; None: the child waited on it
+    assert exit_code_of_child_forked_while_held(
+        lich._secrets_lock, lambda: lich.OpenAIChat("m", api_key="zq-forked-child-key-0001")) == 0
 
 
 def test_a_chat_the_collector_frees_while_a_key_is_being_added_hangs_nothing():
@@ -2388,26 +2396,12 @@ def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_pat
 
 
 def test_a_child_forked_while_a_thread_looked_a_session_up_can_record_a_run(tmp_path):
-    held, forked = threading.Event(), threading.Event()
+    def record():
+        run = lich.run_agent("x", chat=ScriptedChat(assistant("done")), max_turns=1, session_dir=tmp_path)
+        return lich.read_session_messages(run.session_path) == run.messages
 
-    def holder():
-        with lich._sessions_with_a_gap._lock:  # as a recorded run of a server's thread holds it
-            held.set()
-            forked.wait(5)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    assert held.wait(5)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            run = lich.run_agent("x", chat=ScriptedChat(assistant("done")), max_turns=1, session_dir=tmp_path)
-            os._exit(0 if lich.read_session_messages(run.session_path) == run.messages else 3)
-        finally:
-            os._exit(4)
-    forked.set()
-    thread.join(5)
-    assert exit_code_of_child(pid, seconds=3) == 0  # None: it waited on what its parent's thread held
+    # as a recorded run of a server's thread holds the lock; None: the child waited on it
+    assert exit_code_of_child_forked_while_held(lich._sessions_with_a_gap._lock, record) == 0
 
 
 def test_concurrent_sessions_with_different_labels_get_different_counters(tmp_path):
