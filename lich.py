@@ -2762,13 +2762,15 @@ class _HTTPChat:
         # The start of a body that does not say it is a stream, quoted when it holds no event:
         # a proxy's login page, or a plain-text error sent with 200.
         start = bytearray()
-        sse = response.headers.get("content-type", "").startswith("text/event-stream")
 
         def kept(chunks):
             for chunk in chunks:
-                if not sse and len(start) < _SNIPPET_MAX_CHARS:
+                if len(start) < _SNIPPET_MAX_CHARS:
                     start.extend(chunk[:_SNIPPET_MAX_CHARS])
                 yield chunk
+
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            chunks = kept(chunks)  # a stream says what it is: only another body is looked at
 
         shown = []
         on_delta = self.on_delta
@@ -2778,8 +2780,7 @@ class _HTTPChat:
                 show(text)
         try:
             try:
-                result = self._read_stream(_sse_events(kept(chunks), exchange.check), on_delta,
-                                           start)
+                result = self._read_stream(_sse_events(chunks, exchange.check), on_delta, start)
             except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=True) from e
