@@ -1243,6 +1243,11 @@ def _check_chat_result(result):
     if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
         raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                         f"holding a message dict")
+    role, content = result.message.get("role"), result.message.get("content")
+    if role != "assistant":  # the session would keep a message it cannot read back
+        raise TypeError(f"the chat's message has the role {role!r}, not 'assistant'")
+    if content is not None and not isinstance(content, str):
+        raise TypeError(f"the chat's message content is a {type(content).__name__}, not a string")
     calls = result.message.get("tool_calls")
     if calls is None:
         return

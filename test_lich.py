@@ -1840,6 +1840,30 @@ def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
     assert types(events) == ["turn_start", "llm_start", "error"]
 
 
+@pytest.mark.parametrize("message, problem", [
+    ({"content": "hi"}, "the chat's message has the role None, not 'assistant'"),
+    ({"role": "user", "content": "hi"}, "the chat's message has the role 'user', not 'assistant'"),
+    ({"role": "assistant", "content": 7}, "the chat's message content is a int, not a string"),
+    ({"role": "assistant", "content": [{"type": "text", "text": "hi"}]},
+     "the chat's message content is a list, not a string"),
+], ids=["no-role", "user-role", "number-content", "list-of-parts"])
+def test_a_chat_message_the_session_could_not_read_back_is_a_clear_type_error(message, problem, tmp_path):
+    emitter, events = recorder_emitter()
+    with pytest.raises(TypeError, match=f"^{re.escape(problem)}$"):
+        lich.run_agent("x", chat=ScriptedChat(lich.ChatResult(message)), max_turns=1, emitter=emitter,
+                       session_dir=tmp_path)
+    assert types(events) == ["turn_start", "llm_start", "error"]
+    [path] = tmp_path.iterdir()
+    assert [json.loads(line).get("message") for line in path.read_text().splitlines()] == [
+        None, user("x"), None]
+
+
+def test_a_chat_message_without_content_is_taken_as_before():
+    outcome = lich.run_conversation(ScriptedChat(lich.ChatResult({"role": "assistant"})), None, [user("x")],
+                                    max_turns=1)
+    assert (outcome.stopped_reason, outcome.final) == ("final", {"role": "assistant"})
+
+
 @pytest.mark.parametrize("calls, problem", [
     ("abc", "the chat's tool_calls is a str, not a list"),
     ({"id": "x"}, "the chat's tool_calls is a dict, not a list"),
