@@ -2637,12 +2637,13 @@ class _HTTPChat:
         if signal is not None and signal.is_set():
             raise AbortError("chat aborted before sending")
         if self._api_key is None and self._key_required():
-            raise self._error(f"no API key for {_redact_url(self.base_url)}: set {self.key_env} "
-                              f"(or pass api_key=...)", "auth")
-        if self._key_unsendable:
+            raise self._error(f"no API key for {_redact_url(self.base_url)}: set {self.key_env}",
+                              "auth")
+        if self._key_unsendable:  # named as the key came: a command-line user has no api_key=
             raise self._error(f"the API key holds a space, a control or a non-ASCII character, "
-                              f"which an HTTP header cannot carry: check {self.key_env} (or "
-                              f"api_key=...) for stray characters", "auth")
+                              f"which an HTTP header cannot carry: check "
+                              f"{'api_key' if self._key_given else self.key_env} for stray "
+                              f"characters", "auth")
         body = self._request_body(messages, tools, temperature, max_tokens, response_format)
         with _Exchange(signal, _whole_timeout(self.timeout)) as exchange:
             try:
