@@ -7674,6 +7674,9 @@ _INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into 
 _HISTORY_LINES = 1000           # chat input lines kept between chats
 _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
+_STDIN_QUIET_SECONDS = 2.0      # a piped stdin silent this long is said to be waited for
+_STDIN_WAIT_NOTE = ("lich: waiting for stdin to end: what it brings is added to the prompt (run with "
+                    "</dev/null to add nothing)")
 _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _SPINNER_INTERVAL = 0.1
@@ -7888,11 +7891,21 @@ def _default_model(environ) -> str:
     raise _UsageError(_NO_MODEL_HELP)
 
 
-def _read_piped():
+def _read_piped(on_wait=None):
     """Piped stdin as text (None when stdin is closed); bytes that are not UTF-8 are replaced,
-    as in the shell tool's output."""
+    as in the shell tool's output. ``on_wait()`` is called when nothing has come for
+    ``_STDIN_QUIET_SECONDS`` (a stdin that never ends would be a silent wait)."""
     if sys.stdin is None:  # closed: nothing was piped
         return None
+    if on_wait is not None:
+        import select
+
+        try:
+            quiet = not select.select([sys.stdin], [], [], _STDIN_QUIET_SECONDS)[0]
+        except (OSError, ValueError):  # no fd to wait on: read as ever
+            quiet = False
+        if quiet:
+            on_wait()
     raw = getattr(sys.stdin, "buffer", None)
     return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
 
@@ -9668,7 +9681,10 @@ def _run_cli(cli) -> int:
                                    folder=args.resume is None)
     if cli.interactive:
         return cli.repl(history, first=args.prompt)
-    piped = None if _isatty(sys.stdin) else _read_piped()
+    piped = None
+    if not _isatty(sys.stdin):  # a stdin that never ends (ssh without -n) is said to be waited for
+        piped = _read_piped(functools.partial(cli.term.note, _STDIN_WAIT_NOTE)
+                            if _isatty(sys.stderr) else None)
     return cli.one_shot(_prompt_with_stdin(args.prompt, piped), history)
 
 

@@ -877,9 +877,10 @@ class Pty:
 
     ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
     ``columns`` gives the terminal a width (else it has none, and lich takes 100).
+    ``stdin=subprocess.PIPE`` pipes stdin instead, as ``proc.stdin``.
     """
 
-    def __init__(self, *args, env=None, stdout=None, columns=None):
+    def __init__(self, *args, env=None, stdout=None, columns=None, stdin=None):
         import pty
 
         self.master, slave = pty.openpty()
@@ -888,7 +889,7 @@ class Pty:
             import termios
 
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        self.proc = subprocess.Popen([sys.executable, *LICH, *args], stdin=slave,
+        self.proc = subprocess.Popen([sys.executable, *LICH, *args], stdin=slave if stdin is None else stdin,
                                      stdout=slave if stdout is None else stdout, stderr=slave,
                                      env={**os.environ, **(env or {})}, close_fds=True)
         os.close(slave)
@@ -11082,6 +11083,21 @@ def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_mode
     assert (tmp_path / "answer.txt").read_text() == "The whole answer.\n"
     assert "The whole" not in term.transcript  # on stdout, not streamed to the screen as well
     assert "Looking first.\n→ list_files ✓ 1 file" in term.transcript  # said between tools: on stderr
+
+
+def test_a_piped_stdin_that_has_not_ended_is_said_to_be_waited_for(server, lich_model, workspace):
+    queue(server, openai_reply("the log says hello"), openai_reply("the log says bye"))
+    waiting = "lich: waiting for stdin to end: what it brings is added to the prompt (run with </dev/null to add nothing)"
+    term = Pty("--root", str(workspace), "--no-session", "sum up the log", env={"NO_COLOR": "1"}, stdin=subprocess.PIPE)
+    term.expect(waiting + "\n")  # ssh host lich "..." without -n: stdin is a pipe that never ends
+    term.proc.stdin.write(b"hello\n")
+    term.proc.stdin.close()
+    assert term.close() == 0 and term.rest.endswith("the log says hello\ntokens: 7 in, 3 out\n")
+    assert server.requests[0]["json"]["messages"][-1]["content"] == "```\nhello\n```\n\nsum up the log"
+    term = Pty("--root", str(workspace), "--no-session", "sum up the log", env={"NO_COLOR": "1"}, stdin=subprocess.PIPE)
+    term.proc.stdin.write(b"bye\n")  # a pipe that brings its text at once: nothing is said
+    term.proc.stdin.close()
+    assert term.close() == 0 and waiting not in term.transcript and "the log says bye" in term.transcript
 
 
 @pytest.mark.parametrize("env, spinner, escapes", [
