@@ -2014,9 +2014,32 @@ def _arriving_chunks(response):
     """A streamed response's bytes as they arrive, decoded: chunk by chunk, or without
     chunked encoding as each read returns (``iter_content`` would wait for a whole buffer)."""
     raw = response.raw
-    if getattr(raw, "chunked", False) or not hasattr(raw, "read1"):  # urllib3 1.x: no read1
-        return response.iter_content(None if getattr(raw, "chunked", False) else _BODY_READ_BYTES)
-    return iter(functools.partial(raw.read1, _BODY_READ_BYTES, decode_content=True), b"")
+    if getattr(raw, "chunked", False):
+        return response.iter_content(None)
+    if hasattr(raw, "read1"):
+        return iter(functools.partial(raw.read1, _BODY_READ_BYTES, decode_content=True), b"")
+    # urllib3 1.x has no read1, and its read waits for a whole buffer: a stream that pings
+    # before its answer would wait for ever. Its _fp (frozen since 1.26) is http.client's
+    # response, whose read1 returns what one read brings; an encoded body goes as before.
+    fp = getattr(raw, "_fp", None)
+    if hasattr(fp, "read1") and response.headers.get("content-encoding", "identity") == "identity":
+        return _read1_chunks(fp)
+    return response.iter_content(_BODY_READ_BYTES)
+
+
+def _read1_chunks(fp):
+    """The chunks of http.client response ``fp``'s ``read1`` to its end; a broken connection
+    is urllib3's ProtocolError, as urllib3's own reads raise it."""
+    import urllib3
+
+    while True:
+        try:
+            chunk = fp.read1(_BODY_READ_BYTES)
+        except OSError as e:
+            raise urllib3.exceptions.ProtocolError(f"Connection broken: {e!r}", e) from e
+        if not chunk:
+            return
+        yield chunk
 
 
 def _requests():
