@@ -12884,3 +12884,102 @@ def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(ser
     assert (code, out) == (130, ""), err
     assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)", "→ sleep ✗ aborted",
                                 "→ first ✗ not run: interrupted", "lich: stopped: interrupted"]
+
+
+# ============================================================================
+# The README's examples
+# ============================================================================
+
+
+README_EXAMPLES = re.findall(r"^```python\n(.*?)^```", (HERE / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+
+# The tool each README prompt asks for, as the loopback model of these tests calls it
+README_CALLS = {"What is 2 + 40?": ("add", {"a": 2, "b": 40}),
+                "How many words in 'to be or not to be'?": ("word_count", {"text": "to be or not to be"}),
+                "And unique ones?": ("word_count", {"text": "to be or not to be", "unique": True}),
+                "What is in README.md?": ("read_file", {"path": "README.md"}),
+                "What time is it in Lima?": ("get_current_time", {"timezone": "America/Lima"})}
+
+
+def readme_model(request):
+    """The model of the README's examples: the call README_CALLS names for a prompt, then what
+    the tool said; the JSON of the structured-output example; else 'answer to <prompt>'."""
+    body = request["json"]
+    last = body["messages"][-1]
+    if body.get("response_format"):
+        return Reply(200, openai_reply('{"language": "Python", "files": 12}'))
+    if last["role"] == "tool":
+        return Reply(200, openai_reply(f"the tool said: {last['content'][:40]}"))
+    if last["content"] in README_CALLS and body.get("tools"):
+        name, arguments = README_CALLS[last["content"]]
+        return tool_reply(("call_1", name, json.dumps(arguments)))
+    return Reply(200, openai_reply(f"answer to {last['content']}"))
+
+
+def spans_printed(text):
+    """(name, has a parent) of each span ConsoleSpanExporter printed, in order."""
+    decoder, spans, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        span, at = decoder.raw_decode(text, len(text) - len(text[at:].lstrip()))
+        spans.append((span["name"], span["parent_id"] is not None))
+    return spans
+
+
+# What each README example prints with readme_model behind OPENAI_BASE_URL, keyed by a line
+# of it: a string to equal, or a function of the output (and the model server) that must hold.
+README_PRINTS = {
+    'run = lich.run_agent("What is 2 + 40?"': "the tool said: 42\n",
+    'def word_count(': lambda out, server: re.fullmatch(
+        r"final the tool said: 6 sessions/\d{8}T\d{6}Z-1\.jsonl\n", out) and [
+        m["role"] for m in server.requests[-1]["json"]["messages"]] == ["user", "assistant", "tool", "assistant",
+                                                                         "user", "assistant", "tool"],
+    'def ask(call):': "",
+    'call = {"id": "call_1", "name": "list_files"': "final 2 It says: README.md\n",
+    'counts = collections.Counter()': ("tool read_file True\n{'turn_start': 2, 'llm_start': 2, 'llm_end': 2, "
+                                      "'tool_call_start': 1, 'tool_call_end': 1, 'final': 1, 'turn_end': 1}\n"),
+    "output_schema=schema": "{'language': 'Python', 'files': 12}\n",  # as the README's comment says
+    "def on_failover(error, index):": lambda out, server: out == "" and server.requests == [],
+    "def remember(text: str, call: lich.ToolCall": (
+        "{'type': 'object', 'properties': {'text': {'type': 'string'}}, 'required': ['text'], "
+        "'additionalProperties': False}\n"),
+    '"prompt": "Say hello."': lambda out, server: sorted(out.splitlines()) == [
+        "farewell True final", "farewell answer to Say goodbye. {'input_tokens': 7, 'output_tokens': 3}",
+        "greeting True final", "greeting answer to Say hello. {'input_tokens': 7, 'output_tokens': 3}"],
+    "ProcessPoolExecutor(2": "['final', 'final', 'final', 'final', 'final', 'final']\n",
+    "LocalCluster(": "8 of 8\n",
+    'lich.mcp_tools("mcp-server-time")': lambda out, server: out == "" and server.requests[-1]["json"]["messages"][-1][
+        "content"].startswith('{\n  "timezone": "America/Lima",') and {"get_current_time", "remote_slow", "read_file"} <= {
+        tool["function"]["name"] for tool in server.requests[-1]["json"]["tools"]},
+    "ConsoleSpanExporter()": lambda out, server: spans_printed(out) == [
+        ("chat gpt-4.1-mini", True), ("execute_tool read_file", True), ("chat gpt-4.1-mini", True),
+        ("invoke_agent", False)],
+}
+
+
+def test_every_python_example_of_the_readme_is_tested():
+    assert [[key for key in README_PRINTS if key in example] for example in README_EXAMPLES] == [
+        [key] for key in README_PRINTS]
+
+
+@pytest.mark.parametrize("key", README_PRINTS)
+def test_the_readmes_examples_run_as_written(server, tmp_path, key):
+    import shutil
+
+    [example] = [example for example in README_EXAMPLES if key in example]
+    env = {"OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": KEY, "PYTHONPATH": str(HERE),
+           "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    if "mcp-server-time" in example and not shutil.which("mcp-server-time", path=env["PATH"]):
+        pytest.skip("mcp-server-time is not installed (pip install -e '.[test]' brings it on Python 3.10 and later)")
+    remote = LoopbackServer()  # the example's remote MCP server, on loopback
+    try:
+        mcp_over_http(remote)
+        server.responder = readme_model
+        (tmp_path / "README.md").write_text("# demo\n")
+        (tmp_path / "src").mkdir()
+        (tmp_path / "example.py").write_text(example.replace("https://mcp.example.com/mcp", f"{remote.url}/mcp"))
+        code, out, err = Process(tmp_path / "example.py", cwd=tmp_path, env=env).wait(timeout=120)
+    finally:
+        remote.close()
+    expected = README_PRINTS[key]
+    assert code == 0, err
+    assert out == expected if isinstance(expected, str) else expected(out, server), out
