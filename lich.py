@@ -7698,6 +7698,7 @@ _HISTORY_LINES = 1000           # chat input lines kept between chats
 _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
 _STDIN_QUIET_SECONDS = 2.0      # a piped stdin silent this long is said to be waited for
+_MCP_QUIET_SECONDS = 2.0        # an --mcp server not started after this long is said to be waited for
 _STDIN_WAIT_NOTE = ("lich: waiting for stdin to end: what it brings is added to the prompt (run with "
                     "</dev/null to add nothing)")
 _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
@@ -7886,22 +7887,33 @@ def _default_session_dir(environ) -> str:
     return environ.get("LICH_SESSION_DIR") or os.path.join(_state_home(environ), "sessions")
 
 
-def _shown_spec(spec) -> str:
-    """A model spec as the terminal shows it: each base URL without its user-info and query,
-    where keys are put (``http://user:key@host/v1?api_key=...``)."""
+def _shown_url(text) -> str:
+    """A URL as the terminal shows it: without its user-info and query, where keys are put
+    (``http://user:key@host/v1?api_key=...``)."""
     from urllib.parse import urlsplit
 
-    def shown(found):
-        try:
-            url = urlsplit(found.group(1))
-            host = url.hostname or ""
-            port = f":{url.port}" if url.port else ""
-        except ValueError:
-            return "@..."
-        host = f"[{host}]" if ":" in host else host
-        return f"@{url.scheme}://{host}{port}{url.path}" + ("?..." if url.query else "")
+    try:
+        url = urlsplit(text)
+        host = url.hostname or ""
+        port = f":{url.port}" if url.port else ""
+    except ValueError:
+        return "..."
+    host = f"[{host}]" if ":" in host else host
+    return f"{url.scheme}://{host}{port}{url.path}" + ("?..." if url.query else "")
 
-    return re.sub(r"@(https?://[^,\s]+)", shown, spec)
+
+def _shown_spec(spec) -> str:
+    """A model spec as the terminal shows it: each base URL as ``_shown_url`` shows it."""
+    return re.sub(r"@(https?://[^,\s]+)", lambda found: "@" + _shown_url(found.group(1)), spec)
+
+
+def _shown_mcp(server) -> str:
+    """An --mcp server as a note names it: its URL as ``_shown_url`` shows it, or its program
+    (the rest of a command line may hold a key)."""
+    if re.match(r"(?i)https?://", server):
+        return _shown_url(server)
+    words = server.split()
+    return os.path.basename(words[0]) if words else server
 
 
 def _default_model(environ) -> str:
@@ -8918,12 +8930,19 @@ class _Cli:
             give_back()
 
     def _start_mcp(self, server):
+        # A server's first start can be long (npx or uvx fetching it): not a silent wait.
+        waiting = threading.Timer(_MCP_QUIET_SECONDS, self.term.note, [
+            f"lich: waiting for the MCP server {_shown_mcp(server)} to start"])
+        waiting.daemon = True
+        waiting.start()
         try:
             tools = mcp_tools(server, cwd=self.root)
         except MCPError as e:  # it names the server, a URL's secrets redacted
             raise _UsageError(f"--mcp: {e}") from None
         except ValueError as e:  # a command that cannot be split
             raise _UsageError(f"--mcp {server}: {e}") from None
+        finally:
+            waiting.cancel()
         self.closers.append(tools.close)
         return tools
 

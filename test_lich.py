@@ -8716,6 +8716,8 @@ while True:
     message = read()
     method, ident = message.get("method"), message.get("id")
     if method == "initialize":
+        if os.environ.get("FAKE_SLOW_START"):  # as npx fetching a package: answers once woken
+            woken("start")
         if os.environ.get("FAKE_TRUE_ID"):  # an answer whose id is true (== 1 in Python) comes first
             send({"jsonrpc": "2.0", "id": True, "result": {"protocolVersion": "1999-01-01"}})
         send({"jsonrpc": "2.0", "id": ident, "result": {"protocolVersion": os.environ.get(
@@ -11083,6 +11085,37 @@ def test_an_answer_piped_from_a_terminal_is_on_the_screen_once(server, lich_mode
     assert (tmp_path / "answer.txt").read_text() == "The whole answer.\n"
     assert "The whole" not in term.transcript  # on stdout, not streamed to the screen as well
     assert "Looking first.\n→ list_files ✓ 1 file" in term.transcript  # said between tools: on stderr
+
+
+@pytest.mark.parametrize("over", ["stdio", "http"])
+def test_an_mcp_server_slow_to_start_is_said_to_be_waited_for(server, lich_model, workspace, fake_mcp, tmp_path, over):
+    command, _ = fake_mcp
+    queue(server, openai_reply("the time is now"))
+    remote = LoopbackServer()
+    try:
+        seen = mcp_over_http(remote)
+        started = threading.Event()  # the handshake's answer waits for it, as npx fetching a server
+        respond = remote.responder
+
+        def slow_to_start(request):
+            reply = respond(request)
+            if (request["json"] or {}).get("method") == "initialize":
+                reply.hold = started
+            return reply
+
+        remote.responder = slow_to_start
+        mcp, shown = {"stdio": (" ".join(command + ["now,later"]), os.path.basename(sys.executable)),
+                      "http": (f"http://user:{SECRET}@{remote.url[7:]}/mcp?key={SECRET}", f"{remote.url}/mcp?...")}[over]
+        term = Pty("--root", str(workspace), "--no-session", "--mcp", mcp, "what time is it?",
+                   env={"NO_COLOR": "1", "FAKE_SLOW_START": "1"})
+        term.expect(f"lich: waiting for the MCP server {shown} to start\n")
+        (tmp_path / "wake-start").touch()
+        started.set()
+        assert term.close() == 0 and term.rest.endswith("the time is now\ntokens: 7 in, 3 out\n")
+    finally:
+        remote.close()
+    offered = {tool["function"]["name"] for tool in server.requests[0]["json"]["tools"]}
+    assert {"stdio": {"now", "later"}, "http": set(seen["tools"])}[over] <= offered and SECRET not in term.transcript
 
 
 def test_a_piped_stdin_that_has_not_ended_is_said_to_be_waited_for(server, lich_model, workspace):
