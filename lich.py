@@ -8501,9 +8501,11 @@ class _Progress:
 
 
 def _diff_lines(before, after, path):
+    """The unified diff of a file's text ``before`` (None: no such file) and ``after``."""
     import difflib
 
-    lines = list(difflib.unified_diff(before.splitlines(), after.splitlines(), f"a/{path}",
+    lines = list(difflib.unified_diff((before or "").splitlines(), after.splitlines(),
+                                      "/dev/null" if before is None else f"a/{path}",
                                       f"b/{path}", lineterm="", n=2))
     if len(lines) > _DIFF_SHOWN_LINES:
         half = _DIFF_SHOWN_LINES // 2
@@ -8561,7 +8563,7 @@ class _Approvals:
             return ["$ " + _visible(str(args.get("command", ""))).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
         if name == "edit_file":
-            before = self._text_of(path)  # its \r\n read as \n, as edit_file matches old_text
+            before = self._text_of(path) or ""  # its \r\n read as \n, as edit_file matches old_text
             old, new = (str(args.get(key, "")).replace("\r\n", "\n") for key in ("old_text", "new_text"))
             if old and before.count(old) == 1:  # the file's own lines around the change
                 old, new = before, before.replace(old, new)
@@ -8571,10 +8573,13 @@ class _Approvals:
         return [_visible(str(call.get("arguments") or "{}"))]
 
     def _text_of(self, path):
-        """The file as the user sees it, for a diff ("" when it cannot be read)."""
+        """The file as the user sees it, for a diff (None when there is none, "" when it
+        cannot be read)."""
         try:
             with open(os.path.join(self.cli.root, path), "rb") as f:
                 return f.read(_DIFF_MAX_BYTES).decode("utf-8", "replace").replace("\r\n", "\n")
+        except FileNotFoundError:
+            return None
         except OSError:
             return ""
 

@@ -11566,7 +11566,7 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     term.expect(PROMPT)
     term.send("write things")
     shown = term.expect("[t] always write_file: ")
-    assert shown.endswith("→ write_file out.txt\n  --- a/out.txt\n  +++ b/out.txt\n  @@ -0,0 +1 @@\n"
+    assert shown.endswith("→ write_file out.txt\n  --- /dev/null\n  +++ b/out.txt\n  @@ -0,0 +1 @@\n"
                           "  +first\n  allow? [y]es / [N]o / [a]lways this file / [t] always write_file: ")
     term.send("")  # an empty answer declines
     term.expect("[t] always write_file: ")
@@ -11577,7 +11577,7 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     term.send(always)  # always for this file: the edit of out.txt does not ask either
     shown = term.expect("[t] always write_file: ")
     assert shown.endswith("→ write_file out.txt ✓ +1 line\n→ edit_file out.txt ✓ +1 -1\n→ write_file b.txt\n"
-                          "  --- a/b.txt\n  +++ b/b.txt\n  @@ -0,0 +1 @@\n  +x\n"
+                          "  --- /dev/null\n  +++ b/b.txt\n  @@ -0,0 +1 @@\n  +x\n"
                           "  allow? [y]es / [N]o / [a]lways this file / [t] always write_file: ")
     term.send(tool)  # always for write_file: c.txt is not asked about
     shown = term.expect(PROMPT)
@@ -11688,11 +11688,11 @@ def test_an_approvals_diff_of_forty_lines_is_shown_whole_and_a_longer_one_cut_in
     term.expect(PROMPT)
     term.send("write them")
     shown = term.expect("[t] always write_file: ").split("→ write_file x.txt\n")[1]
-    assert shown.splitlines()[:-1] == ["  --- a/x.txt", "  +++ b/x.txt", "  @@ -0,0 +1,37 @@",
+    assert shown.splitlines()[:-1] == ["  --- /dev/null", "  +++ b/x.txt", "  @@ -0,0 +1,37 @@",
                                        *[f"  +line {i}" for i in range(1, 38)]]
     term.send("n")
     shown = term.expect("[t] always write_file: ").split("→ write_file y.txt\n")[1]
-    assert shown.splitlines()[:-1] == ["  --- a/y.txt", "  +++ b/y.txt", "  @@ -0,0 +1,38 @@",
+    assert shown.splitlines()[:-1] == ["  --- /dev/null", "  +++ b/y.txt", "  @@ -0,0 +1,38 @@",
                                        *[f"  +line {i}" for i in range(1, 18)], "  [... 1 line not shown ...]",
                                        *[f"  +line {i}" for i in range(19, 39)]]
     term.send("n")
