@@ -9417,7 +9417,7 @@ class _Cli:
             rate = counts["done"] / elapsed if elapsed > 0 else 0.0
             done = done_before + counts["done"]
             left = total - done
-            eta = f" · ETA {left / rate:.0f} s" if rate and left else ""
+            eta = f" · ETA {max(1, round(left / rate))} s" if rate and left else ""  # never "0 s"
             term.status(f"{done}/{total} done · {counts['failed']} failed · "
                         f"{len(begun) - counts['done']} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
 

@@ -12614,7 +12614,7 @@ def test_a_note_during_a_batch_on_a_terminal_comes_under_its_status_line(server,
         assert term.close() == 130
     finally:
         held.set()
-    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA \d+ s)?", "(time)", term.transcript)
+    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA [1-9]\d* s)?", "(time)", term.transcript)  # never "ETA 0 s"
     assert shown == ("\r\x1b[K1/2 done · 0 failed · 0 running · (time)\n"  # before, the note went on at its end
                      "interrupted; stopping (Ctrl-C again to quit)\n"
                      "\r\x1b[K2/2 done · 1 failed · 0 running · (time)\n")
@@ -12632,7 +12632,7 @@ def test_a_batchs_results_on_its_terminal_come_on_lines_of_their_own(server, lic
         return json.dumps({"id": task_id, "ok": True, "stopped_reason": "final", "final": final, "output": None,
                            "error": None, "usage": {"input_tokens": 7, "output_tokens": 3}, "session_path": None})
 
-    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA \d+ s)?", "(time)", term.transcript)
+    shown = re.sub(r"\d+ s · [\d.]+/s( · ETA [1-9]\d* s)?", "(time)", term.transcript)  # never "ETA 0 s"
     assert shown == (result("0", "first") + "\n"  # before, the second result went on at the status's end
                      "\r\x1b[K1/2 done · 0 failed · 0 running · (time)\r\x1b[K" + result("1", "second") + "\n"
                      "\r\x1b[K2/2 done · 0 failed · 0 running · (time)\n")
