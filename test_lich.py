@@ -11022,7 +11022,7 @@ def chat_pty(*args, tmp_path, env=None):
 
 
 def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model, tmp_path):
-    queue(server, *[stream_reply("ok") for _ in range(3)])
+    queue(server, *[stream_reply("ok") for _ in range(4)])
     term = chat_pty(tmp_path=tmp_path)
     term.expect(PROMPT)
     term.send("first line \\")
@@ -11035,12 +11035,18 @@ def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model
     term.send("")
     term.send('"""')
     term.expect(PROMPT)
+    term.send('"""')
+    term.expect("… ")
+    term.send("ended by")
+    term.expect("… ")
+    term.send("\x04")  # Ctrl-D in a block sends it, as at the end of a here-document
+    term.expect(PROMPT)
     os.write(term.master, b"\x1b[200~pasted one\n  pasted two\n\x1b[201~\r")  # a bracketed paste
     term.expect(PROMPT)
     term.send("/exit")
     assert term.close() == 0
     assert [r["json"]["messages"][-1]["content"] for r in server.requests] == [
-        "first line \n  second line", "  indented\n", "pasted one\n  pasted two\n"]
+        "first line \n  second line", "  indented\n", "ended by", "pasted one\n  pasted two\n"]
     history = tmp_path / "state" / "lich" / "history"
     assert oct(history.stat().st_mode & 0o777) == "0o600" and "/exit" in history.read_text()
     queue(server, stream_reply("recalled"))
