@@ -7699,6 +7699,7 @@ _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its di
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
 _STDIN_QUIET_SECONDS = 2.0      # a piped stdin silent this long is said to be waited for
 _MCP_QUIET_SECONDS = 2.0        # an --mcp server not started after this long is said to be waited for
+_MCP_NAMED = r"([A-Za-z][A-Za-z0-9_-]{0,31})="  # --mcp NAME=SERVER (a command cannot begin so: no shell runs it)
 _STDIN_WAIT_NOTE = ("lich: waiting for stdin to end: what it brings is added to the prompt (run with "
                     "</dev/null to add nothing)")
 _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
@@ -7813,7 +7814,8 @@ def _build_parser():
              "asks first")
     add("--yolo", action="store_true", help="offer write and shell tools and never ask")
     add("--mcp", action="append", default=[], metavar="SERVER", help="offer an MCP server's "
-        "tools: a command line or an http(s) URL (repeatable)")
+        "tools: a command line or an http(s) URL, NAME=SERVER to offer them as NAME_tool "
+        "(repeatable)")
     add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
     add("--no-project-instructions", action="store_true",
         help="do not add AGENTS.md (or CLAUDE.md) to the system prompt")
@@ -8935,13 +8937,15 @@ class _Cli:
             give_back()
 
     def _start_mcp(self, server):
+        named = re.match(_MCP_NAMED, server)  # NAME=SERVER: its tools offered as NAME_tool
+        prefix, server = (named.group(1) + "_", server[named.end():]) if named else ("", server)
         # A server's first start can be long (npx or uvx fetching it): not a silent wait.
         waiting = threading.Timer(_MCP_QUIET_SECONDS, self.term.note, [
             f"lich: waiting for the MCP server {_shown_mcp(server)} to start"])
         waiting.daemon = True
         waiting.start()
         try:
-            tools = mcp_tools(server, cwd=self.root)
+            tools = mcp_tools(server, cwd=self.root, prefix=prefix)
         except MCPError as e:  # it names the server, a URL's secrets redacted
             raise _UsageError(f"--mcp: {e}") from None
         except ValueError as e:  # a command that cannot be split
@@ -8960,7 +8964,8 @@ class _Cli:
         try:
             return combine_tools(tools, *servers)
         except ValueError as e:
-            raise _UsageError(f"--mcp: {e}") from None
+            raise _UsageError(f"--mcp: {e} (--mcp NAME=SERVER offers a server's tools as "
+                              f"NAME_tool)") from None
 
     def _chat(self, spec):
         options = {"stream": self.streaming, "on_retry": self._on_retry,

@@ -12677,11 +12677,20 @@ def test_mcp_tools_on_the_command_line(server, lich_model, cli, fake_mcp, worksp
     assert children_of_this_process(command[1]) == []  # closed on the way out
 
 
-def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error(server, lich_model, cli, fake_mcp, monkeypatch):
+def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error_unless_its_server_is_named(
+        server, lich_model, cli, fake_mcp, monkeypatch, workspace):
     command, _ = fake_mcp
-    monkeypatch.setenv("FAKE_TOOLS", "read_file,other")
-    assert cli("--mcp", " ".join(command), "hi") == (2, "", "lich: --mcp: the tool name 'read_file' is offered twice\n")
+    monkeypatch.setenv("FAKE_TOOLS", "read_file,other")  # as @modelcontextprotocol/server-filesystem's
+    assert cli("--mcp", " ".join(command), "hi") == (2, "", (
+        "lich: --mcp: the tool name 'read_file' is offered twice (--mcp NAME=SERVER offers a server's tools as "
+        "NAME_tool)\n"))
     assert server.requests == [] and children_of_this_process(command[1]) == []
+    queue(server, tool_reply(("c1", "fs_read_file", '{"x": 1}')), openai_reply("ok"))
+    code, out, err = cli("--no-stream", "--mcp", "fs=" + " ".join(command), "--root", str(workspace), "use it")
+    assert (code, out) == (0, "ok\n") and err.startswith("→ fs_read_file ✓\n    pinged back: ")
+    assert [t["function"]["name"] for t in server.requests[0]["json"]["tools"]] == [
+        "read_file", "list_files", "search", "fs_read_file", "fs_other"]
+    assert children_of_this_process(command[1]) == []
 
 
 def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli):
