@@ -9165,6 +9165,14 @@ class _Cli:
                 session.close()
         return code
 
+    def _say_missing_keys(self):
+        """Name each model of the chat whose provider wants a key that is not set: said when
+        the chat starts and at /model, not at the failure of a message typed meanwhile."""
+        for chat in self.chat.chats:
+            if not os.environ.get(chat.key_env) and (
+                    isinstance(chat, AnthropicChat) or chat.base_url == chat.public_url):
+                self.term.note(f"lich: {chat.key_env} is not set: {chat.model} cannot answer")
+
     def repl(self, history, first=None) -> int:
         """The interactive chat: one session file shared by its turns (a new one after
         /clear or /resume)."""
@@ -9173,6 +9181,7 @@ class _Cli:
         tools = ", ".join(spec["name"] for spec in self.tools.specs())
         term.note(f"lich {__version__} · {_shown_spec(self.model)} · {self.root} · tools: {tools}")
         term.note("/help for commands, Ctrl-D to leave")
+        self._say_missing_keys()
         session = None
         try:
             while not self.interrupts.terminating:  # SIGTERM or SIGHUP: the turn stopped, leave
@@ -9304,10 +9313,7 @@ class _Cli:
                 term.note(f"model: {_shown_spec(self.model)}")
             except _UsageError as e:  # a mistyped spec keeps the chat and its model
                 term.error(f"{e}; the model stays {_shown_spec(self.model)}")
-            for chat in self.chat.chats:  # said now, not at the next turn's failure
-                if not os.environ.get(chat.key_env) and (
-                        isinstance(chat, AnthropicChat) or chat.base_url == chat.public_url):
-                    term.note(f"lich: {chat.key_env} is not set: {chat.model} cannot answer")
+            self._say_missing_keys()
         elif command == "/allow":
             self._allow_command(rest)
         elif command == "/cost":

@@ -12379,6 +12379,14 @@ def test_a_terminal_gone_at_the_prompt_ends_the_chat_as_ctrl_d_does(server, lich
     assert (tmp_path / "state" / "lich" / "history").read_text() == '"/cost"\n'
 
 
+def test_a_chat_whose_model_has_no_key_says_so_when_it_starts(tmp_path):
+    term = chat_pty(tmp_path=tmp_path, env={"LICH_MODEL": "anthropic:claude-x"})
+    assert term.expect(PROMPT).endswith(  # not after a message is typed, when its turn fails
+        "/help for commands, Ctrl-D to leave\nlich: ANTHROPIC_API_KEY is not set: claude-x cannot answer\n› ")
+    term.send("/exit")
+    assert term.close() == 0
+
+
 def test_a_mistyped_model_keeps_the_chat_and_a_ctrl_c_stops_compact_only(server, lich_model, tmp_path):
     import signal as signals
 
