@@ -8310,6 +8310,12 @@ class _Terminal:
         if stream is None:  # stdout closed as lich started (>&-): as if its reader went away
             raise _StdoutClosed(_EXIT_OK)
         try:
+            fd = _fd_of(stream) if stream is sys.stdout else None
+            if fd is not None:  # the answer: every byte written, or an error
+                stream.flush()
+                encoding = getattr(stream, "encoding", None) or "utf-8"
+                _write_all(fd, text.encode(encoding, "backslashreplace"))
+                return
             try:
                 stream.write(text)
             except UnicodeEncodeError:  # a lone surrogate, or a terminal that is not UTF-8
@@ -8339,6 +8345,27 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _fd_of(stream):
+    """The file descriptor under ``stream``, or None (a StringIO, a closed file)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _write_all(fd, data):
+    """Write all of ``data`` to ``fd`` or raise. CPython's buffered write keeps nothing of a
+    short write's rest: on a disk that fills, sys.stdout drops it without an error."""
+    import select
+
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:  # a pipe its reader made non-blocking, full for now
+            select.select([], [fd], [])
 
 
 # --- what runs show ---
@@ -9092,6 +9119,8 @@ class _Cli:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
         self._show(run, session)
+        if self.interrupts.terminating:  # told to end as the run ended: 128 + N all the same
+            return self.interrupts.exit_code, run.messages
         return (_EXIT_BUDGET if run.stopped_reason == "budget" else _EXIT_OK), run.messages
 
     def _interrupted(self, progress, session):

@@ -10976,6 +10976,22 @@ def test_a_stdout_that_cannot_be_written_stops_the_run_and_says_so(server, lich_
         1, "lich: cannot write the output: No space left on device\n", asked)
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-stream"]], ids=["streamed", "whole"])
+def test_an_answer_the_disk_takes_only_part_of_is_an_error_not_a_cut_answer(server, lich_model, tmp_path, flags):
+    """A disk that fills part way through the answer: the write takes what fits, and CPython's
+    buffered stdout dropped the rest without an error, so lich exited 0 with the answer cut.
+    A file size limit makes the same short write (Python ignores SIGXFSZ: the next is EFBIG)."""
+    import resource
+
+    queue(server, Reply(200, chunks=[stream_reply_body("x" * 300_000)]) if not flags else openai_reply("x" * 300_000))
+    with open(tmp_path / "answer.txt", "w") as out:
+        child = subprocess.run([sys.executable, *LICH, "--no-session", *flags, "hi"], check=False, stdout=out,
+                               stderr=subprocess.PIPE, timeout=30, env={**os.environ, "NO_COLOR": "1"},
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)))
+    assert (child.returncode, child.stderr.decode()) == (1, "lich: cannot write the output: File too large\n")
+    assert (tmp_path / "answer.txt").read_text() == "x" * 100_000
+
+
 def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
     d = tmp_path / "sessions"
     make_sessions(d, *[f"20260101T0000{i:02d}Z-1" for i in range(40)])
@@ -11074,7 +11090,8 @@ def test_the_chat_asks_the_terminal_to_bracket_a_paste(tmp_path, terminal, asked
 
 def test_a_chat_on_a_terminal_that_is_not_utf8_has_a_prompt_it_can_show(tmp_path):
     """input() raised UnicodeEncodeError on the prompt's "›": the chat ended at once, with 1."""
-    term = chat_pty(tmp_path=tmp_path, env={"PYTHONIOENCODING": "latin-1", "TERM": "dumb", "LICH_MODEL": "openai:m"})
+    term = chat_pty(tmp_path=tmp_path, env={"PYTHONIOENCODING": "latin-1", "TERM": "dumb", "LICH_MODEL": "openai:m",
+                                              "OPENAI_API_KEY": "sk-x"})
     term.expect("> ")
     term.send("/exit")
     assert term.close() == 0
@@ -12321,6 +12338,34 @@ def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
         assert "error" not in term.transcript
     finally:
         held.set()
+
+
+def frames_of(thread, caller):
+    """The functions ``thread`` is in below ``caller``, innermost first: the last is the one
+    ``caller`` called (empty when ``thread`` is not in ``caller``)."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None and frame.f_code.co_name != caller:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names if frame is not None else []
+
+
+def test_sigterm_as_a_run_ends_still_exits_128_plus_its_number(cli, monkeypatch):
+    """SIGTERM once the answer is in but before the run has ended (a -c copying a long
+    history as the first answer comes): the run ends as it would, and lich said it stops,
+    then exited 0."""
+    import signal as signals
+
+    def chat(messages, *, signal=None, **options):
+        # the main thread waits for this run (not still in Thread.start, which waits too)
+        eventually(lambda: frames_of(threading.main_thread(), "_run_interruptibly")[-1:] == ["wait"], 5)
+        os.kill(os.getpid(), signals.SIGTERM)  # lich's handler runs in the main thread: main() is there
+        assert signal.wait(5)
+        return lich.ChatResult({"role": "assistant", "content": "done anyway"})
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
+    assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (
+        128 + signals.SIGTERM, "done anyway\n", "told to end (signal 15); stopping\n")
 
 
 def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
