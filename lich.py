@@ -9667,6 +9667,8 @@ def _main(argv, main_thread) -> int:
     handlers = {}
     if main_thread:
         def terminated(signum, frame):
+            if interrupts.terminating:  # already stopping: a closing terminal sends SIGHUP twice
+                return
             interrupts.exit_code = 128 + signum
             interrupts.terminating = True
             raise KeyboardInterrupt
