@@ -8774,14 +8774,37 @@ def _session_folder(path):
     return None
 
 
+def _copied_short(path):
+    """(messages, history_size) when a session holds fewer messages before its second run
+    than its first run_start says that run was given: lich stopped (kill -9, Ctrl-C twice,
+    a full disk) while it copied a resumed history there, as the first answer came; else
+    None. The file it was copied from holds it all."""
+    given, count = None, 0
+    for record in _session_records(path):
+        meta = record.get("meta")
+        if isinstance(meta, dict) and meta.get("event") == "run_start":
+            if given is not None:
+                break
+            given = meta.get("history_size")
+        elif record.get("kind") == "message":
+            count += 1
+    if isinstance(given, int) and not isinstance(given, bool) and count < given:
+        return count, given
+    return None
+
+
 def _latest_session_in(session_dir, folder, term):
-    """The newest session of ``folder`` among the user's own; one that cannot be read is
-    passed over with a warning (it may be the newest)."""
+    """The newest session of ``folder`` among the user's own; one that cannot be read, or
+    a copy cut short, is passed over with a warning (it may be the newest)."""
     for path in list_sessions(session_dir):
         try:
             owner = getattr(os, "geteuid", None)  # not on Windows
             if (owner is None or os.stat(path).st_uid == owner()) and _session_folder(path) == folder:
-                return path
+                short = _copied_short(path)
+                if short is None:
+                    return path
+                term.error(f"warning: passed over {path}: lich stopped while it copied the "
+                           f"conversation there ({short[0]} of {short[1]} messages)")
         except FileNotFoundError:  # removed meanwhile
             continue
         except OSError as e:

@@ -12085,6 +12085,22 @@ def test_a_session_that_cannot_be_read_is_listed_so_and_continue_passes_it_over_
     assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["first", "one", "go on"]
 
 
+def test_continue_passes_over_a_copy_that_lich_was_stopped_in_saying_so(server, lich_model, cli, tmp_path, workspace):
+    """-c begins its file with the whole history it resumes: killed while that was written
+    (a long one takes a while), the cut copy was the newest, and the next -c took it."""
+    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("continued"))
+    cli("--no-stream", "--root", str(workspace), "first")
+    cli("--no-stream", "--root", str(workspace), "-c", "second")
+    whole, copy = sessions_in(tmp_path)
+    os.utime(whole, (1_700_000_000, 1_700_000_000))
+    copy.write_text("".join(copy.read_text().splitlines(keepends=True)[:3]))  # run_start, system, "first"
+    code, out, err = cli("--no-stream", "-q", "-c", "--root", str(workspace), "go on")
+    assert (code, out, err) == (0, "continued\n", (f"lich: warning: passed over {copy}: lich stopped while it "
+                                                   f"copied the conversation there (2 of 3 messages)\n"
+                                                   f"you: first\nlich: one\n"))
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["first", "one", "go on"]
+
+
 def test_continue_takes_only_the_users_own_sessions(server, lich_model, cli, tmp_path, workspace):
     queue(server, openai_reply("mine"), openai_reply("continued"))
     cli("--no-stream", "--root", str(workspace), "my question")
