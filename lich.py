@@ -8512,9 +8512,12 @@ class _Progress:
             term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":
             self.compressing = True
+            term.start_spinner("compressing the history")  # the summary's call: seconds, unshown
         elif kind == "compress_end":
             self.compressing = False
-            term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
+            term.stop_spinner()
+            if event["summary_chars"]:  # else stopped, or failed and logged: nothing was compressed
+                term.note(f"(history compressed: {event['summary_chars']} characters of summary)")
         elif kind == "output_invalid":
             term.note(f"(the answer did not fit the schema: {_visible(event['error'])}; asking again)")
         elif kind == "error":

@@ -10676,6 +10676,26 @@ def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli
     assert len(server.requests[2]["json"]["messages"]) == 14
 
 
+def test_a_compression_shows_a_spinner_and_one_stopped_claims_nothing(server, lich_model, tmp_path):
+    import signal as signals
+
+    history = tmp_path / "sessions"
+    history.mkdir()
+    write_records(history / "20260101T000000Z-1.jsonl",
+                  *[msg(user("u" * 400)) if i % 2 == 0 else msg(assistant("a" * 400)) for i in range(12)])
+    held = threading.Event()
+    queue(server, Reply(200, openai_reply("summary"), hold=held))
+    term = Pty("--context-budget", "100", "--resume", "20260101T000000Z-1", "go", env={"NO_COLOR": "1"})
+    try:
+        term.expect("compressing the history")  # the summary's call took seconds on a blank screen
+        wait_for_request(server)
+        term.proc.send_signal(signals.SIGINT)
+        assert term.close() == 130
+    finally:
+        held.set()
+    assert "interrupted; stopping" in term.rest and "history compressed" not in term.transcript
+
+
 def test_help_ends_with_examples_exit_codes_and_the_environment():
     code, out, err = Process(LICH_PY, "--help").wait()
     assert (code, err) == (0, "")
