@@ -7804,8 +7804,8 @@ def _build_parser():
     add("--max-turns", type=_positive_int, default=_DEFAULT_MAX_TURNS, metavar="N",
         help=f"model calls per run (default {_DEFAULT_MAX_TURNS})")
     add("--context-budget", type=_non_negative_int, default=_DEFAULT_CONTEXT_BUDGET,
-        metavar="TOKENS", help=f"compress history above this estimate (default "
-                               f"{_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
+        metavar="TOKENS", help=f"the history is compressed once its estimate reaches 80%% of "
+                               f"this (default {_DEFAULT_CONTEXT_BUDGET}; 0 turns compression off)")
     add("--schema", metavar="JSON|@FILE", help="answer with one JSON value valid under this "
                                                "JSON Schema (printed as one line)")
     add = parser.add_argument_group("tools").add_argument
@@ -9131,6 +9131,12 @@ class _Cli:
                 session.forget_unwritten()
             self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
+            if isinstance(exc, ProviderError) and exc.kind == "overflow":  # each turn would fail so
+                budget = self.args.context_budget
+                term.note("lich: the conversation is longer than the model takes: "
+                          + (f"a --context-budget below {budget} compresses it sooner" if budget
+                             else "compression is off (--context-budget 0)")
+                          + ("; /compact compresses it now" if self.interactive else ""))
             if not self.args.json and (progress.usage.get("input_tokens")
                                        or progress.usage.get("output_tokens")):
                 term.note(_usage_line(progress.usage))  # what the calls before it used

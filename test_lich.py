@@ -10676,6 +10676,16 @@ def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli
     assert len(server.requests[2]["json"]["messages"]) == 14
 
 
+@pytest.mark.parametrize("budget, hint", [("50000", "a --context-budget below 50000 compresses it sooner"),
+                                           ("0", "compression is off (--context-budget 0)")])
+def test_a_conversation_too_long_for_the_model_names_the_budget(server, lich_model, cli, budget, hint):
+    queue(server, Reply(400, openai_error("This model's maximum context length is 8192 tokens",
+                                          code="context_length_exceeded")))
+    assert cli("--no-stream", "--context-budget", budget, "hi") == (1, "", (
+        "lich: error: overflow: openai: HTTP 400 (context_length_exceeded): This model's maximum context length is "
+        f"8192 tokens\nlich: the conversation is longer than the model takes: {hint}\n"))
+
+
 def test_a_compression_shows_a_spinner_and_one_stopped_claims_nothing(server, lich_model, tmp_path):
     import signal as signals
 
