@@ -1520,7 +1520,8 @@ class SessionHandle:
     Each append is written with one ``os.write`` on an ``O_APPEND`` descriptor and is in
     the file when the call returns. A write that fails part-way is cut back when nothing
     else was appended meanwhile, so the file holds whole lines only; the OSError goes to
-    the caller. A handle belongs to the process that opened it: after ``fork()`` the child
+    the caller. An append to a file that was removed (its folder deleted) raises
+    FileNotFoundError. A handle belongs to the process that opened it: after ``fork()`` the child
     gets a RuntimeError and must open its own. Handles do not pickle.
     """
 
@@ -1585,6 +1586,8 @@ class SessionHandle:
                 self._cut_back(written)
                 raise
             self._torn = False
+            if os.fstat(self._fd).st_nlink == 0:  # its folder was removed: nothing would be kept
+                raise FileNotFoundError(errno.ENOENT, "the session file was removed", self.path)
 
     def _cut_back(self, written):
         """Remove the ``written`` bytes of a failed append: appended last, they end the file
@@ -8713,9 +8716,9 @@ class _LazySession:
             try:
                 getattr(self.handle, method)(record)
             except (OSError, ValueError) as e:  # a full disk: nothing after the gap is written
+                kept = "" if isinstance(e, FileNotFoundError) else "; it keeps the chat before this turn"
                 self.term.error(f"warning: session recording is off: cannot write to "
-                                f"{self.handle.path}: {getattr(e, 'strerror', None) or e}; it "
-                                f"keeps the chat before this turn")
+                                f"{self.handle.path}: {getattr(e, 'strerror', None) or e}{kept}")
                 self.waiting = None
                 return
 

@@ -2516,6 +2516,25 @@ def test_session_handle_refuses_appends_after_close(tmp_path):
         handle.append_meta({})
 
 
+def test_an_append_to_a_session_file_that_was_removed_says_so(tmp_path, caplog):
+    """rm -r of the sessions folder during a chat: every record went to a file no one could
+    read again, and no one was told."""
+    import shutil
+
+    handle = lich.open_session(tmp_path / "sessions")
+    handle.append_meta({"event": "first"})
+    shutil.rmtree(tmp_path / "sessions")
+    with pytest.raises(FileNotFoundError) as info:
+        handle.append_meta({"event": "second"})
+    assert str(info.value) == f"[Errno 2] the session file was removed: '{handle.path}'"
+    with caplog.at_level("WARNING", logger="lich"):
+        run = lich.run_agent("hi", chat=ScriptedChat(assistant("a")), max_turns=1, session=handle)
+    assert run.stopped_reason == "final" and [r.getMessage() for r in caplog.records] == [(
+        f"session recording stopped: {handle.id}: FileNotFoundError: [Errno 2] the session file was removed: "
+        f"'{handle.path}'")]
+    handle.close()
+
+
 def test_session_handle_is_thread_safe(tmp_path):
     handle = lich.open_session(tmp_path)
     payload = "x" * 5000
