@@ -7402,7 +7402,8 @@ def _batch_tasks(tasks) -> list:
             raise ValueError(f"task {position}: the id {task_id!r} is used twice")
         history = task.get("history")
         if history is not None and not (isinstance(history, list) and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in history)):
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")
+                for m in history)):  # a message of another role would be sent, and refused
             raise TypeError(f"task {position}: 'history' must be a list of messages")
         if task.get("system_prompt") is not None and not isinstance(task["system_prompt"], str):
             raise TypeError(f"task {position}: 'system_prompt' must be a string")

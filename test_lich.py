@@ -10481,10 +10481,11 @@ def test_run_batch_refuses_a_max_errors_that_is_no_count_of_one_or_more(server, 
     (["a", {"prompt": "x", "history": "we talked before"}], "task 1: 'history' must be a list of messages"),
     ([{"prompt": "x", "history": [{"content": "no role"}]}], "task 0: 'history' must be a list of messages"),
     ([{"prompt": "x", "history": ["hi", "hello"]}], "task 0: 'history' must be a list of messages"),
+    ([{"prompt": "x", "history": [{"role": "bogus", "content": "hi"}]}], "task 0: 'history' must be a list of messages"),
     ([{"prompt": "x", "system_prompt": 5}], "task 0: 'system_prompt' must be a string"),
     ([{"prompt": "x", "root": ["src"]}], "task 0: 'root' must be a path"),
 ], ids=["duplicate", "bad-id", "id-65-characters", "unknown-key", "history-text", "history-without-roles",
-        "history-of-strings", "system-prompt-number", "root-list"])
+        "history-of-strings", "history-role-unknown", "system-prompt-number", "root-list"])
 def test_run_batch_checks_every_task_before_running_any(server, tasks, error):
     with pytest.raises((ValueError, TypeError), match=f"^{re.escape(error)}$"):
         lich.run_batch(tasks, chat=openai_at(server), max_turns=1)
