@@ -8781,6 +8781,12 @@ def _session_folder(path):
     return None
 
 
+def _label_of(path):
+    """The label of a session file named ``<stamp>-<n>-<label>.jsonl``, or None."""
+    found = re.fullmatch(r"\d{8}T\d{6}Z-\d+-(.+)\.jsonl", os.path.basename(path))
+    return found.group(1) if found else None
+
+
 def _copied_short(path):
     """(messages, history_size) when a session holds fewer messages before its second run
     than its first run_start says that run was given: lich stopped (kill -9, Ctrl-C twice,
@@ -8936,6 +8942,7 @@ class _Cli:
         self.streaming = not (args.no_stream or args.json or self.schema or args.batch)
         self.answer_on_stdout = term.stdout_tty and self.streaming
         self.sessions_home = args.session_dir or _default_session_dir(environ)
+        self.label = args.label  # else a resumed session's: a conversation keeps its name
         self.session_dir = None if args.no_session else self.sessions_home
         self.model = args.model or _default_model(environ)
         try:
@@ -9086,7 +9093,7 @@ class _Cli:
     def open_session(self):
         if self.session_dir is None:
             return None
-        return _LazySession(self.session_dir, self.args.label, self.term)
+        return _LazySession(self.session_dir, self.label, self.term)
 
     # -- one run
 
@@ -9407,6 +9414,7 @@ class _Cli:
         elif command == "/sessions":
             _print_sessions(self.sessions_home, term, as_json=False, in_chat=True)
         elif command == "/clear":
+            self.label = self.args.label
             if session is not None:
                 session.close()
             term.note("new conversation")
@@ -9459,7 +9467,14 @@ class _Cli:
             if path is None:
                 raise SessionNotFound("no session in this folder")
         else:
-            path = resolve_session(self.sessions_home, ref)
+            try:
+                path = resolve_session(self.sessions_home, ref)
+            except SessionNotFound:  # --label L names a conversation: --resume L finds it
+                path = next((p for p in list_sessions(self.sessions_home)
+                             if _label_of(p) == ref), None)
+                if path is None:
+                    raise
+        self.label = self.args.label or _label_of(path)
         try:
             history = read_session_messages(path)
         except FileNotFoundError:

@@ -12135,6 +12135,18 @@ def test_a_session_that_cannot_be_read_is_listed_so_and_continue_passes_it_over_
     assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["first", "one", "go on"]
 
 
+def test_a_labelled_conversation_keeps_its_label_and_is_resumed_by_it(server, lich_model, cli, tmp_path, workspace):
+    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
+    cli("--no-stream", "--root", str(workspace), "--label", "refactor", "first")
+    cli("--no-stream", "--root", str(workspace), "-c", "second")  # the copy is named as the original
+    code, out, err = cli("--no-stream", "-q", "--root", str(workspace), "--resume", "refactor", "third")
+    assert (code, out, err) == (0, "three\n", "you: second\nlich: two\n")
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == [
+        "first", "one", "second", "two", "third"]
+    assert [path.name.split("-", 2)[2] for path in sessions_in(tmp_path)] == ["refactor.jsonl"] * 3
+    assert cli("--resume", "other", "x")[2] == "lich: session not found: other\n"
+
+
 def test_continue_passes_over_a_copy_that_lich_was_stopped_in_saying_so(server, lich_model, cli, tmp_path, workspace):
     """-c begins its file with the whole history it resumes: killed while that was written
     (a long one takes a while), the cut copy was the newest, and the next -c took it."""
