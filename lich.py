@@ -8981,6 +8981,9 @@ class _Cli:
         self.sessions_home = args.session_dir or _default_session_dir(environ)
         self.label = args.label  # else a resumed session's: a conversation keeps its name
         self.session_dir = None if args.no_session else self.sessions_home
+        # A batch's sessions go in a folder of their own: -c and --list-sessions keep to chats
+        self.batch_session_dir = (None if self.session_dir is None
+                                  else os.path.join(self.session_dir, "batch"))
         self.model = args.model or _default_model(environ)
         try:
             self.root = os.path.realpath(args.root)
@@ -9556,7 +9559,7 @@ class _Cli:
         def work():
             return run_batch(tasks, chat=self.chat, tools=tools,
                 workers=args.workers or _DEFAULT_WORKERS,
-                session_dir=self.session_dir, out=args.out, redo=args.redo, signal=signal,
+                session_dir=self.batch_session_dir, out=args.out, redo=args.redo, signal=signal,
                 on_result=on_result, max_turns=args.max_turns,
                 trace=self.otel.get_tracer("lich", __version__) if self.otel is not None else False,
                 system_prompt=self.system_prompt, temperature=args.temperature,

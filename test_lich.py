@@ -12739,6 +12739,17 @@ def test_a_batch_from_the_command_line_rides_out_rate_limits_as_a_library_batch_
     assert (code, json.loads(out)["final"], len(server.requests)) == (0, "made it", 4)
 
 
+def test_a_batchs_sessions_are_kept_apart_from_the_chats(batch_server, lich_model, cli, tmp_path, workspace):
+    """-c after a batch in the same folder went on with its last task's session, and a batch
+    of 1,000 tasks filled --list-sessions."""
+    (tmp_path / "prompts.txt").write_text("one\ntwo\n")
+    assert cli("--batch", str(tmp_path / "prompts.txt"), "--root", str(workspace))[0] == 0
+    assert sorted(path.name.split("-", 2)[2] for path in (tmp_path / "sessions" / "batch").iterdir()) == [
+        "0.jsonl", "1.jsonl"]
+    assert cli("-c", "--root", str(workspace), "go on") == (2, "", "lich: no session in this folder\n")
+    assert cli("--list-sessions") == (0, "", "no sessions yet\n")
+
+
 def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n")
