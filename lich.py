@@ -1944,23 +1944,28 @@ def read_session_messages(path) -> list:
     # sniff each line's encoding): a third faster on a 30 MB session. A byte order mark
     # that an editor put first is not part of the first record.
     with open(path, encoding="utf-8-sig", errors="replace", newline="\n") as lines:
-        return _repair_history(_recorded_messages(lines))
+        return _repair_history(_recorded_messages(lines, path))
 
 
 _decode_json = json.JSONDecoder().decode
 
 
-def _recorded_messages(lines):
-    """The messages of the message records among ``lines``, in order; other lines skipped."""
-    for line in lines:
+def _recorded_messages(lines, path):
+    """The messages of the message records among ``lines``, in order; other lines skipped,
+    each said on the ``lich`` logger at DEBUG (a hand edit that broke one is found so)."""
+    for number, line in enumerate(lines, 1):
         try:
             record = _decode_json(line)
         except (ValueError, RecursionError):
+            if line.strip():
+                _log.debug("%s: line %d skipped: it is not JSON", path, number)
             continue
         if type(record) is dict and record.get("kind") == "message":
             message = _clean_message(record.get("message"))
             if message is not None:
                 yield message
+            else:
+                _log.debug("%s: line %d skipped: a message of no known role or shape", path, number)
 
 
 def list_sessions(session_dir) -> list:

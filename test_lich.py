@@ -3235,7 +3235,7 @@ def test_list_sessions_orders_a_counter_of_other_digits_as_no_counter(tmp_path):
 # --- reading ---
 
 
-def test_read_session_messages_is_lenient(tmp_path):
+def test_read_session_messages_is_lenient(tmp_path, caplog):
     path = write_records(
         tmp_path / "s.jsonl",
         meta(event="run_start"), msg(user("hi")), "not json", b"\xff\xfe invalid utf-8",
@@ -3245,8 +3245,12 @@ def test_read_session_messages_is_lenient(tmp_path):
         json.dumps(msg(user("crlf"))) + "\r\n", msg(assistant("second")),
         msg({"role": "assistant", "content": None}),
         b'{"ts": "x", "kind": "message", "message": {"role": "user", "con')
-    assert lich.read_session_messages(path) == [user("hi"), assistant("answer"), user("crlf"),
-                                               assistant("second"), assistant("")]
+    with caplog.at_level("DEBUG", logger="lich"):
+        assert lich.read_session_messages(path) == [user("hi"), assistant("answer"), user("crlf"),
+                                                   assistant("second"), assistant("")]
+    assert [r.getMessage() for r in caplog.records] == [  # -v shows what a hand edit broke
+        f"{path}: line {n} skipped: " + ("it is not JSON" if n in (3, 4, 12, 17) else "a message of no known role or shape")
+        for n in (3, 4, 8, 10, 11, 12, 17)]
 
 
 def test_read_session_messages_skips_a_role_that_is_no_string(tmp_path):
