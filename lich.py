@@ -1535,6 +1535,7 @@ _SESSION_SUFFIX = ".jsonl"
 _MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _LABEL_MAX_CHARS = 64
 _SESSION_NAME_ATTEMPTS = 1000
+_SESSION_LINK_CHECK_SECONDS = 1.0  # how often an append looks whether its file was removed
 
 # --- recording ---
 
@@ -1552,8 +1553,9 @@ class SessionHandle:
     the file when the call returns. A write that fails part-way is cut back when nothing
     else was appended meanwhile, so the file holds whole lines only; the OSError goes to
     the caller. An append to a file that was removed (its folder deleted) raises
-    FileNotFoundError. A handle belongs to the process that opened it: after ``fork()`` the child
-    gets a RuntimeError and must open its own. Handles do not pickle.
+    FileNotFoundError (looked at once a second at most). A handle belongs to the process
+    that opened it: after ``fork()`` the child gets a RuntimeError and must open its own.
+    Handles do not pickle.
     """
 
     def __init__(self, path: str, fd: int):
@@ -1562,6 +1564,7 @@ class SessionHandle:
         self._fd = fd
         self._pid = os.getpid()
         self._torn = False  # a failed write could not be cut back: start the next on a new line
+        self._link_checked = -math.inf  # when the file was last seen to have a name
         self._lock = threading.Lock()
         self._close_fd = weakref.finalize(self, os.close, fd)  # a handle nobody closed
 
@@ -1617,8 +1620,12 @@ class SessionHandle:
                 self._cut_back(written)
                 raise
             self._torn = False
-            if os.fstat(self._fd).st_nlink == 0:  # its folder was removed: nothing would be kept
-                raise FileNotFoundError(errno.ENOENT, "the session file was removed", self.path)
+            now = time.monotonic()
+            if now >= self._link_checked + _SESSION_LINK_CHECK_SECONDS:  # each time: +23 % an append
+                if os.fstat(self._fd).st_nlink == 0:  # its folder was removed: nothing is kept
+                    raise FileNotFoundError(errno.ENOENT, "the session file was removed",
+                                            self.path)
+                self._link_checked = now
 
     def _cut_back(self, written):
         """Remove the ``written`` bytes of a failed append: appended last, they end the file

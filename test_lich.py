@@ -2521,8 +2521,7 @@ def test_an_append_to_a_session_file_that_was_removed_says_so(tmp_path, caplog):
     read again, and no one was told."""
     import shutil
 
-    handle = lich.open_session(tmp_path / "sessions")
-    handle.append_meta({"event": "first"})
+    handle = lich.open_session(tmp_path / "sessions")  # it looks once a second at most: first now
     shutil.rmtree(tmp_path / "sessions")
     with pytest.raises(FileNotFoundError) as info:
         handle.append_meta({"event": "second"})
