@@ -153,31 +153,6 @@ class MCPError(Exception):
     """An MCP server could not be started or did not answer its handshake."""
 
 
-def _from_a_signal_handler(exc) -> bool:
-    """Whether ``exc`` was raised by a Python signal handler installed now, not by the code
-    it interrupted: a server stopping its worker (gunicorn's timeout and Celery's revoke
-    raise SystemExit, Celery's soft time limit an Exception). Such an exception is no tool's,
-    handler's or task's failure: it ends the run, as it would outside lich."""
-    import signal as signals
-
-    codes = set()
-    for number in signals.valid_signals():
-        try:
-            handler = signals.getsignal(number)
-        except (OSError, ValueError):
-            continue
-        handler = getattr(handler, "func", handler)  # a functools.partial
-        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
-        if code is not None:
-            codes.add(code)
-    frames = exc.__traceback__
-    while frames is not None:
-        if frames.tb_frame.f_code in codes:
-            return True
-        frames = frames.tb_next
-    return False
-
-
 class _ForkSafeLock:
     """A lock of the module that a forked child gets free: a thread of its parent may have
     held it at the fork, and nothing in the child would ever release it."""
@@ -1018,9 +993,7 @@ class AgentEmitter:
             if wanted is None or wanted == event_type:
                 try:
                     handler(event)
-                except Exception as exc:
-                    if _from_a_signal_handler(exc):  # Celery's soft time limit: the run ends
-                        raise
+                except Exception:
                     _log.exception("event handler %r failed on %r event", handler, event_type)
 
     def __getstate__(self):
@@ -1134,8 +1107,6 @@ def compress_messages(chat, messages, *, signal=None):
                          type(exc).__name__, exc)
         return messages, 0
     except Exception as exc:
-        if _from_a_signal_handler(exc):  # a server stopping its worker: no summary's failure
-            raise
         _log.warning("history compression failed, keeping the full history: %s: %s",
                      type(exc).__name__, exc)
         return messages, 0
@@ -1333,8 +1304,6 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     try:
         result = tools.run(call, signal)
     except Exception as exc:
-        if _from_a_signal_handler(exc):  # a server stopping its worker, not the tool failing
-            raise
         _log.debug("tool runner raised on %r", call.get("name"), exc_info=True)
         return ToolResult(ok=False, error=f"{type(exc).__name__}: {exc}")
     if not isinstance(result, ToolResult):
@@ -1736,8 +1705,6 @@ class _Recorder:
         try:
             getattr(self.session, method)(record)
         except Exception as exc:
-            if _from_a_signal_handler(exc):
-                raise
             _log.warning("session recording stopped: %s: %s: %s",
                          getattr(self.session, "id", "?"), type(exc).__name__, exc)
             _sessions_with_a_gap.mark(self.session)  # later runs would write after the gap
@@ -4475,6 +4442,33 @@ class _Tool:
         self.call_param = call_param
 
 
+def _raised_by_a_signal_handler(exc) -> bool:
+    """Whether ``exc`` came out of a Python signal handler installed now, not out of the code
+    it interrupted: a server stopping its worker (gunicorn's timeout, Celery's revoke and
+    cold shutdown raise SystemExit from one), which no tool call may take for its failure."""
+    import signal as signals
+
+    handlers = []
+    for number in signals.valid_signals():
+        try:
+            handler = signals.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        while isinstance(handler, functools.partial):
+            handler = handler.func
+        if callable(handler):
+            handler = getattr(handler, "__func__", handler)  # a bound method: its function
+            handlers.append(getattr(handler, "__code__", None)  # else an object's __call__
+                            or getattr(getattr(type(handler).__call__, "__func__",
+                                               type(handler).__call__), "__code__", None))
+    frames = exc.__traceback__
+    while frames is not None:
+        if any(frames.tb_frame.f_code is code for code in handlers):
+            return True
+        frames = frames.tb_next
+    return False
+
+
 class Tools:
     """A ToolRunner over plain Python functions.
 
@@ -4535,7 +4529,7 @@ class Tools:
         except _ToolFailure as e:
             return ToolResult(ok=False, error=self._limit(str(e)))
         except (Exception, SystemExit) as e:  # run never raises, but for a server stopping it
-            if _from_a_signal_handler(e):
+            if isinstance(e, SystemExit) and _raised_by_a_signal_handler(e):
                 raise
             _log.debug("tool call %r raised", call, exc_info=True)
             return ToolResult(ok=False, error=self._limit(f"{type(e).__name__}: {e}"))
@@ -7205,9 +7199,7 @@ class MCPTools:
             return ToolResult(ok=False, error=str(e.args[0] if e.args else e))
         except _ToolFailure as e:
             return ToolResult(ok=False, error=str(e))
-        except Exception as e:  # run never raises, but for a server stopping it
-            if _from_a_signal_handler(e):
-                raise
+        except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
             return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
         if result.get("isError"):
@@ -7515,7 +7507,7 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> Ba
         return BatchResult(task["id"], False, "aborted", None, usage=used,
                            session_path=session and session.path)
     except BaseException as exc:  # failures are data: the batch goes on
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or _from_a_signal_handler(exc):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return BatchResult(task["id"], False, None, None, error=_error_text(exc), usage=used,
                            session_path=session and session.path)
