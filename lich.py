@@ -8152,6 +8152,7 @@ class _Terminal:
         self._status_open = False  # a status line drawn in place, not ended by a newline
         self._answer_to = None     # where streamed text goes
         self._spinner = None       # (stop Event, thread)
+        self._stdout_encoder = None  # stdout's encoding, made once (see _write)
         self._lock = threading.RLock()
 
     # -- stdout: the answer
@@ -8355,11 +8356,17 @@ class _Terminal:
         if stream is None:  # stdout closed as lich started (>&-): as if its reader went away
             raise _StdoutClosed(_EXIT_OK)
         try:
-            fd = _fd_of(stream) if stream is sys.stdout else None
-            if fd is not None:  # the answer: every byte written, or an error
+            # The answer, on the process's own stdout: every byte written, or an error. (A
+            # stdout put in its place, a notebook's, is written to as it asks.)
+            fd = _fd_of(stream) if stream is sys.stdout and stream is sys.__stdout__ else None
+            if fd is not None:
                 stream.flush()
-                encoding = getattr(stream, "encoding", None) or "utf-8"
-                _write_all(fd, text.encode(encoding, "backslashreplace"))
+                if self._stdout_encoder is None:  # one for all writes: a BOM once, if any
+                    errors = getattr(stream, "errors", None)
+                    self._stdout_encoder = codecs.getincrementalencoder(
+                        getattr(stream, "encoding", None) or "utf-8")(
+                        "backslashreplace" if errors in (None, "strict") else errors)
+                _write_all(fd, self._stdout_encoder.encode(text))
                 return
             try:
                 stream.write(text)

@@ -11111,6 +11111,31 @@ def test_a_stdout_that_cannot_be_written_stops_the_run_and_says_so(server, lich_
         1, "lich: cannot write the output: No space left on device\n", asked)
 
 
+def test_a_stdout_put_in_place_of_the_processs_gets_the_answer(server, lich_model, monkeypatch):
+    """A notebook's sys.stdout (ipykernel's OutStream) writes to the cell, and its fileno()
+    is the kernel's own terminal: written to by os.write, the answer never reached the cell."""
+    class Cell(io.TextIOBase):
+        encoding = "utf-8"
+
+        def __init__(self, fd):
+            self.shown, self.fd = [], fd
+
+        def write(self, text):
+            self.shown.append(text)
+            return len(text)
+
+        def fileno(self):
+            return self.fd
+
+    queue(server, openai_reply("the answer"))
+    with open(os.devnull, "w") as elsewhere:
+        cell = Cell(elsewhere.fileno())
+        monkeypatch.setattr(sys, "stdout", cell)
+        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+        assert lich.main(["--no-session", "--no-stream", "-q", "hi"]) == 0
+    assert "".join(cell.shown) == "the answer\n"
+
+
 @pytest.mark.parametrize("flags", [[], ["--no-stream"]], ids=["streamed", "whole"])
 def test_an_answer_the_disk_takes_only_part_of_is_an_error_not_a_cut_answer(server, lich_model, tmp_path, flags):
     """A disk that fills part way through the answer: the write takes what fits, and CPython's
