@@ -8836,40 +8836,63 @@ def _label_of(path):
 
 
 def _copied_short(path):
-    """(messages, history_size) when a session holds fewer messages before its second run
-    than its first run_start says that run was given: lich stopped (kill -9, Ctrl-C twice,
-    a full disk) while it copied a resumed history there, as the first answer came; else
-    None. The file it was copied from holds it all."""
-    given, count = None, 0
+    """(the messages it holds, history_size) when a session holds fewer messages before its
+    second run than its first run_start says that run was given: lich stopped (kill -9,
+    Ctrl-C twice, a full disk) while it copied a resumed history there, as the first answer
+    came; else None. The file it was copied from holds it all."""
+    given, messages = None, []
     for record in _session_records(path):
         meta = record.get("meta")
         if isinstance(meta, dict) and meta.get("event") == "run_start":
             if given is not None:
                 break
             given = meta.get("history_size")
+            if not isinstance(given, int) or isinstance(given, bool):
+                return None
         elif record.get("kind") == "message":
-            count += 1
-    if isinstance(given, int) and not isinstance(given, bool) and count < given:
-        return count, given
-    return None
+            messages.append(record.get("message"))
+        if given is not None and len(messages) >= given:  # whole: no need to read on
+            return None
+    return (messages, given) if given is not None else None
+
+
+def _continues(path, messages) -> bool:
+    """Whether the session ``path`` begins with ``messages`` (system prompts aside, which a
+    copy may have changed): the conversation a cut copy was made of."""
+    def said(history):
+        return [m for m in history if isinstance(m, dict) and m.get("role") != "system"]
+
+    copied = said(messages)
+    return said(read_session_messages(path))[:len(copied)] == copied
 
 
 def _latest_session_in(session_dir, folder, term):
-    """The newest session of ``folder`` among the user's own; one that cannot be read, or
-    a copy cut short, is passed over with a warning (it may be the newest)."""
+    """The newest session of ``folder`` among the user's own; one that cannot be read is
+    passed over with a warning (it may be the newest), and so is a copy cut short, for the
+    session it was copied from."""
+    cut = None  # (the path of a copy cut short, its messages)
     for path in list_sessions(session_dir):
         try:
             owner = getattr(os, "geteuid", None)  # not on Windows
             if (owner is None or os.stat(path).st_uid == owner()) and _session_folder(path) == folder:
+                if cut is not None:
+                    if _continues(path, cut[1]):
+                        return path
+                    continue
                 short = _copied_short(path)
                 if short is None:
                     return path
                 term.error(f"warning: passed over {path}: lich stopped while it copied the "
-                           f"conversation there ({short[0]} of {short[1]} messages)")
+                           f"conversation there ({len(short[0])} of {short[1]} messages)")
+                cut = (path, short[0])
         except FileNotFoundError:  # removed meanwhile
             continue
         except OSError as e:
             term.error(f"warning: passed over {path}: cannot read it: {e.strerror or e}")
+    if cut is not None:
+        raise SessionNotFound(f"the conversation that {os.path.basename(cut[0])} was copied "
+                              f"from is not among this folder's sessions: --resume one by "
+                              f"its id (--list-sessions lists them)")
     return None
 
 

@@ -12257,20 +12257,32 @@ def test_a_labelled_conversation_keeps_its_label_and_is_resumed_by_it(server, li
     assert cli("--resume", "other", "x")[2] == "lich: session not found: other\n"
 
 
-def test_continue_passes_over_a_copy_that_lich_was_stopped_in_saying_so(server, lich_model, cli, tmp_path, workspace):
-    """-c begins its file with the whole history it resumes: killed while that was written
-    (a long one takes a while), the cut copy was the newest, and the next -c took it."""
-    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("continued"))
+def test_continue_passes_over_a_copy_that_lich_was_stopped_in_for_the_conversation_it_copied(
+        server, lich_model, cli, tmp_path, workspace):
+    """-c (or --resume) begins its file with the whole history it resumes: killed while that
+    was written (a long one takes a while), the cut copy was the newest, and the next -c took
+    it. Passed over, the next newest may be another conversation: the one copied is taken."""
+    queue(server, openai_reply("one"), openai_reply("other"), openai_reply("two"), openai_reply("continued"))
     cli("--no-stream", "--root", str(workspace), "first")
-    cli("--no-stream", "--root", str(workspace), "-c", "second")
-    whole, copy = sessions_in(tmp_path)
-    os.utime(whole, (1_700_000_000, 1_700_000_000))
+    cli("--no-stream", "--root", str(workspace), "another conversation")
+    [whole, other] = sessions_in(tmp_path)
+    cli("--no-stream", "--root", str(workspace), "--resume", whole.stem, "second")
+    copy = sessions_in(tmp_path)[-1]
+    for age, path in enumerate((whole, other)):
+        os.utime(path, (1_700_000_000 + age, 1_700_000_000 + age))
     copy.write_text("".join(copy.read_text().splitlines(keepends=True)[:3]))  # run_start, system, "first"
     code, out, err = cli("--no-stream", "-q", "-c", "--root", str(workspace), "go on")
     assert (code, out, err) == (0, "continued\n", (f"lich: warning: passed over {copy}: lich stopped while it "
                                                    f"copied the conversation there (2 of 3 messages)\n"
                                                    f"you: first\nlich: one\n"))
     assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["first", "one", "go on"]
+    whole.unlink()  # the conversation copied is gone: -c says so, and takes no other
+    newest = sessions_in(tmp_path)[-1]
+    newest.unlink()
+    assert cli("-c", "--root", str(workspace), "go on")[::2] == (2, (
+        f"lich: warning: passed over {copy}: lich stopped while it copied the conversation there (2 of 3 "
+        f"messages)\nlich: the conversation that {copy.name} was copied from is not among this folder's "
+        f"sessions: --resume one by its id (--list-sessions lists them)\n"))
 
 
 def test_continue_takes_only_the_users_own_sessions(server, lich_model, cli, tmp_path, workspace):
