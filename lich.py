@@ -2045,11 +2045,15 @@ def _arriving_chunks(response):
 def _read1_chunks(fp):
     """The chunks of http.client response ``fp``'s ``read1`` to its end; a broken connection
     is urllib3's ProtocolError, as urllib3's own reads raise it."""
+    import socket
+
     import urllib3
 
     while True:
         try:
             chunk = fp.read1(_BODY_READ_BYTES)
+        except socket.timeout as e:  # requests' read timeout: retryable, as urllib3 says it
+            raise urllib3.exceptions.ReadTimeoutError(None, None, "Read timed out.") from e
         except OSError as e:
             raise urllib3.exceptions.ProtocolError(f"Connection broken: {e!r}", e) from e
         if not chunk:

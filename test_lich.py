@@ -6146,11 +6146,13 @@ def test_a_stream_that_broke_off_after_showing_text_is_neither_retried_nor_faile
     assert (info.value.kind, shown, len(server.requests)) == ("invalid_response", ["Hello "], 1)
 
 
-def test_a_timeout_after_streamed_text_is_not_retryable(server):
-    # the text at once, then silence: the read timeout strikes after the text
+@pytest.mark.parametrize("unframed", [False, True], ids=["chunked", "unframed"])
+def test_a_timeout_after_streamed_text_is_not_retryable(server, unframed):
+    # the text at once, then silence: the read timeout strikes after the text (a timeout, also
+    # when urllib3 1.x reads a stream without chunked encoding as http.client's read1)
     rest = threading.Event()
     server.reply(200, chunks=[openai_sse(delta_chunk(content="Hello "), done=False),
-                              openai_sse(delta_chunk(finish="stop"))], hold=rest)
+                              openai_sse(delta_chunk(finish="stop"))], hold=rest, unframed=unframed)
     shown = []
     try:
         with pytest.raises(lich.ProviderError) as info:
