@@ -1591,10 +1591,24 @@ class SessionHandle:
             self._torn = False
             now = time.monotonic()
             if now >= self._link_checked + _SESSION_LINK_CHECK_SECONDS:  # each time: +23 % an append
-                if os.fstat(self._fd).st_nlink == 0:  # its folder was removed: nothing is kept
+                if self._removed():  # its folder was removed: nothing would be kept
                     raise FileNotFoundError(errno.ENOENT, "the session file was removed",
                                             self.path)
                 self._link_checked = now
+
+    def _removed(self) -> bool:
+        """Whether the file has no name left: no link, and its path names no file or
+        another one (a FUSE mount may say 0 links of a file that is there)."""
+        mine = os.fstat(self._fd)
+        if mine.st_nlink:
+            return False
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino)
 
     def _cut_back(self, written):
         """Remove the ``written`` bytes of a failed append: appended last, they end the file
