@@ -7762,7 +7762,7 @@ _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its di
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
 _STDIN_QUIET_SECONDS = 2.0      # a piped stdin silent this long is said to be waited for
 _MCP_QUIET_SECONDS = 2.0        # an --mcp server not started after this long is said to be waited for
-_MCP_NAMED = r"([A-Za-z][A-Za-z0-9_-]{0,31})="  # --mcp NAME=SERVER (a command cannot begin so: no shell runs it)
+_MCP_NAMED = r"([a-z][a-z0-9_-]{0,31})="  # --mcp name=SERVER (a command cannot begin so: no shell runs it)
 _STDIN_WAIT_NOTE = ("lich: waiting for stdin to end: what it brings is added to the prompt (run with "
                     "</dev/null to add nothing)")
 _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
@@ -7877,7 +7877,7 @@ def _build_parser():
              "asks first")
     add("--yolo", action="store_true", help="offer write and shell tools and never ask")
     add("--mcp", action="append", default=[], metavar="SERVER", help="offer an MCP server's "
-        "tools: a command line or an http(s) URL, NAME=SERVER to offer them as NAME_tool "
+        "tools: a command line or an http(s) URL, name=SERVER to offer them as name_tool "
         "(repeatable)")
     add("--root", default=".", metavar="DIR", help="the tools' workspace (default: .)")
     add("--no-project-instructions", action="store_true",
@@ -9093,8 +9093,14 @@ class _Cli:
             give_back()
 
     def _start_mcp(self, server):
-        named = re.match(_MCP_NAMED, server)  # NAME=SERVER: its tools offered as NAME_tool
+        named = re.match(_MCP_NAMED, server)  # name=SERVER: its tools offered as name_tool
+        if named is None and re.match(r"[A-Za-z_][A-Za-z0-9_]*=", server):  # TOKEN=... cmd
+            raise _UsageError("--mcp: lich runs no shell, so NAME=value before a command sets "
+                              "nothing: put it in lich's environment, which the server "
+                              "inherits (a lowercase name= names the server)")
         prefix, server = (named.group(1) + "_", server[named.end():]) if named else ("", server)
+        if not server.strip():
+            raise _UsageError(f"--mcp {named.group(0)}: no server after the name")
         # A server's first start can be long (npx or uvx fetching it): not a silent wait.
         waiting = threading.Timer(_MCP_QUIET_SECONDS, self.term.note, [
             f"lich: waiting for the MCP server {_shown_mcp(server)} to start"])
@@ -9120,8 +9126,8 @@ class _Cli:
         try:
             return combine_tools(tools, *servers)
         except ValueError as e:
-            raise _UsageError(f"--mcp: {e} (--mcp NAME=SERVER offers a server's tools as "
-                              f"NAME_tool)") from None
+            raise _UsageError(f"--mcp: {e} (--mcp name=SERVER offers a server's tools as "
+                              f"name_tool)") from None
 
     def _chat(self, spec):
         options = {"stream": self.streaming, "on_retry": self._on_retry,

@@ -12949,8 +12949,8 @@ def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error_unless_its_serve
     command, _ = fake_mcp
     monkeypatch.setenv("FAKE_TOOLS", "read_file,other")  # as @modelcontextprotocol/server-filesystem's
     assert cli("--mcp", " ".join(command), "hi") == (2, "", (
-        "lich: --mcp: the tool name 'read_file' is offered twice (--mcp NAME=SERVER offers a server's tools as "
-        "NAME_tool)\n"))
+        "lich: --mcp: the tool name 'read_file' is offered twice (--mcp name=SERVER offers a server's tools as "
+        "name_tool)\n"))
     assert server.requests == [] and children_of_this_process(command[1]) == []
     queue(server, tool_reply(("c1", "fs_read_file", '{"x": 1}')), openai_reply("ok"))
     code, out, err = cli("--no-stream", "--mcp", "fs=" + " ".join(command), "--root", str(workspace), "use it")
@@ -12958,6 +12958,11 @@ def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error_unless_its_serve
     assert [t["function"]["name"] for t in server.requests[0]["json"]["tools"]] == [
         "read_file", "list_files", "search", "fs_read_file", "fs_other"]
     assert children_of_this_process(command[1]) == []
+    assert cli("--mcp", "GITHUB_TOKEN=ghp_secret npx server", "hi") == (2, "", (  # the token is not echoed
+        "lich: --mcp: lich runs no shell, so NAME=value before a command sets nothing: put it in lich's "
+        "environment, which the server inherits (a lowercase name= names the server)\n"))
+    assert cli("--mcp", "fs=", "hi") == (2, "", "lich: --mcp fs=: no server after the name\n")
+    assert len(server.requests) == 2  # the fs= run's only
 
 
 def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli):
