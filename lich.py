@@ -9572,13 +9572,13 @@ class _Cli:
                              if _label_of(p) == ref), None)
                 if path is None:
                     raise
-        self.label = self.args.label or _label_of(path)
         try:
             history = read_session_messages(path)
         except FileNotFoundError:
             raise SessionNotFound(f"session not found: {ref}") from None
         except OSError as e:  # unreadable: as unusable as a missing one
             raise SessionNotFound(f"cannot read the session {ref}: {e.strerror or e}") from None
+        self.label = self.args.label or _label_of(path)
         shown = os.path.splitext(os.path.basename(path))[0]
         self.term.note(f"resumed {shown}: {_how_many(len(history), 'message', 'messages')}")
         for line in _recap(history):
