@@ -8379,12 +8379,15 @@ class _Terminal:
             fd = _fd_of(stream) if stream is sys.stdout and stream is sys.__stdout__ else None
             if fd is not None:
                 stream.flush()
+                encoding = getattr(stream, "encoding", None) or "utf-8"
                 if self._stdout_encoder is None:  # one for all writes: a BOM once, if any
-                    errors = getattr(stream, "errors", None)
-                    self._stdout_encoder = codecs.getincrementalencoder(
-                        getattr(stream, "encoding", None) or "utf-8")(
-                        "backslashreplace" if errors in (None, "strict") else errors)
-                _write_all(fd, self._stdout_encoder.encode(text))
+                    self._stdout_encoder = codecs.getincrementalencoder(encoding)(
+                        getattr(stream, "errors", None) or "strict")
+                try:
+                    data = self._stdout_encoder.encode(text)
+                except UnicodeEncodeError:  # a lone surrogate, or a terminal that is not UTF-8
+                    data = text.encode(encoding, "backslashreplace")
+                _write_all(fd, data)
                 return
             try:
                 stream.write(text)
@@ -8395,8 +8398,9 @@ class _Terminal:
         except BrokenPipeError:
             if stream is sys.stdout:
                 raise _StdoutClosed(_EXIT_OK) from None  # `lich ... | head`: the reader has what it wanted
-        except ValueError:  # closed
-            pass
+        except ValueError as e:  # closed
+            if isinstance(e, UnicodeError):  # no text of lich's may vanish so
+                raise
         except OSError as e:
             # EIO on a terminal: it hung up (a closed window, a dropped ssh). Nothing can be
             # shown on it; SIGHUP stops the run, whose session keeps the turn as after Ctrl-C.
