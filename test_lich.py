@@ -314,16 +314,26 @@ def exit_code_of_child(pid, seconds=5.0):
 
 def exit_code_of_child_forked_while_held(lock, work):
     """The exit code of a child forked while a thread of this process holds ``lock`` (as a
-    thread of a server may at a fork), ``work()`` run in it: 0 when it returns something
-    true, 3 when false, 4 when it raises; None when it has not ended within 3 s."""
+    thread of a server may at a fork), ``work()`` run in it: see exit_code_of_child_forked_during."""
+    def occupy(busy):
+        with lock:
+            busy()
+
+    return exit_code_of_child_forked_during(occupy, work)
+
+
+def exit_code_of_child_forked_during(occupy, work):
+    """The exit code of a child forked while ``occupy(busy)`` runs in a thread of this
+    process, once it has called ``busy()`` (which returns after the fork), ``work()`` run in
+    the child: 0 when it returns something true, 3 when false, 4 when it raises; None when
+    it has not ended within 3 s."""
     held, forked = threading.Event(), threading.Event()
 
-    def holder():
-        with lock:
-            held.set()
-            forked.wait(5)
+    def busy():
+        held.set()
+        forked.wait(5)
 
-    thread = threading.Thread(target=holder)
+    thread = threading.Thread(target=occupy, args=(busy,))
     thread.start()
     assert held.wait(5)
     pid = os.fork()
@@ -3485,16 +3495,20 @@ def test_a_whole_body_over_the_limit_is_an_invalid_response(server):
     assert str(info.value).startswith(f"openai: invalid response: body larger than {cap} bytes: ")
 
 
+def reply_x(stream):
+    """The answer "x", streamed or whole."""
+    if stream:
+        return Reply(200, chunks=[openai_sse(delta_chunk(content="x"), delta_chunk(finish="stop"))])
+    return Reply(200, openai_reply("x"))
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
 def test_calls_from_one_thread_reuse_one_connection(server, stream):
     handlers = []  # the server runs one handler thread per connection
 
     def responder(request):
         handlers.append(threading.current_thread())
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
+        return reply_x(stream)
 
     server.responder = responder
     chat = openai_at(server, stream=stream)
@@ -3508,13 +3522,7 @@ def test_calls_from_one_thread_reuse_one_connection(server, stream):
 def test_reused_connections_do_not_wait_for_a_delayed_ack(server, stream):
     # The loopback server writes headers and body separately with Nagle's algorithm on:
     # without an immediate ACK each call on a reused connection would stall ~40 ms.
-    def responder(request):
-        if stream:
-            return Reply(200, chunks=[openai_sse(delta_chunk(content="x"),
-                                                 delta_chunk(finish="stop"))])
-        return Reply(200, openai_reply("x"))
-
-    server.responder = responder
+    server.responder = lambda request: reply_x(stream)
     chat = openai_at(server, stream=stream)
     chat(USER)
     started = time.monotonic()
@@ -6301,32 +6309,19 @@ def test_a_pickled_limiter_is_let_go_and_a_forked_child_has_limiters_of_its_own(
     import pickle
     import weakref
 
-    limiter = lich.Limiter(max_concurrent=1)
-    data = pickle.dumps(limiter)
-    held, release = threading.Event(), threading.Event()
+    limiters = [lich.Limiter(max_concurrent=1)]  # the only reference, let go below
+    data = pickle.dumps(limiters[0])
 
-    def busy(messages, **options):
-        held.set()
-        release.wait(10)
-        return lich.ChatResult(answer("late"))
+    def occupy(busy):  # the parent's one slot is taken while it forks
+        limiters[0].wrap(lambda messages, **options: busy() or lich.ChatResult(answer("late")))(USER)
 
-    caller = threading.Thread(target=limiter.wrap(busy), args=(USER,))
-    caller.start()  # the parent's one slot is taken while it forks
-    held.wait(5)
-    pid = os.fork()
-    if pid == 0:  # the child: its copy of the limiter is not the one a task sent to it becomes
-        try:
-            received = pickle.loads(data)
-            received.wrap(lambda messages, **options: lich.ChatResult(answer("ok")))(USER)
-            os._exit(0 if received is not limiter else 3)
-        finally:
-            os._exit(4)
-    code = exit_code_of_child(pid)  # None: it hung on its parent's slot
-    release.set()
-    caller.join(5)
-    assert code == 0
-    gone = weakref.ref(limiter)
-    del limiter
+    def work():  # the child: its copy of the limiter is not the one a task sent to it becomes
+        received = pickle.loads(data)
+        received.wrap(lambda messages, **options: lich.ChatResult(answer("ok")))(USER)
+        return received is not limiters[0]
+
+    assert exit_code_of_child_forked_during(occupy, work) == 0  # None: it hung on its parent's slot
+    gone = weakref.ref(limiters.pop())
     gc.collect()
     assert gone() is None  # pickling it kept no reference
 
@@ -6335,28 +6330,13 @@ def test_a_limiter_a_forked_child_inherits_is_free_of_its_parents_calls():
     # A pre-forking server or a fork pool whose module-level chat holds a limiter: the
     # parent's call in flight at the fork would never end in the child.
     limiter = lich.Limiter(max_concurrent=1, requests_per_minute=1)
-    held, release = threading.Event(), threading.Event()
+    limited = limiter.wrap(lambda messages, **options: lich.ChatResult(answer("ok")))
 
-    def chat(messages, **options):
-        if messages[-1]["content"] == "slow":
-            held.set()
-            release.wait(10)
-        return lich.ChatResult(answer("ok"))
+    def occupy(busy):  # the parent's one slot, and its one request of the minute, are taken
+        limiter.wrap(lambda messages, **options: busy() or lich.ChatResult(answer("late")))(USER)
 
-    limited = limiter.wrap(chat)
-    caller = threading.Thread(target=limited, args=([{"role": "user", "content": "slow"}],))
-    caller.start()  # the parent's one slot, and its one request of the minute, are taken
-    held.wait(5)
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os._exit(0 if limited(USER).message == answer("ok") else 3)
-        finally:
-            os._exit(4)
-    code = exit_code_of_child(pid)  # None: it waited on its parent's call
-    release.set()
-    caller.join(5)
-    assert code == 0
+    # None: it waited on its parent's call
+    assert exit_code_of_child_forked_during(occupy, lambda: limited(USER).message == answer("ok")) == 0
 
 
 def _limited_calls(limiter, n, work=0.05, signal=None, starts=None):
@@ -9436,29 +9416,42 @@ def test_mcp_over_http_refuses_a_servers_requests_and_names_a_body_that_is_not_j
         "code": -32601, "message": "lich does not offer sampling/createMessage"}} in [r["json"] for r in server.requests]
 
 
-def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server):
+def mcp_http(server, result_of):
+    """Makes the loopback server a Streamable HTTP MCP server that refuses a GET (405), takes
+    a notification (202) and answers a request with ``result_of(body)``: its result, the
+    whole answer when that holds "jsonrpc" (its id added), or a batch (a list) as it is.
+    Returns the server's URL."""
     def respond(request):
         body = request["json"] or {}
         if request["method"] == "GET":
             return Reply(405, "")
         if "id" not in body:  # a notification
             return Reply(202, "")
-        if body["method"] == "initialize":
-            result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
-        elif body["method"] == "tools/list":  # a server whose every page says there is another
-            page = int(body["params"].get("cursor") or 0)
-            result = {"tools": [{"name": f"t{page}"}] if page else [
-                {"name": "shapes"}, {"name": 5}, {"description": "no name"}, "text"], "nextCursor": str(page + 1)}
-        else:
-            result = {"shapes": {"content": [{"type": "image", "mimeType": "image/png", "data": "AAAAAA=="},
-                                             {"type": "resource", "resource": {"uri": "file:///a.txt", "text": "a"}}]},
-                      "structured": {"content": [], "structuredContent": {"n": 1}},
-                      "failed": {"content": [], "isError": True},
-                      "odd": "a result that is no object"}[body["params"]["name"]]
-        return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": result})
+        result = result_of(body)
+        if isinstance(result, list):
+            return Reply(200, result)
+        answer = result if isinstance(result, dict) and "jsonrpc" in result else {"jsonrpc": "2.0", "result": result}
+        return Reply(200, {**answer, "id": body["id"]})
 
     server.responder = respond
-    url = server.url + "/mcp"
+    return server.url + "/mcp"
+
+
+def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server):
+    def result_of(body):
+        if body["method"] == "initialize":
+            return {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
+        if body["method"] == "tools/list":  # a server whose every page says there is another
+            page = int(body["params"].get("cursor") or 0)
+            return {"tools": [{"name": f"t{page}"}] if page else [
+                {"name": "shapes"}, {"name": 5}, {"description": "no name"}, "text"], "nextCursor": str(page + 1)}
+        return {"shapes": {"content": [{"type": "image", "mimeType": "image/png", "data": "AAAAAA=="},
+                                       {"type": "resource", "resource": {"uri": "file:///a.txt", "text": "a"}}]},
+                "structured": {"content": [], "structuredContent": {"n": 1}},
+                "failed": {"content": [], "isError": True},
+                "odd": "a result that is no object"}[body["params"]["name"]]
+
+    url = mcp_http(server, result_of)
     with lich.mcp_tools(url, prefix="p_") as tools:
         assert [spec["name"] for spec in tools.specs()] == ["p_shapes"] + [f"p_t{i}" for i in range(1, 100)]
         assert [tools.run(tool_call(name)) for name in ("p_shapes", "p_structured", "p_failed", "p_odd", "q_shapes")] == [
@@ -9476,23 +9469,14 @@ def mcp_answering(server, *, initialize=None, tools=(), calls=None, cursor=None)
     ``initialize`` (the result, or the whole answer when it holds "jsonrpc"), tools/list with
     ``tools`` (the list as given: any JSON; and ``cursor`` as its nextCursor when given) and
     tools/call of a name with ``calls[name]`` (the same way)."""
-    def respond(request):
-        body = request["json"] or {}
-        if request["method"] == "GET":
-            return Reply(405, "")
-        if "id" not in body:  # a notification
-            return Reply(202, "")
+    def result_of(body):
         if body["method"] == "initialize":
-            result = initialize or {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
-        elif body["method"] == "tools/list":
-            result = {"tools": tools} if cursor is None else {"tools": tools, "nextCursor": cursor}
-        else:
-            result = (calls or {})[body["params"]["name"]]
-        answer = result if "jsonrpc" in result else {"jsonrpc": "2.0", "result": result}
-        return Reply(200, {**answer, "id": body["id"]})
+            return initialize or {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
+        if body["method"] == "tools/list":
+            return {"tools": tools} if cursor is None else {"tools": tools, "nextCursor": cursor}
+        return (calls or {})[body["params"]["name"]]
 
-    server.responder = respond
-    return server.url + "/mcp"
+    return mcp_http(server, result_of)
 
 
 @pytest.mark.parametrize("protocol", [["2025-06-18"], {"version": "2025-06-18"}], ids=["array", "object"])
@@ -9513,17 +9497,10 @@ def test_an_mcp_answer_whose_error_is_null_beside_its_result_is_that_result(serv
 
 
 def test_an_mcp_http_answer_whose_id_is_true_is_no_answer_to_request_1(server):
-    def respond(request):
-        body = request["json"] or {}
-        if request["method"] == "GET":
-            return Reply(405, "")
-        if "id" not in body:  # a notification
-            return Reply(202, "")
-        return Reply(200, [{"jsonrpc": "2.0", "id": True, "result": {"protocolVersion": "1999-01-01"}},
-                           {"jsonrpc": "2.0", "id": body["id"], "result": {"protocolVersion": "2025-06-18"}}])
-
-    server.responder = respond
-    with lich.mcp_tools(server.url + "/mcp") as tools:
+    url = mcp_http(server, lambda body: [
+        {"jsonrpc": "2.0", "id": True, "result": {"protocolVersion": "1999-01-01"}},
+        {"jsonrpc": "2.0", "id": body["id"], "result": {"protocolVersion": "2025-06-18"}}])
+    with lich.mcp_tools(url) as tools:
         assert tools.protocol == "2025-06-18"
 
 
@@ -11199,6 +11176,29 @@ def chat_pty(*args, tmp_path, env=None):
     return Pty(*args, env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})})
 
 
+class TurnHeld:
+    """``with TurnHeld(server, tmp_path) as term``: a chat on a terminal whose message "slow"
+    waits for its answer, the model's request in, until the block ends."""
+
+    def __init__(self, server, tmp_path):
+        self.server, self.tmp_path, self.held = server, tmp_path, threading.Event()
+
+    def __enter__(self):
+        queue(self.server, Reply(200, openai_reply("late"), hold=self.held))
+        term = chat_pty(tmp_path=self.tmp_path)
+        try:
+            term.expect(PROMPT)
+            term.send("slow")
+            wait_for_request(self.server)
+        except BaseException:
+            self.held.set()
+            raise
+        return term
+
+    def __exit__(self, *exc_info):
+        self.held.set()
+
+
 def test_multi_line_input_paste_and_the_history_between_chats(server, lich_model, tmp_path):
     queue(server, *[stream_reply("ok") for _ in range(4)])
     term = chat_pty(tmp_path=tmp_path)
@@ -12526,20 +12526,12 @@ def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lic
 def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
     import signal as signals
 
-    held = threading.Event()
-    queue(server, Reply(200, openai_reply("late"), hold=held))
-    term = chat_pty(tmp_path=tmp_path)
-    try:
-        term.expect(PROMPT)
-        term.send("slow")
-        wait_for_request(server)
+    with TurnHeld(server, tmp_path) as term:
         term.proc.send_signal(signals.SIGINT)
         term.expect("interrupted")
         term.proc.send_signal(signals.SIGINT)
         assert term.close() == 130
         assert "error" not in term.transcript
-    finally:
-        held.set()
 
 
 def frames_of(thread, caller):
@@ -12578,19 +12570,11 @@ def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lic
     term.signal_at_prompt(signals.SIGTERM)
     assert term.close() == 128 + signals.SIGTERM and "Ctrl-C again" not in term.transcript
     assert term.rest == "\n"
-    held = threading.Event()
-    queue(server, Reply(200, openai_reply("late"), hold=held))
-    term = chat_pty(tmp_path=tmp_path)
-    try:
-        term.expect(PROMPT)
-        term.send("slow")
-        wait_for_request(server)
+    with TurnHeld(server, tmp_path) as term:
         term.proc.send_signal(signals.SIGHUP)
         term.expect(f"told to end (signal {signals.SIGHUP:d}); stopping\n")
         term.proc.send_signal(signals.SIGHUP)  # a closing terminal sends two: the second is no second Ctrl-C
         assert term.close() == 128 + signals.SIGHUP and "Ctrl-C" not in term.transcript
-    finally:
-        held.set()
     [path] = sessions_in(tmp_path)
     assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
 
@@ -12600,18 +12584,10 @@ def test_a_terminal_that_hangs_up_mid_turn_ends_the_chat_with_the_turn_kept(serv
     comes. The failed write of its note ended lich with 1, and the turn was not recorded."""
     import signal as signals
 
-    held = threading.Event()
-    queue(server, Reply(200, openai_reply("late"), hold=held))
-    term = chat_pty(tmp_path=tmp_path)
-    try:
-        term.expect(PROMPT)
-        term.send("slow")
-        wait_for_request(server)
+    with TurnHeld(server, tmp_path) as term:
         os.close(term.master)
         term.proc.send_signal(signals.SIGHUP)
         assert term.proc.wait(timeout=10) == 128 + signals.SIGHUP
-    finally:
-        held.set()
     [path] = sessions_in(tmp_path)
     assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
 
