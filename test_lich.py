@@ -7357,6 +7357,33 @@ def test_a_server_stopping_its_worker_during_a_tool_ends_the_run(tmp_path, ws, s
         assert process_gone(int((ws / "pid").read_text()))
 
 
+class Stopper:
+    """A signal handler as an object, and as a bound method."""
+
+    def __call__(self, signum, frame):
+        sys.exit(1)
+
+    def stop(self, signum, frame):
+        sys.exit(1)
+
+
+@pytest.mark.parametrize("handler", [Stopper(), Stopper().stop, functools.partial(Stopper.stop, Stopper())],
+                         ids=["callable-object", "bound-method", "partial"])
+def test_a_server_stops_its_worker_with_a_handler_of_any_shape(sigalrm_handler, handler):
+    sigalrm_handler(handler)
+    tools = lich.Tools()
+
+    @tools.tool
+    def slow() -> str:
+        """Take a while."""
+        send_sigalrm()
+        time.sleep(10)
+        return "slept"
+
+    with pytest.raises(SystemExit):
+        tools.run(tool_call("slow"))
+
+
 def test_a_tools_own_signal_handler_and_its_sys_exit_are_its_failed_result(sigalrm_handler):
     """The signal module's own example: a handler, left installed, that raises OSError when
     a device does not open in time. An Exception, or a SystemExit that is not a handler's,
