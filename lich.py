@@ -2129,7 +2129,7 @@ def _sse_events(chunks, check):
     """Yield (event name or None, data bytes) per Server-Sent Event read from byte chunks.
 
     Comments, ``id:`` and ``retry:`` lines are skipped; several ``data:`` lines are joined
-    with newlines. ``check()`` runs before each chunk is parsed (it raises to stop).
+    with newlines; an ``error:`` line (llama.cpp's) is an ``error`` event of its value. ``check()`` runs before each chunk is parsed (it raises to stop).
     """
     pending = []  # pieces of a line whose end has not arrived
     pending_size = total = 0
@@ -2170,6 +2170,8 @@ def _sse_events(chunks, check):
                         raise _StreamTooLong(f"an SSE event exceeds {_SSE_MAX_EVENT_BYTES} bytes")
             elif line[:6] == b"event:":
                 event = line[6:].strip()
+            elif line[:6] == b"error:":  # llama.cpp's own field, its error object: an error event
+                event, data = b"error", line[7:] if line[6:7] == b" " else line[6:]
     check()  # a socket cut by the signal or the clock ends the chunks as if the stream ended
     line = b"".join(pending).rstrip(b"\r")
     if line[:5] == b"data:":  # a last line without its newline
@@ -2425,7 +2427,10 @@ _OVERFLOW_TEXT = (
     r"|maximum (?:context|prompt) length|too many (?:input |prompt )?tokens"
     r"|exceeds? the (?:maximum|max) (?:number of )?(?:input )?tokens|input tokens? exceeds?"
     r"|total length of all messages is too long|reduce the length of the (?:messages|prompt|input)"
-    r"|exceeds? (?:the )?context limit")
+    r"|exceeds? (?:the )?context limit|exceeded model token limit"  # Kimi's
+    r"|prompt exceeds max(?:imum)? length")  # Zhipu's (open.bigmodel.cn)
+# A billing stop said with a 429 or a 5xx (z.ai's 1113, MiniMax's 1008): waiting does not help
+_BILLING_TEXT = r"(?i)insufficient[ _](?:account[ _])?(?:balance|quota|credits?|funds)|\brecharge\b"
 _HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--.*?-->\s*)*(?:<!doctype html|<html)"
 _HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
@@ -2548,8 +2553,10 @@ def _status_kind(status, text, codes):
         kind = "timeout"
     elif status == 429:
         kind = "rate_limit"
-        if "insufficient_quota" in codes:
+        if "insufficient_quota" in codes or re.search(_BILLING_TEXT, text):
             retryable = False  # a billing stop: waiting does not help
+    elif status >= 500 and re.search(_BILLING_TEXT, text):
+        kind, retryable = "server", False
     elif status in (503, 529) or "overloaded_error" in codes:
         kind = "overloaded"
     elif 400 <= status < 500:
@@ -2561,6 +2568,14 @@ def _status_kind(status, text, codes):
     else:
         kind = "invalid_response"
     return kind, retryable
+
+
+def _object_kind(text, codes, default):
+    """(kind, retryable or None) of an error object that came in a 2xx answer: by its code
+    when that is an HTTP status (OpenRouter's, llama.cpp's), else ``default``."""
+    if codes and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:
+        return _status_kind(int(codes[0]), text, codes)
+    return ("overloaded" if "overloaded_error" in codes else default), None
 
 
 def _origin(url) -> str:
@@ -2997,12 +3012,15 @@ class _HTTPChat:
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
 
     def _body_error(self, payload, where):
-        """ProviderError for an error object inside a 2xx body or stream."""
+        """ProviderError for an error object inside a 2xx body or stream: the payload's
+        ``error``, or the payload itself (llama.cpp's ``error:`` line holds it bare)."""
         text, codes = _error_fields(payload)
+        if not codes and not isinstance(payload.get("error"), (dict, str)):
+            codes = tuple(str(payload[k]) for k in ("code", "type") if payload.get(k) is not None)
         text = _redact_secrets(text) if text else _snippet(json.dumps(payload, ensure_ascii=False))
-        kind = "overloaded" if "overloaded_error" in codes else "invalid_response"
+        kind, retryable = _object_kind(text, codes, "invalid_response")
         label = f" ({codes[0]})" if codes else ""
-        return self._error(f"error {where}{label}: {text}", kind)
+        return self._error(f"error {where}{label}: {text}", kind, retryable=retryable)
 
     # -- what each provider defines --
     # _Stream: a class reading one streamed answer, feed(event, payload) -> text or None;
@@ -3156,9 +3174,7 @@ def _choice_error(chat, choice, beside=None):
         choice = {**choice, "error": beside}
     text, codes = _error_fields(choice)
     label = f" ({codes[0]})" if codes else ""
-    kind, retryable = "server", None
-    if codes and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:  # an HTTP status: its kind
-        kind, retryable = _status_kind(int(codes[0]), text or "", codes)
+    kind, retryable = _object_kind(text or "", codes, "server")
     return chat._error(f"the answer failed mid-generation{label}: "
                        f"{_redact_secrets(text) if text else 'no reason given'}", kind,
                        retryable=retryable)
@@ -3539,7 +3555,8 @@ class _AnthropicStream:
         self.thinking = {}
 
     def feed(self, event, payload):
-        kind = payload.get("type") or (event.decode("utf-8", "replace") if event else None)
+        kind = "error" if event == b"error" else (
+            payload.get("type") or (event.decode("utf-8", "replace") if event else None))
         if kind == "content_block_delta":
             index = payload["index"]
             if index not in self.blocks:

@@ -4133,8 +4133,8 @@ def test_a_key_with_a_control_character_inside_is_refused_without_echoing_it(ser
                  id="openai-call-without-name"),
     pytest.param("openai", {"choices": [{"message": {"tool_calls": "x"}}]}, None,
                  id="openai-calls-not-list"),
-    pytest.param("openai", {"error": {"message": "upstream failed", "code": 502}}, None,
-                 id="openai-error-in-200"),
+    pytest.param("openai", {"error": {"message": "upstream failed", "code": "upstream_error"}}, None,
+                 id="openai-error-in-200"),  # with an HTTP status for its code, of that status's kind
     pytest.param("anthropic", b"not json at all", "application/json", id="anthropic-text"),
     pytest.param("anthropic", {}, None, id="anthropic-empty-object"),
     pytest.param("anthropic", {"content": "hi"}, None, id="anthropic-content-str"),
@@ -4200,6 +4200,71 @@ def test_openrouters_error_beside_the_choice_it_ended_is_of_its_codes_kind(serve
         openai_at(server, stream=stream)(USER)
     assert (str(info.value), info.value.kind, info.value.retryable) == (
         "openai: the answer failed mid-generation (server_error): Provider disconnected unexpectedly", "server", True)
+
+
+@pytest.mark.parametrize("provider, status, body, kind", [
+    ("openai", 429, {"error": {"code": "1113", "message": "Insufficient balance or no resource package. "
+                                                        "Please recharge."}}, "rate_limit"),
+    ("anthropic", 429, anthropic_error("rate_limit_error", "[1113][Insufficient balance or no resource "
+                                                           "package. Please recharge.]"), "rate_limit"),
+    ("anthropic", 500, anthropic_error("api_error", "insufficient balance (1008)"), "server"),
+], ids=["zai-openai", "zai-anthropic", "minimax-500"])
+def test_a_billing_stop_said_with_a_429_or_a_5xx_is_not_retried(server, provider, status, body, kind):
+    server.reply(status, body)
+    chat = lich.chat_from_spec(f"{provider}:m@{server.url}{'/v1' if provider == 'openai' else ''}",
+                               api_key=KEY, base_delay=0.01)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    assert (info.value.kind, info.value.retryable, len(server.requests)) == (kind, False, 1)
+
+
+def test_a_rate_limit_that_names_the_billing_page_is_still_retried(server):
+    limited = openai_error("Rate limit reached for gpt-4 on requests per min (RPM): Limit 3. You can increase "
+                           "your rate limit by adding a payment method at https://platform.openai.com/account/billing.",
+                           code="rate_limit_exceeded")
+    queue(server, Reply(429, limited, headers={"retry-after-ms": "10"}), openai_reply("made it"))
+    chat = lich.chat_from_spec(f"openai:m@{server.url}/v1", api_key=KEY, base_delay=0.01)
+    assert (chat(USER).message["content"], len(server.requests)) == ("made it", 2)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("code, kind, retryable", [
+    (429, "rate_limit", True), (502, "server", True), (400, "bad_request", False), ("boom", "invalid_response", False)])
+def test_an_error_object_in_a_2xx_answer_is_of_the_kind_its_http_code_says(server, stream, code, kind, retryable):
+    # OpenRouter: "the returned HTTP response status will be 200 and any error occurred while
+    # the LLM is producing the output will be emitted in the response body or as an SSE data event"
+    error = {"error": {"message": "Provider returned error", "code": code,
+                       "metadata": {"raw": "upstream is busy", "provider_name": "X"}}, "user_id": "u"}
+    if stream:
+        server.reply(200, ": OPENROUTER PROCESSING\n\n" + openai_sse(error), content_type="text/event-stream")
+    else:
+        server.reply(200, error)
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, stream=stream)(USER)
+    where = "event in stream" if stream else "in a 2xx body"
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        f"openai: error {where} ({code}): Provider returned error: upstream is busy", kind, retryable)
+
+
+LLAMA_CPP_SAID = "the request exceeds the available context size. try increasing the context size or enable context shift"
+LLAMA_CPP_ERROR_LINE = f'error: {{"code":400,"message":"{LLAMA_CPP_SAID}","type":"invalid_request_error"}}\n\n'
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_llama_cpps_error_line_in_a_stream_is_an_error_of_its_code(server, provider):
+    """llama.cpp answers 200 and then sends its error in a field of its own, ``error:``, and
+    ``[DONE]``: the answer was taken for an empty one, or for the text before the error."""
+    if provider == "openai":
+        before = openai_sse(delta_chunk(role="assistant"), delta_chunk(content="The first half of"), done=False)
+    else:
+        before = anthropic_sse(message_start(), block_start(0, text_block("")),
+                               block_delta(0, type="text_delta", text="The first half of"))
+    server.reply(200, before + LLAMA_CPP_ERROR_LINE + "data: [DONE]\n\n", content_type="text/event-stream")
+    chat = (openai_at if provider == "openai" else anthropic_at)(server, stream=True)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        f"{provider}: error event in stream (400): {LLAMA_CPP_SAID}", "overflow", False)
 
 
 def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
@@ -4622,7 +4687,10 @@ def test_a_tool_calls_extra_content_goes_back_with_it_as_gemini_wants(server, mo
     {"error": {"message": "The total length of all messages is too long."}},
     {"error": {"message": "request (13392 tokens) exceeds the available context size (8192 "
                           "tokens), try increasing it", "type": "exceed_context_size_error"}},
-], ids=["perplexity-type", "input-tokens-exceeds", "total-length-wording", "llama-cpp"])
+    {"error": {"message": "Invalid request: Your request exceeded model token limit: 262144 (requested: 269030)",
+               "type": "invalid_request_error"}},
+    {"error": {"code": "1261", "message": "Prompt exceeds max length"}},
+], ids=["perplexity-type", "input-tokens-exceeds", "total-length-wording", "llama-cpp", "kimi", "zhipu"])
 def test_more_context_overflow_wordings_are_overflow(server, body):
     server.reply(400, body)
     with pytest.raises(lich.ProviderError) as info:
@@ -5845,8 +5913,8 @@ STREAM_ERRORS = {
     "openai-compatible/groq_stream_midstream_error_event.sse": (
         "invalid_response", False,
         "openai: error event in stream (tool_use_failed): Tool call validation failed"),
-    "openai-compatible/openrouter_stream_comments_midstream_error.sse": (
-        "invalid_response", False, "openai: error event in stream (400): Token limit reached"),
+    "openai-compatible/openrouter_stream_comments_midstream_error.sse": (  # its code: an HTTP status
+        "bad_request", False, "openai: error event in stream (400): Token limit reached"),
 }
 
 
