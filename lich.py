@@ -2612,7 +2612,7 @@ class _HTTPChat:
     public_url = ""
     _path = ""
     _base_has_v1 = False  # whether a base URL holds /v1 (OpenAI's SDK) or not (Anthropic's)
-    _reasoning_key = ""  # the assistant message's key for the reasoning this provider wants back
+    _reasoning_keys = ()  # the assistant message's keys for the reasoning this provider wants back
     _reasoning_refusal = ""  # what a 400 says when a server will not take that reasoning
 
     def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session,
@@ -2687,7 +2687,7 @@ class _HTTPChat:
             if e.kind != "bad_request" or not re.search(self._reasoning_refusal, str(e)):
                 raise
         fresh = {id(m): m for m in messages if isinstance(m, dict) and m.get("tool_calls")
-                 and self._reasoning_key in m and self._refused.get(id(m)) is not m}
+                 and any(key in m for key in self._reasoning_keys) and self._refused.get(id(m)) is not m}
         if not fresh:
             raise refused
         kept = list(self._refused.items())[-_REFUSED_KEPT:]
@@ -3164,6 +3164,42 @@ def _openai_call(call_id, name, arguments, extra_content):
     return call
 
 
+def _openai_reasoning(thought, details):
+    """The reasoning an OpenAI-compatible server wants back with its tool calls: DeepSeek's
+    ``reasoning_content``, OpenRouter's ``reasoning_details`` (as they came), or None."""
+    reasoning = {}
+    if isinstance(thought, str) and thought:
+        reasoning["reasoning_content"] = thought
+    if isinstance(details, list) and details:
+        reasoning["reasoning_details"] = details
+    return reasoning or None
+
+
+_JOINED_DETAIL_FIELDS = ("text", "summary", "data")
+
+
+def _join_reasoning_details(items, pieces):
+    """Add a stream's ``reasoning_details`` pieces to ``items``: a piece of the item that
+    came last (the same index and type) has its texts joined to it, as OpenRouter's stream
+    spells one item over many chunks; its other fields are the latest that were given."""
+    for piece in pieces:
+        if not isinstance(piece, dict):
+            continue
+        last = items[-1] if items else None
+        if last is None or (last.get("index"), last.get("type")) != (piece.get("index"), piece.get("type")):
+            items.append({key: [value] if key in _JOINED_DETAIL_FIELDS and isinstance(value, str)
+                          else value for key, value in piece.items()})
+            continue
+        for key, value in piece.items():
+            if key in _JOINED_DETAIL_FIELDS and isinstance(value, str):
+                if isinstance(last.get(key), list):
+                    last[key].append(value)
+                else:
+                    last[key] = [value]
+            elif value is not None or key not in last:
+                last[key] = value
+
+
 def _choice_error(chat, choice, beside=None):
     """The ProviderError of a choice that failed mid-generation, or None: OpenRouter answers
     200 and then says so with ``finish_reason: "error"`` and an ``error`` in the choice, or
@@ -3194,6 +3230,7 @@ class _OpenAIStream:
         self.slots = {}
         self.moved = {}  # index -> the key of its newest slot, when a new call reused the index
         self.thoughts = []  # reasoning_content pieces
+        self.details = []  # reasoning_details items, each of the pieces that came joined
 
     def feed(self, event, chunk):
         for choice in chunk.get("choices") or ():  # an error that ended the answer: its kind
@@ -3217,6 +3254,8 @@ class _OpenAIStream:
                 thought = delta.get("reasoning_content")
                 if isinstance(thought, str):
                     self.thoughts.append(thought)
+                if isinstance(delta.get("reasoning_details"), list):
+                    _join_reasoning_details(self.details, delta["reasoning_details"])
                 if delta.get("tool_calls"):
                     self._add_calls(delta["tool_calls"])
             if choice.get("finish_reason"):
@@ -3264,7 +3303,11 @@ class _OpenAIStream:
 
     def reasoning(self):
         thought = "".join(self.thoughts)
-        return {"reasoning_content": thought} if thought else None
+        for item in self.details:
+            for key, pieces in item.items():
+                if isinstance(pieces, list):
+                    item[key] = "".join(pieces)
+        return _openai_reasoning(thought, self.details)
 
     def calls(self):
         calls = []
@@ -3292,11 +3335,12 @@ class OpenAIChat(_HTTPChat):
     _path = "/chat/completions"
     _base_has_v1 = True
     _Stream = _OpenAIStream
-    _reasoning_key = "reasoning_content"
-    _reasoning_refusal = (r"(?i)reasoning_content\W.{0,80}\b(unsupported|not (permitted|allowed|"
-                          r"supported)|unknown|unrecognized|extra|unexpected)|\b(unsupported|"
+    # DeepSeek's thinking; OpenRouter's reasoning items (Gemini's signatures among them)
+    _reasoning_keys = ("reasoning_content", "reasoning_details")
+    _reasoning_refusal = (r"(?i)reasoning_(content|details)\W.{0,80}\b(unsupported|not (permitted|"
+                          r"allowed|supported)|unknown|unrecognized|extra|unexpected)|\b(unsupported|"
                           r"unknown|unrecognized|extra|additional propert\w+ are not allowed)\b"
-                          r".{0,80}\Wreasoning_content")
+                          r".{0,80}\Wreasoning_(content|details)")
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, extra_body=None):
@@ -3359,8 +3403,11 @@ class OpenAIChat(_HTTPChat):
         elif role == "assistant" and m.get("tool_calls"):
             wire = {"role": "assistant", "content": m.get("content") or None,
                     "tool_calls": [self._call_to_wire(c) for c in m["tool_calls"]]}
-            if isinstance(m.get("reasoning_content"), str) and self._sends_reasoning(m):
-                wire["reasoning_content"] = m["reasoning_content"]  # DeepSeek's thinking wants it
+            if self._sends_reasoning(m):  # DeepSeek's thinking wants it, OpenRouter's Gemini too
+                if isinstance(m.get("reasoning_content"), str):
+                    wire["reasoning_content"] = m["reasoning_content"]
+                if isinstance(m.get("reasoning_details"), list):
+                    wire["reasoning_details"] = m["reasoning_details"]
         elif role == "assistant" and not (m.get("content") or "").strip():
             # An answer of nothing: Mistral refuses it, for good, and leaving it out would set
             # two user messages side by side, which strict chat templates refuse.
@@ -3449,10 +3496,9 @@ class OpenAIChat(_HTTPChat):
             call_id = call.get("id")
             calls.append(_openai_call(call_id if isinstance(call_id, str) and call_id else f"call_{i}",
                                       name, arguments or "{}", call.get("extra_content")))
-        thought = message.get("reasoning_content")
+        reasoning = _openai_reasoning(message.get("reasoning_content"), message.get("reasoning_details"))
         usage = data.get("usage") or (data.get("x_groq") or {}).get("usage")
-        return ChatResult(message=_assistant_message(content, calls, {"reasoning_content": thought}
-                                                     if isinstance(thought, str) and thought else None),
+        return ChatResult(message=_assistant_message(content, calls, reasoning),
                           usage=_openai_usage(usage) if isinstance(usage, dict) else _zero_usage(),
                           model=self._answered_model(data.get("model")),
                           stop_reason=_normalise_stop(choice.get("finish_reason")))
@@ -3647,7 +3693,7 @@ class AnthropicChat(_HTTPChat):
     public_url = _ANTHROPIC_BASE_URL
     _path = "/v1/messages"
     _Stream = _AnthropicStream
-    _reasoning_key = "thinking"
+    _reasoning_keys = ("thinking",)
     # another key's or endpoint's signature, or a server that knows no thinking blocks
     _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b|input tag\W+(redacted_)?thinking\b"
 

@@ -4474,6 +4474,45 @@ def test_deepseek_reasoning_goes_back_with_its_tool_calls(server, streamed):
             {"id": "call_1", "type": "function", "function": {"name": "get_date", "arguments": "{}"}}]}
 
 
+OPENROUTER_DETAILS = [
+    {"type": "reasoning.text", "text": "I should list the files.", "signature": "c2ln", "id": None,
+     "format": "google-gemini-v1", "index": 0},
+    {"type": "reasoning.encrypted", "data": "CiQBjz1rX0", "id": "tool_0_list_files", "format": "google-gemini-v1",
+     "index": 0}]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_openrouters_reasoning_details_go_back_with_their_tool_calls(server, streamed):
+    """OpenRouter's Gemini refuses a tool call sent back without them ("Gemini models require
+    OpenRouter reasoning details to be preserved in each request"): each tool round failed."""
+    call = ("tool_0_list_files", "list_files", "{}")
+    text, encrypted = OPENROUTER_DETAILS
+    if streamed:  # one item over many chunks: its texts joined, its signature at the end
+        server.reply(200, chunks=[": OPENROUTER PROCESSING\n\n" + openai_sse(
+            delta_chunk(role="assistant", content="", reasoning_details=[{**text, "text": "I should ", "signature": None}]),
+            delta_chunk(content="", reasoning_details=[{**text, "text": "list the files.", "signature": None}]),
+            delta_chunk(content="", reasoning_details=[{**text, "text": "", "signature": "c2ln"}, encrypted],
+                        tool_calls=[call_delta(0, "{}", id="tool_0_list_files", name="list_files")]),
+            delta_chunk(finish="tool_calls"))])
+    else:
+        body = openai_reply("", call, finish="tool_calls")
+        body["choices"][0]["message"].update(reasoning="I should list the files.", reasoning_details=OPENROUTER_DETAILS)
+        server.reply(200, body)
+    server.reply(200, openai_reply("Two files."))
+    chat = openai_at(server, stream=streamed)
+    first = chat(USER)
+    assert first.message == {**assistant("", call), "reasoning_details": OPENROUTER_DETAILS}
+    chat([*USER, first.message, tool_msg(call[0], "a.txt\nb.txt", name="list_files")])
+    assert server.requests[1]["json"]["messages"][1] == {
+        "role": "assistant", "content": None, "reasoning_details": OPENROUTER_DETAILS, "tool_calls": [
+            {"id": "tool_0_list_files", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}]}
+    refused = Reply(400, openai_error("Additional properties are not allowed ('reasoning_details' was unexpected)"))
+    queue(server, refused, openai_reply("Also two."))  # a failover's next server, which takes none
+    history = [*USER, first.message, tool_msg(call[0], "a.txt\nb.txt", name="list_files")]
+    assert openai_at(server)(history).message == assistant("Also two.")
+    assert ["reasoning_details" in r["json"]["messages"][1] for r in server.requests[2:]] == [True, False]
+
+
 def test_a_server_that_refuses_the_reasoning_of_another_is_asked_again_without_it(server):
     call = ("call_1", "get_date", "{}")
     history = [*USER, {**assistant("", call), "reasoning_content": "I should call get_date."},
