@@ -1157,6 +1157,9 @@ _CUT_CALL_ERROR = ("not run: the answer reached its output token limit while wri
                    "in parts)")
 _OUTPUT_FORMAT_NAME = "output"
 _FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z"
+# The thinking some servers leave in the answer's text (vLLM's MiniMax parser, llama.cpp's
+# --reasoning-format none), before what the model answers
+_THINKING_FIRST = r"(?s)\A\s*<think>.*?</think>"
 
 
 def seed_system_prompt(messages, system_prompt) -> list:
@@ -1385,8 +1388,12 @@ def _check_run_options(max_turns, output_schema):
 def _parse_output(text, schema):
     """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
 
-    A Markdown code fence around the JSON is tolerated: models add one unasked.
+    A Markdown code fence around the JSON is tolerated: models add one unasked; so is a
+    ``<think>`` block before it, the thinking a server left in the text.
     """
+    thinking = re.match(_THINKING_FIRST, text)
+    if thinking is not None:
+        text = text[thinking.end():]
     fenced = re.match(_FENCED_JSON, text)
     try:
         value = _strict_json(fenced.group(1) if fenced else text)
@@ -1404,9 +1411,16 @@ def _parse_output(text, schema):
     return None, f"it does not match the schema: {described}"
 
 
-def _output_correction(error) -> dict:
+def _output_correction(error, schema) -> dict:
+    """The user message that says why an answer cannot be used, and what to answer: with
+    the schema, which a ChatFn or server that leaves ``response_format`` aside (DeepSeek's
+    and Ollama's Anthropic endpoints drop it unsaid) never showed the model."""
+    try:
+        asked = f"valid under this JSON Schema: {json.dumps(schema, ensure_ascii=False)}"
+    except (ValueError, RecursionError):  # a bound of more digits than Python writes, say
+        asked = "that matches the required schema."
     return {"role": "user", "content": f"Your answer cannot be used: {error}. Answer again with "
-                                      f"only a JSON value that matches the required schema."}
+                                      f"only a JSON value {asked}"}
 
 
 def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, temperature=None,
@@ -1471,7 +1485,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
                 return LoopOutcome(history, message, result, turn, "final", output)
             if turn == max_turns:
                 break
-            correction = _output_correction(error)
+            correction = _output_correction(error, output_schema)
             history.append(correction)
             _emit(emitter, {"type": "output_invalid", "turn": turn, "error": error,
                             "message": correction})
@@ -2602,6 +2616,11 @@ def _assistant_message(text, tool_calls, reasoning=None):
     return message
 
 
+# Structured output for a server that cannot hold its answer to a schema: said in the system prompt
+_SCHEMA_INSTRUCTION = ("Answer with one JSON value and nothing else (no prose, no code fence), "
+                       "valid under this JSON Schema: ")
+
+
 class _HTTPChat:
     """What OpenAIChat and AnthropicChat share: keys, sessions, the HTTP exchange, errors,
     the stream reader and the request body assembled from messages encoded once."""
@@ -2614,6 +2633,7 @@ class _HTTPChat:
     _base_has_v1 = False  # whether a base URL holds /v1 (OpenAI's SDK) or not (Anthropic's)
     _reasoning_keys = ()  # the assistant message's keys for the reasoning this provider wants back
     _reasoning_refusal = ""  # what a 400 says when a server will not take that reasoning
+    _format_refusal = ""  # what a 400 says when a server cannot hold an answer to a schema
 
     def __init__(self, model, *, api_key, base_url, timeout, stream, on_delta, session,
                  extra_body):
@@ -2654,6 +2674,8 @@ class _HTTPChat:
         self._headers = self._wire_headers()
         # id -> message whose reasoning this server refused (held, so that the id stays its)
         self._refused = {}
+        self._format_refused = False  # this model or server has no structured output
+        self._schemas_refused = set()  # the JSON of schemas it refused, the others may go
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items()
@@ -2699,6 +2721,31 @@ class _HTTPChat:
             if isinstance(e, ProviderError) and e.kind == "bad_request":
                 raise refused from None  # the first answer says what is wrong with the history
             raise
+
+    def _structured(self, messages, response_format, options, send):
+        """``send(messages, response_format, options)`` with the structured output this
+        server takes: a ``response_format`` until a 400 refuses it (that schema only, when
+        the 400 names the schema), then the schema as an instruction in the system prompt."""
+        if response_format is None:
+            return send(messages, None, options)
+        schema = json.dumps(response_format["schema"], ensure_ascii=False)
+        if (not self._format_refused and schema not in self._schemas_refused
+                and self._takes_schema(response_format["schema"])):
+            try:
+                return send(messages, response_format, options)
+            except ProviderError as e:
+                if e.kind != "bad_request" or not re.search(self._format_refusal, str(e)):
+                    raise
+                if re.search(r"(?i)\bschema\b|recursive", str(e)):  # this schema's keywords or depth
+                    if len(self._schemas_refused) >= _SCHEMAS_REFUSED_KEPT:
+                        self._schemas_refused.clear()
+                    self._schemas_refused.add(schema)
+                else:
+                    self._format_refused = True
+        return send(self._instructed(messages, _SCHEMA_INSTRUCTION + schema), None, options)
+
+    def _takes_schema(self, schema):
+        return True
 
     def _sends_reasoning(self, message):
         """Whether ``message``'s reasoning goes to this server (it did not refuse it)."""
@@ -3341,6 +3388,7 @@ class OpenAIChat(_HTTPChat):
                           r"allowed|supported)|unknown|unrecognized|extra|unexpected)|\b(unsupported|"
                           r"unknown|unrecognized|extra|additional propert\w+ are not allowed)\b"
                           r".{0,80}\Wreasoning_(content|details)")
+    _format_refusal = r"(?i)response_format|json_schema|structured output"
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, extra_body=None):
@@ -3351,9 +3399,16 @@ class OpenAIChat(_HTTPChat):
                  response_format=None):
         """Send one chat request (see ``_HTTPChat.__call__``). A server that refuses
         ``stream_options`` (older Azure API versions, some proxies) is asked again without
-        it, and from then on: its streamed answers then come without usage counts."""
+        it, and from then on: its streamed answers then come without usage counts. One that
+        refuses a ``json_schema`` response format (DeepSeek's) gets the schema in the system
+        prompt instead, from then on."""
         options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
-                   "signal": signal, "response_format": response_format}
+                   "signal": signal}
+        return self._structured(messages, response_format, options, self._counting_usage)
+
+    def _counting_usage(self, messages, response_format, options):
+        """The answer, with usage counts in a stream where the server takes stream_options."""
+        options = {**options, "response_format": response_format}
         try:
             return super().__call__(messages, **options)
         except ProviderError as e:
@@ -3386,6 +3441,14 @@ class OpenAIChat(_HTTPChat):
 
     def _key_required(self):
         return self.base_url == _OPENAI_BASE_URL
+
+    def _instructed(self, messages, instruction):
+        """``messages`` with ``instruction`` ending the leading system prompt (a chat template
+        may refuse a system message anywhere else)."""
+        if messages and messages[0].get("role") == "system":
+            first = messages[0]
+            return [{**first, "content": f"{first.get('content') or ''}\n\n{instruction}"}, *messages[1:]]
+        return [{"role": "system", "content": instruction}, *messages]
 
     def _wire_headers(self):
         headers = {"Content-Type": "application/json"}
@@ -3669,10 +3732,6 @@ class _AnthropicStream:
         return calls
 
 
-# A 400 naming one of these: the model or server cannot constrain its output to a schema.
-_FORMAT_REFUSALS = r"output_config|output_format|structured output|schema is too complex|recursive definitions"
-_SCHEMA_INSTRUCTION = ("Answer with one JSON value and nothing else (no prose, no code fence), "
-                       "valid under this JSON Schema: ")
 
 
 class AnthropicChat(_HTTPChat):
@@ -3696,14 +3755,14 @@ class AnthropicChat(_HTTPChat):
     _reasoning_keys = ("thinking",)
     # another key's or endpoint's signature, or a server that knows no thinking blocks
     _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b|input tag\W+(redacted_)?thinking\b"
+    _format_refusal = (r"(?i)output_config|output_format|structured output|schema is too complex"
+                       r"|recursive definitions")
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
                  cache=True, extra_body=None):
         self.max_tokens = max_tokens
         self.cache = cache
-        self._format_refused = False  # this model or server has no structured output
-        self._schemas_refused = set()  # the JSON of schemas it refused, the others may go
         super().__init__(model, api_key=api_key, base_url=base_url, timeout=timeout,
                          stream=stream, on_delta=on_delta, session=session, extra_body=extra_body)
 
@@ -3713,24 +3772,16 @@ class AnthropicChat(_HTTPChat):
         Anthropic's ``output_config``; where this model refuses it, as an instruction."""
         options = {"tools": tools, "temperature": temperature, "max_tokens": max_tokens,
                    "signal": signal}
-        if response_format is None:
-            return super().__call__(messages, **options)
-        schema = json.dumps(response_format["schema"], ensure_ascii=False)
-        if (not self._format_refused and schema not in self._schemas_refused
-                and _lists_its_properties(response_format["schema"])):
-            try:
-                return super().__call__(messages, response_format=response_format, **options)
-            except ProviderError as e:
-                if e.kind != "bad_request" or not re.search(_FORMAT_REFUSALS, str(e), re.IGNORECASE):
-                    raise
-                if re.search(r"(?i)schema|recursive", str(e)):  # this schema's keywords or depth
-                    if len(self._schemas_refused) >= _SCHEMAS_REFUSED_KEPT:
-                        self._schemas_refused.clear()
-                    self._schemas_refused.add(schema)
-                else:
-                    self._format_refused = True
-        instruction = {"role": "system", "content": _SCHEMA_INSTRUCTION + schema}
-        return super().__call__([*messages, instruction], **options)
+        return self._structured(messages, response_format, options, self._asked)
+
+    def _asked(self, messages, response_format, options):
+        return super().__call__(messages, response_format=response_format, **options)
+
+    def _takes_schema(self, schema):
+        return _lists_its_properties(schema)
+
+    def _instructed(self, messages, instruction):
+        return [*messages, {"role": "system", "content": instruction}]  # joined to the system
 
     def _key_required(self):
         return True  # Anthropic's API always wants one (API.md), local proxies included

@@ -1910,14 +1910,29 @@ def test_a_structured_answer_that_does_not_fit_is_corrected_within_the_budget():
     assert (outcome.stopped_reason, outcome.turns_used, outcome.output) == (
         "final", 3, {"city": "Lima", "temp": 19.5})
     corrections = [e["message"]["content"] for e in events if e["type"] == "output_invalid"]
-    assert corrections == [
-        ("Your answer cannot be used: it is not valid JSON (Expecting value: line 1 column 1 (char 0)). "
-         "Answer again with only a JSON value that matches the required schema."),
-        ("Your answer cannot be used: it does not match the schema: answer[\"temp\"] must be a number, "
-         "not a string. Answer again with only a JSON value that matches the required schema.")]
+    asked = f"Answer again with only a JSON value valid under this JSON Schema: {json.dumps(SCHEMA)}"
+    assert corrections == [  # with the schema: a ChatFn or server may have left response_format aside
+        f"Your answer cannot be used: it is not valid JSON (Expecting value: line 1 column 1 (char 0)). {asked}",
+        "Your answer cannot be used: it does not match the schema: answer[\"temp\"] must be a number, not a string. "
+        + asked]
     assert [m["content"] for m in outcome.messages if m["role"] == "user"][1:] == corrections
     assert types(events) == ["turn_start", "llm_start", "llm_end", "output_invalid"] * 2 + [
         "turn_start", "llm_start", "llm_end", "final", "turn_end"]
+
+
+def test_the_thinking_a_server_left_before_a_structured_answer_is_set_aside():
+    """vLLM's MiniMax parser and llama.cpp's --reasoning-format none keep the thinking in the
+    answer's text: every answer was "not valid JSON", and the run ran out of turns."""
+    text = '<think>\nThe user wants Lima. {"city": "guess"}\n</think>\n\n```json\n{"city": "Lima", "temp": 19}\n```'
+    outcome = lich.run_conversation(ScriptedChat(assistant(text)), None, [user("weather?")], max_turns=1,
+                                    output_schema=SCHEMA)
+    assert (outcome.stopped_reason, outcome.output, outcome.final["content"]) == (
+        "final", {"city": "Lima", "temp": 19.0}, text)  # the history keeps it: MiniMax wants it back
+    chat = ScriptedChat(assistant('{"city": "Lima", "temp": 19} <think>later</think>'), assistant("<think>x"))
+    emitter, events = recorder_emitter()
+    lich.run_conversation(chat, None, [user("weather?")], max_turns=2, output_schema=SCHEMA, emitter=emitter)
+    assert [e["error"] for e in events if e["type"] == "output_invalid"] == [
+        "it is not valid JSON (Extra data: line 1 column 30 (char 29))"]  # only a block that comes first
 
 
 def test_a_structured_answer_wrong_in_many_places_is_told_the_first_ten():
@@ -2172,8 +2187,11 @@ def test_a_structured_answer_is_held_to_its_bounds_of_numbers_lengths_and_items(
     assert (problems, outcome.output) == (["answer must be at least 3, not 1"], 5)
     problems, _ = corrections_for({"const": "", "minLength": 1}, '""', '""')
     assert problems == ["answer must be at least 1 character long, not 0 characters"]
-    problems, _ = corrections_for({"minimum": 10 ** 5000}, "1", "2")
+    problems, outcome = corrections_for({"minimum": 10 ** 5000}, "1", "2")
     assert problems == ["answer must be at least an integer of 16610 bits, not 1"]
+    assert outcome.messages[-2]["content"] == (  # no JSON holds that schema: it is not quoted
+        "Your answer cannot be used: it does not match the schema: answer must be at least an integer of "
+        "16610 bits, not 1. Answer again with only a JSON value that matches the required schema.")
 
 
 def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
@@ -5317,6 +5335,59 @@ def test_openai_response_format_and_extra_body_go_on_the_wire(server):
     assert server.requests[0]["json"] == {
         "model": "gpt-test", "messages": USER, "temperature": 0.5, "seed": 7,
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+
+
+def test_openai_without_json_schema_gets_the_schema_in_the_system_prompt(server):
+    """DeepSeek takes only text and json_object: every structured run failed at its first call."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    refused = Reply(400, openai_error("This response_format type is unavailable now", code="invalid_request_error"))
+    queue(server, refused, openai_reply('{"n": 1}'), openai_reply('{"n": 2}'))
+    chat = openai_at(server)
+    asked = {"name": "output", "schema": schema}
+    messages = [{"role": "system", "content": "Count."}, *USER]
+    assert chat(messages, response_format=asked).message["content"] == '{"n": 1}'
+    assert chat(USER, response_format=asked).message["content"] == '{"n": 2}'  # no second refusal
+    instruction = ("Answer with one JSON value and nothing else (no prose, no code fence), valid under this JSON "
+                   'Schema: {"type": "object", "properties": {"n": {"type": "integer"}}}')
+    first, second, third = (r["json"] for r in server.requests)
+    assert "response_format" in first and "response_format" not in second and "response_format" not in third
+    assert second["messages"] == [{"role": "system", "content": "Count.\n\n" + instruction}, *USER]
+    assert third["messages"] == [{"role": "system", "content": instruction}, *USER]  # first: templates want it so
+    assert messages == [{"role": "system", "content": "Count."}, *USER]
+    queue(server, Reply(400, openai_error("Unsupported parameter: 'stop'")))
+    with pytest.raises(lich.ProviderError, match="Unsupported parameter"):  # other 400s are errors
+        openai_at(server)(USER, response_format=asked)
+    assert len(server.requests) == 4
+
+
+def test_openai_refusing_one_schema_still_gets_the_others_as_a_response_format(server):
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}
+    plain = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    queue(server, Reply(400, openai_error("Invalid schema for response_format 'output': In context=('properties', "
+                                          "'n'), 'minimum' is not permitted.")), *[openai_reply('{"n": 1}')] * 3)
+    chat = openai_at(server)
+    for schema in (bounded, plain, bounded):
+        assert chat(USER, response_format={"name": "output", "schema": schema}).message["content"] == '{"n": 1}'
+    assert [r["json"].get("response_format", {}).get("json_schema", {}).get("schema") for r in server.requests] == [
+        bounded, None, plain, None]
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_an_unpickled_chat_is_asked_for_structured_output_and_learns_its_refusal_anew(server, provider):
+    import pickle
+
+    make = openai_at if provider == "openai" else anthropic_at
+    refusal = (openai_error("This response_format type is unavailable now") if provider == "openai" else
+               anthropic_error("invalid_request_error", "output_config.format: this model does not support it"))
+    answer = openai_reply('{"n": 1}') if provider == "openai" else anthropic_reply(text_block('{"n": 1}'))
+    queue(server, Reply(400, refusal), answer, Reply(400, refusal), answer)
+    asked = {"name": "output", "schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+    chat = make(server, api_key=KEY)
+    chat(USER, response_format=asked)
+    copy = pickle.loads(pickle.dumps(chat))  # to a process pool's worker, say: it had no such state
+    assert copy(USER, response_format=asked).message["content"] == '{"n": 1}'
+    key = "response_format" if provider == "openai" else "output_config"
+    assert [key in r["json"] for r in server.requests] == [True, False, True, False]
 
 
 def test_openai_sends_no_response_format_unless_asked(server):
