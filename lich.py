@@ -4100,8 +4100,14 @@ class Limiter:
         parent's calls in flight would never end there (a child of a limiter of
         max_concurrent=1 forked mid-call waited for ever), and a thread of its parent may
         have held the condition's lock."""
-        self._cond = threading.Condition()
-        self._in_flight = 0
+        # A Ctrl-C must not keep the lock or a slot for ever (a notebook's next cell through
+        # a limiter of one hung): the lock is taken by its own `with` (C code: Condition's
+        # __enter__ is a Python frame a Ctrl-C can stop in once it holds the lock), and each
+        # call in flight is a token, taken and given back in one step, the giving back the
+        # first thing its `finally` does (a call to a Python function may stop at its start).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._in_flight = set()
         self._starts = deque()  # (start time, estimated tokens) within the window
         self._tokens = 0
         self._paused_until = 0.0
@@ -4129,7 +4135,7 @@ class Limiter:
             self._tokens -= self._starts.popleft()[1]
         if self._paused_until > now:
             return self._paused_until - now
-        if self.max_concurrent is not None and self._in_flight >= self.max_concurrent:
+        if self.max_concurrent is not None and len(self._in_flight) >= self.max_concurrent:
             return _WATCH_SECONDS  # until a call ends (notified) or the signal is looked at
         if (self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute
                 or self.tokens_per_minute is not None and self._starts
@@ -4137,8 +4143,8 @@ class Limiter:
             return self._starts[0][0] + self._WINDOW - now
         return 0.0
 
-    def _acquire(self, tokens, signal):
-        with self._cond:
+    def _acquire(self, call, tokens, signal):
+        with self._lock:
             while True:
                 if signal is not None and signal.is_set():
                     self._cond.notify()  # a wake-up it may have had goes on to another waiter
@@ -4146,7 +4152,7 @@ class Limiter:
                 now = time.monotonic()
                 wait = self._wait_needed(tokens, now)
                 if wait <= 0:
-                    self._in_flight += 1
+                    self._in_flight.add(call)
                     self._starts.append((now, tokens))
                     self._tokens += tokens
                     return
@@ -4154,8 +4160,8 @@ class Limiter:
                 self._cond.wait(min(wait, _WATCH_SECONDS))
 
     def _release(self, error):
-        with self._cond:
-            self._in_flight -= 1
+        """After a call, given back already: another may start, or all wait out a pause."""
+        with self._lock:
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
                     and error.retry_after):
                 self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
@@ -4181,15 +4187,16 @@ class _LimitedChat:
     def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
                  **extras):
         tokens = estimate_messages_tokens(messages) if self.limiter.tokens_per_minute else 0
-        self.limiter._acquire(tokens, signal)
-        error = None
+        call, error = object(), None
         try:
+            self.limiter._acquire(call, tokens, signal)
             return self.chat(messages, tools=tools, temperature=temperature,
                              max_tokens=max_tokens, signal=signal, **extras)
         except BaseException as e:
             error = e
             raise
         finally:
+            self.limiter._in_flight.discard(call)  # nothing when a Ctrl-C came before it was counted
             self.limiter._release(error)
 
 

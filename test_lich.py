@@ -6556,6 +6556,35 @@ def test_limiter_caps_calls_in_flight_across_threads():
     assert (most, len(starts), errors) == (3, 12, [])
 
 
+def test_a_ctrl_c_as_any_function_of_a_limited_call_begins_gives_its_slot_back():
+    """A Ctrl-C (a notebook's interrupt) is raised as a Python function begins, among other
+    places: one at the start of the call that gave the slot back kept it for ever, and the
+    next call through a limiter of one waited for ever."""
+    limiter = lich.Limiter(max_concurrent=1)
+    chat = limiter.wrap(lambda messages, **options: lich.ChatResult(assistant("ok")))
+    interrupted = 0
+    for n in range(1, 30):
+        begun = 0
+
+        def interrupt(frame, event, arg, n=n):
+            nonlocal begun
+            begun += event == "call"
+            if event == "call" and begun == n:
+                raise KeyboardInterrupt
+        sys.settrace(interrupt)
+        try:
+            chat(USER)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        waited = threading.Event()
+        threading.Timer(2, waited.set).start()
+        assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: the slot is free
+        waited.set()
+    assert interrupted >= 8  # every function the call ran began with a Ctrl-C once
+
+
 def test_limiter_holds_requests_per_minute_by_waiting_and_the_signal_ends_the_wait():
     signal, begun = threading.Event(), []
     set_after(signal, lambda: len(begun) == 4)  # the other two wait at the limiter
