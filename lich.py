@@ -7817,7 +7817,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                         submitted = pool.submit(contextvars.copy_context().run, _run_task, *args)
                     else:
                         submitted = pool.submit(_run_task, *args)
-                except futures.BrokenExecutor as exc:  # a worker's death broke the pool
+                # a worker's death broke the pool, or the host shut it down (at exit, say)
+                except (futures.BrokenExecutor, RuntimeError) as exc:
                     broken = f"the executor takes no more tasks: {_error_text(exc)}"
                     stopped_by("broken")
                     break

@@ -10608,6 +10608,20 @@ def test_a_process_pool_whose_worker_dies_still_gives_every_task_a_result(tmp_pa
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["0", "1"]
 
 
+def test_a_batch_whose_executor_was_shut_down_gives_what_ended_and_the_rest_not_started(tmp_path):
+    """A host that shuts its pool down (at exit, say) made run_batch raise RuntimeError, and
+    the results of the tasks that had ended came back from nowhere but ``out``."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    results = lich.run_batch(["a", "b", "c"], chat=ScriptedChat(assistant("fine")), executor=pool, workers=1,
+                             max_turns=1, out=tmp_path / "out.jsonl", on_result=lambda result: pool.shutdown())
+    said = "not started: the executor takes no more tasks: RuntimeError: cannot schedule new futures after shutdown"
+    assert [(r.id, r.ok, r.final, r.error) for r in results] == [
+        ("0", True, "fine", None), ("1", False, None, said), ("2", False, None, said)]
+    assert [r.error for r in lich.run_batch(["x"], chat=ScriptedChat(), executor=pool, max_turns=1)] == [said]
+
+
 def test_a_batch_whose_executor_breaks_as_its_signal_is_set_says_the_signal_stopped_it():
     import concurrent.futures
 
