@@ -1244,6 +1244,10 @@ def _check_chat_result(result):
     """A TypeError unless ``result`` is a ChatResult whose message the loop can use: the one
     check of what a ChatFn returns, so that nothing later trips over its shape."""
     if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
+        if type(result).__name__ == ChatResult.__name__:  # a vendored copy's, say
+            raise TypeError(f"the chat returned a ChatResult of another copy of lich (module "
+                            f"{type(result).__module__!r}; this one is {__name__!r}): a chat "
+                            f"and the loop that calls it must come from one copy")
         raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                         f"holding a message dict")
     role, content = result.message.get("role"), result.message.get("content")

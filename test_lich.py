@@ -1851,6 +1851,21 @@ def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
     assert types(events) == ["turn_start", "llm_start", "error"]
 
 
+def test_a_chat_result_of_another_copy_of_lich_is_said_to_be_so():
+    """A plug-in's vendored lich beside the installed one: the loop of one refused the other's
+    chats with "the chat returned ChatResult, not a ChatResult holding a message dict"."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("myhost._vendor.lich", LICH_PY)
+    vendored = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vendored)
+    with pytest.raises(TypeError) as info:
+        lich.run_conversation(lambda messages, **kw: vendored.ChatResult(assistant("hi")), None, [user("x")],
+                              max_turns=1)
+    assert str(info.value) == ("the chat returned a ChatResult of another copy of lich (module 'myhost._vendor.lich'; "
+                               "this one is 'lich'): a chat and the loop that calls it must come from one copy")
+
+
 @pytest.mark.parametrize("message, problem", [
     ({"content": "hi"}, "the chat's message has the role None, not 'assistant'"),
     ({"role": "user", "content": "hi"}, "the chat's message has the role 'user', not 'assistant'"),
