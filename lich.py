@@ -2302,8 +2302,11 @@ class _Watchdog:
         with self._cond:
             self._exchanges.add(exchange)
             if self._pid != os.getpid():
-                self._pid = os.getpid()
-                threading.Thread(target=self._run, name="lich-watchdog", daemon=True).start()
+                try:
+                    threading.Thread(target=self._run, name="lich-watchdog", daemon=True).start()
+                    self._pid = os.getpid()
+                except RuntimeError:  # at exit (an atexit handler's first request, on 3.12+):
+                    pass  # unwatched, requests' own timeouts hold, as over a session of yours
             self._cond.notify()
 
     def forget(self, exchange):

@@ -3624,6 +3624,17 @@ def test_a_forked_child_opens_connections_of_its_own(server):
     assert first == again != child
 
 
+def test_a_first_request_from_an_atexit_handler_is_answered(server):
+    """A host's last summary at exit: Python 3.12 and later start no thread then, and the
+    request failed on its watchdog's start (RuntimeError: can't create new thread at
+    interpreter shutdown); it goes unwatched, as over a session of the caller's own."""
+    queue(server, openai_reply("bye"))
+    script = (f"import atexit, sys; sys.path[0] = {str(HERE)!r}; import lich\n"
+              f"chat = lich.OpenAIChat('gpt-test', base_url={server.url + '/v1'!r}, timeout=10)\n"
+              "atexit.register(lambda: print(lich.run_agent('hi', chat=chat, max_turns=1).final['content']))\n")
+    assert Process("-c", script).wait() == (0, "bye\n", "")
+
+
 def test_a_forked_child_never_cuts_a_connection_of_its_parent(server):
     # The child's watchdog had the parent's exchange in flight at the fork: at that exchange's
     # time limit it shut the socket down, which the parent was using for its next request
