@@ -2452,7 +2452,9 @@ _OVERFLOW_TEXT = (
     r"|prompt exceeds max(?:imum)? length")  # Zhipu's (open.bigmodel.cn)
 # A billing stop said with a 429 or a 5xx (z.ai's 1113, MiniMax's 1008): waiting does not help
 _BILLING_TEXT = r"(?i)insufficient[ _](?:account[ _])?(?:balance|quota|credits?|funds)|\brecharge\b"
-_HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--.*?-->\s*)*(?:<!doctype html|<html)"
+# each comment ends at its first "-->": a comment that could run on over the next ones made
+# a body of many "<!---->" take time doubling with each (a fuzzer's finding)
+_HTML_PAGE = r"(?is)(?:<\?xml[^>]*>\s*|<!--(?:[^-]|-(?!->))*-->\s*)*(?:<!doctype html|<html)"
 _HEADER_TOKEN = r"[!-~]+\Z"  # printable ASCII without spaces: what an API key can be
 _SPEC = r"(?s)\s*([A-Za-z][\w.-]*)\s*:\s*(.*?)(?:@(https?://\S+))?\s*\Z"
 
@@ -2516,15 +2518,42 @@ def _error_from_wire(body):
     return text, codes
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def _page_text(page):
     """What an HTML error page (a proxy's 502) says, in one line: its title, else its text."""
     import html
 
-    found = re.search(r"(?is)<title[^>]*>(.*?)</title>", page)
-    if found is None:  # its text, without the scripts and styles in it
-        page = re.sub(r"(?is)<(script|style)\b.*?</\1\s*>|<!--.*?-->", " ", page)
-    text = " ".join(html.unescape(found.group(1) if found else re.sub(r"<[^>]*>", " ", page)).split())
+    # Each search below goes on from where the last ended: a lazy pattern tried at every
+    # "<title" or "<script" of a page that never closes them took time growing with the
+    # square of the page (a fuzzer's finding: minutes for an error body of 1 MB).
+    lowered = page.translate(_ASCII_LOWER)  # as long as the page: its places are the page's
+    title = re.search(r"<title[^<>]*>", lowered)
+    end = lowered.find("</title", title.end()) if title is not None else -1
+    if end >= 0:
+        page = page[title.end():end]
+    else:  # its text, without the scripts, styles and comments in it
+        page = " ".join(_outside_scripts(page, lowered))
+    text = " ".join(html.unescape(re.sub(r"<[^<>]*>", " ", page)).split())
     return f"{text[:_SNIPPET_MAX_CHARS]} (an HTML page)" if text else "an HTML page without text"
+
+
+def _outside_scripts(page, lowered):
+    """The pieces of an HTML ``page`` (``lowered``: in lower case) outside its scripts,
+    styles and comments; an unclosed one runs to the end."""
+    opening = re.compile(r"<(script|style)\b|<!--")
+    at = 0
+    while True:
+        found = opening.search(lowered, at)
+        if found is None:
+            yield page[at:]
+            return
+        yield page[at:found.start()]
+        closing = lowered.find("-->" if found.group(1) is None else "</" + found.group(1), found.end())
+        if closing < 0:
+            return
+        at = closing + 3 if found.group(1) is None else lowered.find(">", closing) + 1 or len(page)
 
 
 def _error_fields(data):

@@ -4797,6 +4797,29 @@ def test_an_html_error_page_is_said_in_one_line(server, page, said):
     assert (str(info.value), info.value.kind) == (f"openai: HTTP 502: {said}", "server")
 
 
+HOSTILE_PAGES = [  # (page, what the error says of it)
+    ("<!---->" * 60 + "x", "<!---->" * 60 + "x"),  # a comment that could run on over the next doubled the time
+    ("<html>" + "<title>" * 140_000, "an HTML page without text"),  # a lazy search at every "<title": minutes
+    ("<html>" + "<script>" * 120_000 + "</script>", "an HTML page without text"),
+    ("<html>" + "<!--" * 200_000 + "-->Down", "Down (an HTML page)"),
+    ("<html>" + "<" * 1_000_000, "<" * 200 + " (an HTML page)"),
+    ("<html><body>\u0130stanbul <script>x</script>is <STYLE>y</Style >down</body>", "\u0130stanbul is down (an HTML page)"),
+]
+
+
+def test_hostile_error_pages_are_said_in_linear_time(server):
+    """In a child, which a test can stop: a regular expression holds the interpreter's lock
+    while it backtracks, so a thread of the test could not time out."""
+    queue(server, *[Reply(502, page, content_type="text/html") for page, _ in HOSTILE_PAGES])
+    script = (f"import sys; sys.path[0] = {str(HERE)!r}; import lich\n"
+              f"chat = lich.OpenAIChat('gpt-test', base_url={server.url + '/v1'!r})\n"
+              f"for _ in range({len(HOSTILE_PAGES)}):\n"
+              "    try:\n        chat([{'role': 'user', 'content': 'Hi'}])\n"
+              "    except lich.ProviderError as e:\n        print(e.kind, e)\n")
+    child = Process("-c", script, env={"PYTHONIOENCODING": "utf-8"})
+    assert child.wait(timeout=60) == (0, "".join(f"server openai: HTTP 502: {said}\n" for _, said in HOSTILE_PAGES), "")
+
+
 def test_anthropics_context_limit_wording_is_overflow(server):
     server.reply(400, anthropic_error("invalid_request_error", (
         "input length and `max_tokens` exceed context limit: 188240 + 21333 > 200000, decrease input length "
