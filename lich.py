@@ -4561,7 +4561,7 @@ def _arguments_object(name, raw) -> dict:
     none), or an object given as it is; _ToolFailure when they are not a JSON object."""
     if isinstance(raw, str) and raw.strip():
         try:
-            raw = json.loads(raw)
+            raw = _strict_json(raw)  # NaN, Infinity, 1e400: no JSON, no float of them
         except (ValueError, RecursionError) as e:
             raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
                                f"send one JSON object") from None
@@ -8213,6 +8213,8 @@ def _output_schema(text):
         schema = json.loads(text)
     except ValueError as e:
         raise _UsageError(f"--schema is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _UsageError("--schema is nested too deeply") from None
     if not isinstance(schema, dict):
         raise _UsageError("--schema must be a JSON object")
     return schema
@@ -9262,7 +9264,8 @@ class _Cli:
                               "inherits (a lowercase name= names the server)")
         prefix, server = (named.group(1) + "_", server[named.end():]) if named else ("", server)
         if not server.strip():
-            raise _UsageError(f"--mcp {named.group(0)}: no server after the name")
+            raise _UsageError(f"--mcp {named.group(0)}: no server after the name" if named else
+                              "--mcp: no server given")
         # A server's first start can be long (npx or uvx fetching it): not a silent wait.
         waiting = threading.Timer(_MCP_QUIET_SECONDS, self.term.note, [
             f"lich: waiting for the MCP server {_shown_mcp(server)} to start"])

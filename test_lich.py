@@ -7152,6 +7152,12 @@ _MALFORMED_CALLS = [
      "invalid arguments for pick: argument 'tags[\"k\"]' must be an integer, not a string"),
     ("unknown tool", "nope", "{}",
      "unknown tool \"nope\"; the available tools are: add, scale, pick, anything"),
+    ("NaN for a float", "scale", '{"xs": [1], "factor": NaN}',  # Python reads it; no JSON holds it
+     "the arguments of scale are not valid JSON (NaN is not a JSON value); send one JSON object"),
+    ("-Infinity for a float", "scale", '{"xs": [-Infinity]}',
+     "the arguments of scale are not valid JSON (-Infinity is not a JSON value); send one JSON object"),
+    ("1e400 for a float", "scale", '{"xs": [1e400]}',  # infinity to Python
+     "the arguments of scale are not valid JSON (1e400 is too large a number); send one JSON object"),
 ]
 
 
@@ -11156,7 +11162,8 @@ def test_a_budget_spent_on_answers_that_did_not_fit_says_so(server, lich_model, 
                    "line 1 column 2 (char 1)\n")),
     ("[1, 2]", "lich: --schema must be a JSON object\n"),
     ("@/nonexistent/schema.json", "lich: --schema: cannot read /nonexistent/schema.json: No such file or directory\n"),
-], ids=["not-json", "not-an-object", "no-file"])
+    ("[" * 100_000, "lich: --schema is nested too deeply\n"),  # was a RecursionError, exit 1
+], ids=["not-json", "not-an-object", "no-file", "too-deep"])
 def test_a_bad_schema_is_a_usage_error(server, lich_model, cli, schema, error):
     assert cli("--schema", schema, "x") == (2, "", error)
     assert server.requests == []
@@ -13235,6 +13242,7 @@ def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error_unless_its_serve
         "lich: --mcp: lich runs no shell, so NAME=value before a command sets nothing: put it in lich's "
         "environment, which the server inherits (a lowercase name= names the server)\n"))
     assert cli("--mcp", "fs=", "hi") == (2, "", "lich: --mcp fs=: no server after the name\n")
+    assert cli("--mcp", " ", "hi") == (2, "", "lich: --mcp: no server given\n")  # was an AttributeError
     assert len(server.requests) == 2  # the fs= run's only
 
 
