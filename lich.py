@@ -4455,9 +4455,10 @@ def _type_hints(fn, fn_name):
 
 
 def _json_ready(value):
-    """Whether ``value`` can go into a JSON Schema as a default."""
+    """Whether ``value`` can go into a JSON Schema as a default: JSON has no NaN or
+    infinity, and a request holding one is refused (Python would write them)."""
     try:
-        json.dumps(value)
+        json.dumps(value, allow_nan=False)
     except (TypeError, ValueError, RecursionError):
         return False
     return True
@@ -6544,8 +6545,25 @@ _MCP_READ_BYTES = 1 << 16       # one read of a server's output
 _MCP_WATCH_SECONDS = 1.0        # how often an idle server's watcher looks whether it is closed
 _MCP_LATER_MAX = 1000           # messages waiting to be written for readers (pings answered)
 _MCP_MAX_PAGES = 100          # tools/list pages read
+_MCP_SCHEMA_MAX_DEPTH = 100   # of a tool's input schema: deeper, a request could not be encoded
 _MCP_LISTEN_TRIES = 4         # GET streams that failed in a row before lich stops listening
 _MCP_QUIET_STREAM_SECONDS = 5.0  # a GET stream open this long served, whatever it brought
+
+
+def _sendable_schema(schema) -> bool:
+    """Whether an MCP tool's input schema can go into a request: no NaN or infinity (which
+    Python reads in a server's JSON, and the provider refuses the whole request for), and
+    shallow enough to encode (one nested past the stack's depth made every turn fail)."""
+    pending = [(schema, 0)]
+    while pending:
+        value, depth = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if isinstance(value, (dict, list)):
+            if depth >= _MCP_SCHEMA_MAX_DEPTH:
+                return False
+            pending.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    return True
 
 
 class _RPCError(Exception):
@@ -7325,6 +7343,10 @@ class MCPTools:
             elif name in names:
                 _log.warning("the MCP server %s listed the tool %r twice: lich offers the first",
                              self.name, name)
+            elif not _sendable_schema(tool.get("inputSchema")):
+                _log.warning("the MCP server %s listed the tool %r with an input schema that no "
+                             "request can carry (a NaN or an infinity, or nested over %d levels): "
+                             "lich skips it", self.name, name, _MCP_SCHEMA_MAX_DEPTH)
             else:
                 names.add(name)
                 usable.append(tool)

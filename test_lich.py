@@ -9793,6 +9793,34 @@ def test_an_mcp_http_answer_whose_id_is_true_is_no_answer_to_request_1(server):
         assert tools.protocol == "2025-06-18"
 
 
+def test_mcp_tools_whose_schema_no_request_can_carry_are_skipped(server, caplog):
+    """An infinity in a schema (a server that wrote a Python default of math.inf) failed every
+    request with a 400; one nested some 980 levels deep, with a RecursionError."""
+    deep = {"type": "object"}
+    for _ in range(50):  # 100 levels of objects, with the "properties" between
+        deep = {"type": "object", "properties": {"x": deep}}
+    far = {"type": "number", "default": float("inf")}
+    url = mcp_answering(server, tools=[
+        {"name": "far", "inputSchema": {"type": "object", "properties": {"x": far}}},
+        {"name": "deep", "inputSchema": deep}, {"name": "deep_enough", "inputSchema": deep["properties"]["x"]}])
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["deep_enough"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {url} listed the tool '{name}' with an input schema that no request can carry (a NaN or an "
+        "infinity, or nested over 100 levels): lich skips it" for name in ("far", "deep")]
+
+
+def test_a_tools_default_that_is_no_json_number_is_left_out_of_its_schema():
+    tools = lich.Tools()
+
+    @tools.tool
+    def near(query: str, within: float = float("inf")) -> str:
+        """Search."""
+        return query
+
+    assert tools.specs()[0]["parameters"]["properties"]["within"] == {"type": "number"}  # was "default": inf
+
+
 def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(server, caplog):
     url = mcp_answering(server, tools=[
         {"name": "a", "description": 5, "inputSchema": "no schema"}, {"name": "a", "description": "again"}, 7,
