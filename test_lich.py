@@ -2209,6 +2209,27 @@ def test_a_structured_answer_is_held_to_its_bounds_of_numbers_lengths_and_items(
         "16610 bits, not 1. Answer again with only a JSON value that matches the required schema.")
 
 
+def test_the_keywords_beside_an_enum_or_const_of_objects_and_arrays_hold_too():
+    """They were left unchecked: an answer the schema refuses was the run's output."""
+    assert corrections_for({"type": "object", "enum": [{}, {"a": 1}], "required": ["a"]}, "{}", '{"a": 1}')[0] == [
+        'answer["a"] must be present (it is required), not missing']
+    assert corrections_for({"const": {"a": "x"}, "properties": {"a": {"type": "integer"}}}, *['{"a": "x"}'] * 2)[0] == [
+        'answer["a"] must be an integer, not a string']
+    problems, outcome = corrections_for({"type": "array", "enum": [[1], ["x"]], "items": {"type": "string"}},
+                                        "[1]", '["x"]')
+    assert (problems, outcome.output) == (['answer[0] must be a string, not an integer'], ["x"])
+    assert corrections_for({"enum": [{"a": 1, "b": 2}], "additionalProperties": False, "properties": {"a": {}}},
+                           *['{"a": 1, "b": 2}'] * 2)[0] == ['answer["b"] must be absent (no such property), not 2']
+
+
+def test_a_chain_of_definitions_each_the_all_of_of_two_refs_is_checked_in_linear_time():
+    links = 60  # checked once per link and place: twice as long a link each, it took 24 s at 20
+    defs = {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(links)}
+    schema = {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{links}": {"type": "string"}}}
+    problems, outcome = finishes(lambda: corrections_for(schema, "5", '"x"'), timeout=30)
+    assert (problems, outcome.output) == (["answer must be a string, not an integer"], "x")
+
+
 def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
     problems, outcome = corrections_for({"const": {"a": [1, 0]}}, '{"a": [true, false]}', '{"a": [1, 0.0]}')
     assert (problems, outcome.output) == (['answer must be {"a": [1, 0]}, not {"a": [true, false]}'], {"a": [1, 0]})
