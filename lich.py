@@ -813,10 +813,13 @@ def _schema_check(value, schema, where, problems, root=None, memo=None):
             if len(problems) > count:
                 return value
     if "allOf" in schema:
-        count = len(problems)
+        count, told = len(problems), set()
         for branch in schema["allOf"]:
             value, found = _branch_check(value, branch, where, root, memo)
-            problems.extend(p for p in found if p not in problems[count:])  # each told once
+            for problem in found:  # each told once
+                if problem not in told:
+                    told.add(problem)
+                    problems.append(problem)
         if len(problems) > count:
             return value
     if "not" in schema:
@@ -2312,8 +2315,9 @@ class _Watchdog:
                 try:
                     threading.Thread(target=self._run, name="lich-watchdog", daemon=True).start()
                     self._pid = os.getpid()
-                except RuntimeError:  # at exit (an atexit handler's first request, on 3.12+):
-                    pass  # unwatched, requests' own timeouts hold, as over a session of yours
+                except RuntimeError as e:  # at exit (an atexit handler's first request, 3.12+):
+                    if "shutdown" not in str(e):  # unwatched then, requests' own timeouts hold;
+                        raise  # but no thread for want of threads is an error, as it was
             self._cond.notify()
 
     def forget(self, exchange):
@@ -2610,10 +2614,8 @@ def _status_kind(status, text, codes):
         kind = "timeout"
     elif status == 429:
         kind = "rate_limit"
-        if "insufficient_quota" in codes or re.search(_BILLING_TEXT, text):
+        if "insufficient_quota" in codes:
             retryable = False  # a billing stop: waiting does not help
-    elif status >= 500 and re.search(_BILLING_TEXT, text):
-        kind, retryable = "server", False
     elif status in (503, 529) or "overloaded_error" in codes:
         kind = "overloaded"
     elif 400 <= status < 500:
@@ -2624,6 +2626,8 @@ def _status_kind(status, text, codes):
         kind = "server"
     else:
         kind = "invalid_response"
+    if (status == 429 or status >= 500) and re.search(_BILLING_TEXT, text):
+        retryable = False  # a billing stop said in words (z.ai's 1113, MiniMax's 1008)
     return kind, retryable
 
 
@@ -3268,6 +3272,11 @@ def _openai_reasoning(thought, details):
 _JOINED_DETAIL_FIELDS = ("text", "summary", "data")
 
 
+class _Pieces(list):
+    """The pieces of one text of a streamed reasoning item, joined once the stream ends
+    (a list the server sent stays a list)."""
+
+
 def _join_reasoning_details(items, pieces):
     """Add a stream's ``reasoning_details`` pieces to ``items``: a piece of the item that
     came last (the same index and type) has its texts joined to it, as OpenRouter's stream
@@ -3277,15 +3286,15 @@ def _join_reasoning_details(items, pieces):
             continue
         last = items[-1] if items else None
         if last is None or (last.get("index"), last.get("type")) != (piece.get("index"), piece.get("type")):
-            items.append({key: [value] if key in _JOINED_DETAIL_FIELDS and isinstance(value, str)
+            items.append({key: _Pieces([value]) if key in _JOINED_DETAIL_FIELDS and isinstance(value, str)
                           else value for key, value in piece.items()})
             continue
         for key, value in piece.items():
             if key in _JOINED_DETAIL_FIELDS and isinstance(value, str):
-                if isinstance(last.get(key), list):
+                if isinstance(last.get(key), _Pieces):
                     last[key].append(value)
                 else:
-                    last[key] = [value]
+                    last[key] = _Pieces([value])
             elif value is not None or key not in last:
                 last[key] = value
 
@@ -3395,7 +3404,7 @@ class _OpenAIStream:
         thought = "".join(self.thoughts)
         for item in self.details:
             for key, pieces in item.items():
-                if isinstance(pieces, list):
+                if isinstance(pieces, _Pieces):
                     item[key] = "".join(pieces)
         return _openai_reasoning(thought, self.details)
 
@@ -3489,8 +3498,10 @@ class OpenAIChat(_HTTPChat):
         """``messages`` with ``instruction`` ending the leading system prompt (a chat template
         may refuse a system message anywhere else)."""
         if messages and messages[0].get("role") == "system":
-            first = messages[0]
-            return [{**first, "content": f"{first.get('content') or ''}\n\n{instruction}"}, *messages[1:]]
+            first, content = messages[0], messages[0].get("content")
+            content = ([*content, {"type": "text", "text": instruction}] if isinstance(content, list)
+                       else f"{content}\n\n{instruction}" if content else instruction)
+            return [{**first, "content": content}, *messages[1:]]
         return [{"role": "system", "content": instruction}, *messages]
 
     def _wire_headers(self):

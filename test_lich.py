@@ -2230,6 +2230,13 @@ def test_a_chain_of_definitions_each_the_all_of_of_two_refs_is_checked_in_linear
     assert (problems, outcome.output) == (["answer must be a string, not an integer"], "x")
 
 
+def test_an_all_of_tells_many_problems_each_once_in_linear_time():
+    schema = {"allOf": [{"type": "array", "items": {"type": "string"}}, {"type": "array", "items": {"type": "string"}}]}
+    answer = json.dumps([1] * 100_000)  # as Pydantic v1 writes a field: allOf of one $ref
+    problems, _ = finishes(lambda: corrections_for(schema, answer, answer), timeout=30)
+    assert problems == ["; ".join(f"answer[{i}] must be a string, not an integer" for i in range(10))]
+
+
 def test_const_and_enum_tell_true_from_1_inside_objects_and_arrays():
     problems, outcome = corrections_for({"const": {"a": [1, 0]}}, '{"a": [true, false]}', '{"a": [1, 0.0]}')
     assert (problems, outcome.output) == (['answer must be {"a": [1, 0]}, not {"a": [true, false]}'], {"a": [1, 0]})
@@ -4273,7 +4280,8 @@ def test_openrouters_error_beside_the_choice_it_ended_is_of_its_codes_kind(serve
     ("anthropic", 429, anthropic_error("rate_limit_error", "[1113][Insufficient balance or no resource "
                                                            "package. Please recharge.]"), "rate_limit"),
     ("anthropic", 500, anthropic_error("api_error", "insufficient balance (1008)"), "server"),
-], ids=["zai-openai", "zai-anthropic", "minimax-500"])
+    ("openai", 503, {"error": {"message": "Insufficient credits: recharge your account"}}, "overloaded"),  # its kind
+], ids=["zai-openai", "zai-anthropic", "minimax-500", "503"])
 def test_a_billing_stop_said_with_a_429_or_a_5xx_is_not_retried(server, provider, status, body, kind):
     server.reply(status, body)
     chat = lich.chat_from_spec(f"{provider}:m@{server.url}{'/v1' if provider == 'openai' else ''}",
@@ -4576,6 +4584,17 @@ def test_openrouters_reasoning_details_go_back_with_their_tool_calls(server, str
     history = [*USER, first.message, tool_msg(call[0], "a.txt\nb.txt", name="list_files")]
     assert openai_at(server)(history).message == assistant("Also two.")
     assert ["reasoning_details" in r["json"]["messages"][1] for r in server.requests[2:]] == [True, False]
+
+
+def test_a_streamed_reasoning_item_keeps_the_arrays_it_came_with(server):
+    """Only the texts lich joined are joined: an array of the item's own raised a TypeError
+    out of the call (or, of strings, became one string)."""
+    item = {"type": "reasoning.summary", "summary": "Listing.", "index": 0, "parts": [{"a": 1}], "tags": ["x", "y"]}
+    server.reply(200, chunks=[openai_sse(
+        delta_chunk(content="", reasoning_details=[item]),
+        delta_chunk(content="", tool_calls=[call_delta(0, "{}", id="c1", name="list_files")]),
+        delta_chunk(finish="tool_calls"))])
+    assert openai_at(server, stream=True)(USER).message["reasoning_details"] == [item]
 
 
 def test_a_server_that_refuses_the_reasoning_of_another_is_asked_again_without_it(server):
@@ -5428,6 +5447,16 @@ def test_openai_without_json_schema_gets_the_schema_in_the_system_prompt(server)
     with pytest.raises(lich.ProviderError, match="Unsupported parameter"):  # other 400s are errors
         openai_at(server)(USER, response_format=asked)
     assert len(server.requests) == 4
+
+
+def test_openai_gets_the_schema_instruction_as_a_part_of_a_system_prompt_of_parts(server):
+    refused = Reply(400, openai_error("This response_format type is unavailable now"))
+    queue(server, refused, openai_reply('{"n": 1}'))
+    system = {"role": "system", "content": [{"type": "text", "text": "Count."}]}
+    openai_at(server)([system, *USER], response_format={"name": "output", "schema": {"type": "object"}})
+    assert server.requests[1]["json"]["messages"][0] == {"role": "system", "content": [  # was its Python repr
+        {"type": "text", "text": "Count."}, {"type": "text", "text": "Answer with one JSON value and nothing else "
+                                             '(no prose, no code fence), valid under this JSON Schema: {"type": "object"}'}]}
 
 
 def test_openai_refusing_one_schema_still_gets_the_others_as_a_response_format(server):
