@@ -2157,7 +2157,8 @@ def _sse_events(chunks, check):
     """Yield (event name or None, data bytes) per Server-Sent Event read from byte chunks.
 
     Comments, ``id:`` and ``retry:`` lines are skipped; several ``data:`` lines are joined
-    with newlines; an ``error:`` line (llama.cpp's) is an ``error`` event of its value. ``check()`` runs before each chunk is parsed (it raises to stop).
+    with newlines; an ``error:`` line (llama.cpp's) is an ``error`` event of its value.
+    ``check()`` runs before each chunk is parsed (it raises to stop).
     """
     pending = []  # pieces of a line whose end has not arrived
     pending_size = total = 0
@@ -2634,7 +2635,7 @@ def _status_kind(status, text, codes):
 def _object_kind(text, codes, default):
     """(kind, retryable or None) of an error object that came in a 2xx answer: by its code
     when that is an HTTP status (OpenRouter's, llama.cpp's), else ``default``."""
-    if codes and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:
+    if codes and len(codes[0]) == 3 and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:
         return _status_kind(int(codes[0]), text, codes)
     return ("overloaded" if "overloaded_error" in codes else default), None
 
@@ -3784,8 +3785,6 @@ class _AnthropicStream:
                     arguments = json.dumps(start_input or {}, ensure_ascii=False)
                 calls.append({"id": call_id, "name": name, "arguments": arguments})
         return calls
-
-
 
 
 class AnthropicChat(_HTTPChat):
@@ -6580,7 +6579,8 @@ def _sendable_schema(schema) -> bool:
         if isinstance(value, (dict, list)):
             if depth >= _MCP_SCHEMA_MAX_DEPTH:
                 return False
-            pending.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+            items = value.values() if isinstance(value, dict) else value
+            pending.extend((item, depth + 1) for item in items)
     return True
 
 
