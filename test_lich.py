@@ -7630,6 +7630,13 @@ def send_sigalrm():
     os.kill(os.getpid(), signals.SIGALRM)  # its handler runs in the main thread, where the run is
 
 
+def slow() -> str:
+    """Take a while."""
+    send_sigalrm()  # its handler ends the wait, one way or another
+    time.sleep(10)
+    return "slept"
+
+
 class SigalrmSender:
     """What set_after sets: SIGALRM sent."""
 
@@ -7647,13 +7654,7 @@ def test_a_server_stopping_its_worker_during_a_tool_ends_the_run(tmp_path, ws, s
 
     sigalrm_handler(stop)
     tools = lich.coding_tools(ws, allow_shell=True)
-
-    @tools.tool
-    def slow() -> str:
-        """Take a while."""
-        send_sigalrm()
-        time.sleep(10)
-        return "slept"
+    tools.register(slow)
 
     first = ("c1", "slow", "{}") if tool == "python" else ("c1", "bash", '{"command": "echo $$ > pid; sleep 10"}')
     chat = ScriptedChat(assistant("", first, ("c2", "bash", '{"command": "touch second"}')), assistant("done"))
@@ -7684,13 +7685,7 @@ class Stopper:
 def test_a_server_stops_its_worker_with_a_handler_of_any_shape(sigalrm_handler, handler):
     sigalrm_handler(handler)
     tools = lich.Tools()
-
-    @tools.tool
-    def slow() -> str:
-        """Take a while."""
-        send_sigalrm()
-        time.sleep(10)
-        return "slept"
+    tools.register(slow)
 
     with pytest.raises(SystemExit):
         tools.run(tool_call("slow"))
@@ -7705,13 +7700,7 @@ def test_a_tools_own_signal_handler_and_its_sys_exit_are_its_failed_result(sigal
 
     sigalrm_handler(timed_out)
     tools = lich.Tools()
-
-    @tools.tool
-    def open_device() -> str:
-        """Open the device."""
-        send_sigalrm()
-        time.sleep(10)
-        return "opened"
+    tools.tool(name="open_device")(slow)
 
     @tools.tool
     def leave() -> str:
