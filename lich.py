@@ -1291,6 +1291,8 @@ def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature
         _log.debug("chat call failed on turn %d", turn, exc_info=True)
         _emit(emitter, {"type": "error", "error": exc})
         raise
+    if not isinstance(result.message.get("content"), str):  # None or absent: "", as a session reads back
+        result = replace(result, message={**result.message, "content": ""})
     calls = result.message.get("tool_calls")
     if calls:
         unique = _unique_call_ids(calls, used_ids, id_counters)
@@ -1565,9 +1567,9 @@ class SessionHandle:
         self._lock = threading.Lock()
         self._close_fd = weakref.finalize(self, os.close, fd)  # a handle nobody closed
 
-    def append_message(self, message: dict) -> None:
+    def append_message(self, msg: dict) -> None:
         """Append a ``{"kind": "message"}`` record."""
-        self._append(_record_line("message", message))
+        self._append(_record_line("message", msg))
 
     def append_meta(self, meta: dict) -> None:
         """Append a ``{"kind": "meta"}`` record."""

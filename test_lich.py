@@ -1884,10 +1884,21 @@ def test_a_chat_message_the_session_could_not_read_back_is_a_clear_type_error(me
         None, user("x"), None]
 
 
-def test_a_chat_message_without_content_is_taken_as_before():
-    outcome = lich.run_conversation(ScriptedChat(lich.ChatResult({"role": "assistant"})), None, [user("x")],
-                                    max_turns=1)
-    assert (outcome.stopped_reason, outcome.final) == ("final", {"role": "assistant"})
+@pytest.mark.parametrize("message", [{"role": "assistant"}, {"role": "assistant", "content": None}],
+                         ids=["no-content", "content-none"])
+def test_a_chat_message_without_content_is_taken_with_the_empty_string_api_md_promises(message, tmp_path):
+    """ChatFns wrapping an SDK give None beside tool calls: taken, and from there on content is
+    "" (the history, the events and the outcome as a resumed session has it)."""
+    call = {"id": "c1", "name": "echo", "arguments": '{"text": "hi"}'}
+    chat = ScriptedChat(lich.ChatResult({**message, "tool_calls": [call]}), lich.ChatResult(dict(message)))
+    emitter, events = recorder_emitter()
+    run = lich.run_agent("x", chat=chat, tools=EchoTools(), max_turns=2, emitter=emitter, session_dir=tmp_path)
+    asked = {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert (run.stopped_reason, run.final, run.messages[1], chat.calls[1]["messages"][1]) == (
+        "final", {"role": "assistant", "content": ""}, asked, asked)
+    assert [e["result"].message for e in events if e["type"] == "llm_end"] == [asked, run.final]
+    assert lich.read_session_messages(run.session_path) == run.messages
+    assert message == {"role": "assistant", **({"content": None} if "content" in message else {})}  # not changed
 
 
 @pytest.mark.parametrize("calls, problem", [
@@ -2568,7 +2579,7 @@ def test_session_records_are_whole_lines(tmp_path):
     with lich.open_session(tmp_path) as handle:
         handle.append_meta({"event": "run_start", "input_chars": 2, "history_size": 0})
         handle.append_message({"role": "user", "content": "line\nbreak é \u2028"})
-        handle.append_message({"role": "user", "content": "lone \ud800 surrogate"})
+        handle.append_message(msg={"role": "user", "content": "lone \ud800 surrogate"})  # API.md's name
     lines = Path(handle.path).read_bytes().split(b"\n")
     assert len(lines) == 4 and lines[3] == b""
     assert records(handle.path) == [
