@@ -1255,9 +1255,7 @@ def _check_chat_result(result):
     check of what a ChatFn returns, so that nothing later trips over its shape."""
     if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
         if type(result).__name__ == ChatResult.__name__:  # a vendored copy's, say
-            raise TypeError(f"the chat returned a ChatResult of another copy of lich (module "
-                            f"{type(result).__module__!r}; this one is {__name__!r}): a chat "
-                            f"and the loop that calls it must come from one copy")
+            raise TypeError(_of_another_copy("chat", result))
         raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                         f"holding a message dict")
     role, content = result.message.get("role"), result.message.get("content")
@@ -1277,6 +1275,14 @@ def _check_chat_result(result):
             if not isinstance(call.get(key), str):
                 raise TypeError(f"the chat's tool call {i}: its {key} is a "
                                 f"{type(call.get(key)).__name__}, not a string")
+
+
+def _of_another_copy(what, result) -> str:
+    """Why the ``what`` (chat, tool runner) cannot be used: its result is of the class of that
+    name of another copy of lich (one vendored beside an installed one, say)."""
+    return (f"the {what} returned a {type(result).__name__} of another copy of lich (module "
+            f"{type(result).__module__!r}; this one is {__name__!r}): a {what} and the loop "
+            f"that calls it must come from one copy")
 
 
 def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature, max_tokens,
@@ -1326,8 +1332,9 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
         _log.debug("tool runner raised on %r", call.get("name"), exc_info=True)
         return ToolResult(ok=False, error=f"{type(exc).__name__}: {exc}")
     if not isinstance(result, ToolResult):
-        return ToolResult(ok=False, error=f"TypeError: the tool runner returned "
-                                          f"{type(result).__name__}, not a ToolResult")
+        return ToolResult(ok=False, error="TypeError: " + (
+            _of_another_copy("tool runner", result) if type(result).__name__ == "ToolResult"
+            else f"the tool runner returned {type(result).__name__}, not a ToolResult"))
     output = "" if result.output is None else result.output
     for value in (output, result.error):
         if value is not None and not isinstance(value, str):  # no session or provider takes it
@@ -5402,12 +5409,21 @@ def _is_binary(f):
 
 def _search_regex(pattern):
     """``pattern`` compiled MULTILINE, quietly: Python's FutureWarning about a '[' in a set
-    (POSIX's ``[[:digit:]]``, which ripgrep reads as a class) would reach the terminal."""
+    (POSIX's ``[[:digit:]]``, which ripgrep reads as a class) would reach the terminal.
+
+    The warning filters are the process's: only a pattern with a set changes them, for the
+    compile, one search at a time (searches in threads that overlapped restored each other's
+    filters, silencing the application's FutureWarnings for good)."""
+    if "[" not in pattern:
+        return re.compile(pattern, re.MULTILINE)
     import warnings
 
-    with warnings.catch_warnings():
+    with _search_regex_lock, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return re.compile(pattern, re.MULTILINE)
+
+
+_search_regex_lock = _ForkSafeLock()
 
 
 def _search_text(regex, text, number, found):

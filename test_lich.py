@@ -1851,19 +1851,41 @@ def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
     assert types(events) == ["turn_start", "llm_start", "error"]
 
 
-def test_a_chat_result_of_another_copy_of_lich_is_said_to_be_so():
-    """A plug-in's vendored lich beside the installed one: the loop of one refused the other's
-    chats with "the chat returned ChatResult, not a ChatResult holding a message dict"."""
+def another_copy_of_lich():
+    """lich.py loaded again under a plug-in's name, beside the lich these tests import."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("myhost._vendor.lich", LICH_PY)
     vendored = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vendored)
+    return vendored
+
+
+def test_a_chat_result_of_another_copy_of_lich_is_said_to_be_so():
+    """A plug-in's vendored lich beside the installed one: the loop of one refused the other's
+    chats with "the chat returned ChatResult, not a ChatResult holding a message dict"."""
+    vendored = another_copy_of_lich()
     with pytest.raises(TypeError) as info:
         lich.run_conversation(lambda messages, **kw: vendored.ChatResult(assistant("hi")), None, [user("x")],
                               max_turns=1)
     assert str(info.value) == ("the chat returned a ChatResult of another copy of lich (module 'myhost._vendor.lich'; "
                                "this one is 'lich'): a chat and the loop that calls it must come from one copy")
+
+
+def test_a_tool_result_of_another_copy_of_lich_is_said_to_be_so():
+    """The host's coding_tools given to a plug-in's vendored run_agent: every call failed with
+    "the tool runner returned ToolResult, not a ToolResult"."""
+    vendored = another_copy_of_lich()
+
+    class VendoredTools(EchoTools):
+        def run(self, call, signal=None):
+            return vendored.ToolResult(ok=True, output="hi")
+
+    run = lich.run_conversation(ScriptedChat(assistant("", ("c1", "echo", "{}")), assistant("done")), VendoredTools(),
+                                [user("x")], max_turns=2)
+    assert run.messages[2]["content"] == json.dumps({"ok": False, "output": "", "error": (
+        "TypeError: the tool runner returned a ToolResult of another copy of lich (module 'myhost._vendor.lich'; "
+        "this one is 'lich'): a tool runner and the loop that calls it must come from one copy")})
 
 
 @pytest.mark.parametrize("message, problem", [
@@ -8386,6 +8408,28 @@ def deep_tree(ws):
     (folder / "deep.txt").write_text("hit\n")
     (ws / "top.txt").write_text("hit\n")
     return "/".join(["d"] * 129)
+
+
+def test_searches_in_threads_leave_the_warning_filters_as_they_were(ws):
+    """Each search compiles its pattern quietly; eight at once restored each other's filters,
+    leaving Python's FutureWarning ignored for good (an application under -W error too)."""
+    import warnings
+
+    (ws / "a.txt").write_text("NEEDLE0_0\n")
+    tools = lich.coding_tools(ws)
+    before = list(warnings.filters)
+
+    def search(i):
+        for j in range(4):  # each pattern new (re caches compiled ones) and slow to compile
+            alternatives = "|".join(f"[w]{k}x{i}y{j}" for k in range(1000))
+            assert run_tool(tools, "search", pattern=f"NEEDLE{i}_{j}|{alternatives}").ok
+
+    threads = [threading.Thread(target=search, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert warnings.filters == before
 
 
 def test_where_no_search_process_can_start_the_calling_thread_searches(ws, monkeypatch):
