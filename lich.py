@@ -5368,11 +5368,35 @@ _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
 _SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers,
 _SEARCH_SPLIT_WORK = 200_000    # as long as their entries times .gitignore's rules stay below
 _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
-    "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
-    "spec.loader.exec_module(module)\n"
+    "import sys\n"
+    "if len(sys.argv) > 2:  # in a zip: its importer gives the code, of source or bytecode\n"
+    "    import types, zipimport\n"
+    "    module = sys.modules['lich_search_worker'] = types.ModuleType('lich_search_worker')\n"
+    "    module.__file__ = sys.argv[1]\n"
+    "    exec(zipimport.zipimporter(sys.argv[2]).get_code(sys.argv[3]), module.__dict__)\n"
+    "else:\n"
+    "    import importlib.util\n"
+    "    spec = importlib.util.spec_from_file_location('lich_search_worker', sys.argv[1])\n"
+    "    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+    "    spec.loader.exec_module(module)\n"
     "module._search_worker()\n")
+
+
+def _worker_boot_argv():
+    """The arguments of ``_WORKER_BOOT`` that find this file: its path, or in a zip (a zipapp,
+    a .zip on sys.path) its path, the importer's folder and the module's name; else None."""
+    import zipimport
+
+    source, loader = globals().get("__file__"), globals().get("__loader__")
+    if not source:
+        return None
+    if os.path.isfile(source):
+        return [os.path.abspath(source)]
+    if isinstance(loader, zipimport.zipimporter):
+        spec = globals().get("__spec__")
+        name = (spec.name if spec is not None else __name__).rpartition(".")[2]
+        return [source, os.path.abspath(os.path.join(loader.archive, loader.prefix)), name]
+    return None
 
 
 def _read_lines(f, max_chars):
@@ -5789,12 +5813,12 @@ class _SearchWorkers:
                 if worker.poll() is None:
                     return worker
                 self._retire(worker)
-        source = globals().get("__file__")
-        if not (sys.executable and source and os.path.isfile(source)
+        boot = _worker_boot_argv()
+        if not (sys.executable and boot
                 and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
             return None  # no Python to start here (an embedding host): search in this process
         try:  # -I and "/": no module of the searched folder (a json.py) is ever imported
-            worker = subprocess.Popen([sys.executable, "-I", "-c", _WORKER_BOOT, os.path.abspath(source)],
+            worker = subprocess.Popen([sys.executable, "-I", "-c", _WORKER_BOOT, *boot],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True,
                                       env=_tool_environment(), cwd="/")

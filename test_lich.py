@@ -8398,6 +8398,37 @@ def test_a_catastrophic_regex_stops_at_the_signal_within_a_second(ws, engine):
     assert result == expected
 
 
+@pytest.mark.parametrize("inside", ["source", "bytecode"])
+def test_a_lich_imported_from_a_zip_searches_in_workers_the_signal_stops(ws, tmp_path, monkeypatch, inside):
+    """From a zipapp or a .zip on sys.path, a search ran in the calling thread, where a
+    regex that backtracks held it past the signal, Ctrl-C and SIGTERM: only SIGKILL ended it."""
+    import py_compile
+    import zipfile
+
+    hide_ripgrep(monkeypatch)
+    (ws / "slow.txt").write_text("a" * 40 + "b\n")
+    (ws / "a.txt").write_text("a needle\n")
+    with zipfile.ZipFile(tmp_path / "plugin.zip", "w") as archive:
+        archive.writestr("plugin/__init__.py", "")
+        if inside == "source":
+            archive.write(LICH_PY, "plugin/lich.py")
+        else:
+            archive.write(py_compile.compile(LICH_PY, cfile=str(tmp_path / "lich.pyc")), "plugin/lich.pyc")
+    script = f"""if True:
+        import json, sys, threading, time
+        sys.path.insert(0, {str(tmp_path / "plugin.zip")!r})
+        from plugin import lich
+        tools = lich.coding_tools({str(ws)!r})
+        print(tools.run({{"id": "1", "name": "search", "arguments": '{{"pattern": "needle"}}'}}).output)
+        signal = threading.Event()
+        threading.Timer(0.3, signal.set).start()
+        started = time.monotonic()
+        result = tools.run({{"id": "2", "name": "search", "arguments": json.dumps({{"pattern": {CATASTROPHIC!r}}})}}, signal)
+        print(result.error, time.monotonic() - started < 1.5)"""
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "a.txt:1: a needle\nthe search was aborted True\n", "")
+
+
 def deep_tree(ws):
     """``top.txt`` and, 130 folders down, ``deep.txt`` (both "hit"); returns the path of the
     first folder too deep for the walk (128 levels)."""
