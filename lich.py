@@ -10030,7 +10030,8 @@ def main(argv=None) -> int:
     ``lich PROMPT`` runs one agent turn and prints the answer on stdout; with no PROMPT
     and a terminal on stdin it starts an interactive chat. Exit codes: 0 a final
     answer, 1 a provider or runtime error, 2 a usage error or an unknown session,
-    3 the turn budget ran out, 130 interrupted, 128 + N ended by signal N.
+    3 the turn budget ran out, 130 interrupted, 128 + N ended by signal N. Call it as
+    ``sys.exit(main())`` (a zipapp made with ``-m lich:main`` drops the code).
     """
     import signal as signals
 

@@ -11468,6 +11468,20 @@ def test_version_subprocess():
     assert Process(LICH_PY, "--version").wait() == (0, f"lich {lich.__version__}\n", "")
 
 
+def test_a_zipapp_made_as_the_readme_says_keeps_the_exit_codes(tmp_path):
+    import shutil
+    import zipapp
+
+    (tmp_path / "app").mkdir()
+    shutil.copy(LICH_PY, tmp_path / "app" / "lich.py")
+    (tmp_path / "app" / "__main__.py").write_text("import sys, lich; sys.exit(lich.main())\n")
+    zipapp.create_archive(tmp_path / "app", tmp_path / "lich.pyz")
+    assert Process(tmp_path / "lich.pyz", "--version").wait() == (0, f"lich {lich.__version__}\n", "")
+    code, out, err = Process(tmp_path / "lich.pyz", "--max-turns", "0", "x").wait()
+    assert (code, out, err.splitlines()[-1]) == (
+        2, "", "lich: error: argument --max-turns: expected a whole number >= 1, got '0'")
+
+
 def test_help_lists_the_options():
     # argparse prints the script's help and exits: the process's own output and exit code
     code, out, err = Process(LICH_PY, "--help").wait()
