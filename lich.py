@@ -4491,10 +4491,11 @@ def _json_ready(value):
 
 
 def _docstring(fn):
-    """``inspect.getdoc(fn)``; under ``python -OO``, which drops docstrings, read from the
-    source when it is at hand, so that the model still gets each tool's description."""
+    """``inspect.getdoc(fn)``; where docstrings were dropped (``python -OO``, or lich's
+    bytecode compiled so), read from the source when it is at hand, so that the model still
+    gets each tool's description. Without it, a warning says that the descriptions are gone."""
     doc = inspect.getdoc(fn)
-    if doc is not None or sys.flags.optimize < 2:
+    if doc is not None or (sys.flags.optimize < 2 and _docstring.__doc__ is not None):
         return doc
     import ast
     import textwrap
@@ -4502,7 +4503,15 @@ def _docstring(fn):
         [node] = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
         return ast.get_docstring(node)
     except (OSError, TypeError, SyntaxError, ValueError):  # no source, or not one function's
+        if _docstring.__doc__ is None and not _NO_DOCSTRINGS_TOLD.is_set():
+            _NO_DOCSTRINGS_TOLD.set()  # once: each tool would say it again
+            _log.warning("tools have no descriptions for the model: lich runs from bytecode "
+                         "compiled without docstrings (-OO) and without its source; ship "
+                         "lich.py with it, or compile without -OO")
         return None
+
+
+_NO_DOCSTRINGS_TOLD = threading.Event()
 
 
 def _function_tool(fn, name, description):

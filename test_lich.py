@@ -8823,6 +8823,31 @@ def test_under_python_oo_tools_keep_their_descriptions(tmp_path):
     assert all(spec["description"] for spec in json.loads(plain))
 
 
+@pytest.mark.parametrize("flags, source", [(["-OO"], False), ([], False), ([], True)],
+                         ids=["python-OO", "python", "python-with-the-source"])
+def test_lich_shipped_as_bytecode_without_docstrings_says_its_tools_lost_their_descriptions(tmp_path, flags, source):
+    """Bytecode compiled with -OO and no source (PyInstaller's --optimize 2): the built-in
+    tools went to the model with no description, and nobody was told. With the source where
+    the bytecode says it was, they are read from it, as under -OO."""
+    import py_compile
+
+    (tmp_path / "lib").mkdir()
+    py_compile.compile(LICH_PY, cfile=str(tmp_path / "lib" / "lich.pyc"), optimize=2,
+                       dfile=LICH_PY if source else str(tmp_path / "build" / "lich.py"))  # built elsewhere
+    script = tmp_path / "specs.py"
+    script.write_text(SPECS_OF_TOOLS)
+    code, out, err = Process(*flags, script, tmp_path / "lib").wait()
+    specs = json.loads(out)
+    if source:
+        assert (code, err, specs) == (0, "", json.loads(Process(script, HERE).wait()[1]))
+        return
+    assert (code, err) == (0, ("tools have no descriptions for the model: lich runs from bytecode compiled without "
+                               "docstrings (-OO) and without its source; ship lich.py with it, or compile without -OO\n"))
+    assert [spec["name"] for spec in specs if not spec["description"]] == [  # bash's is built, greet's read
+        "read_file", "list_files", "search", "write_file", "edit_file"]
+    assert specs[-1]["description"] == "Say hello."
+
+
 SEARCH_THEN_FORK = r"""
 import gc, os, sys
 sys.path.insert(0, sys.argv[1])
