@@ -9304,15 +9304,7 @@ class _Cli:
         try:  # what was started is stopped, whatever fails after it
             self.mcp = [self._start_mcp(server) for server in args.mcp]
             self.tools = self._tools(self.root)
-            names = ", ".join(spec["name"] for spec in self.tools.specs())
-            system = (args.system if args.system is not None
-                      else _DEFAULT_SYSTEM_PROMPT.format(root=self.root, tools=names, answer=(
-                          _PLAIN_ANSWER if args.schema is None else _SCHEMA_ANSWER)))
-            found = None if args.no_project_instructions else _project_instructions(self.root)
-            if found is not None:
-                system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
-                term.note(f"lich: following {found[0]} of {self.root}")
-            self.system_prompt = system
+            self.system_prompt = self._system_prompt(self.root, told=True)
             self.otel = _otel_provider() if args.otel else None
             if self.otel is not None:
                 self.closers.append(self.otel.shutdown)
@@ -9372,6 +9364,21 @@ class _Cli:
             waiting.cancel()
         self.closers.append(tools.close)
         return tools
+
+    def _system_prompt(self, root, *, told):
+        """The system prompt of a run in ``root``: -s or the default one naming the root and
+        the tools, then the root's AGENTS.md (``told``: a note on stderr says so)."""
+        args = self.args
+        names = ", ".join(spec["name"] for spec in self.tools.specs())
+        system = (args.system if args.system is not None
+                  else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names, answer=(
+                      _PLAIN_ANSWER if args.schema is None else _SCHEMA_ANSWER)))
+        found = None if args.no_project_instructions else _project_instructions(root)
+        if found is not None:
+            system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
+            if told:
+                self.term.note(f"lich: following {found[0]} of {root}")
+        return system
 
     def _tools(self, root):
         tools = coding_tools(root, allow_write="write" in self.allow,
@@ -9845,6 +9852,12 @@ class _Cli:
         """Every task of --batch, on --workers threads; resumed from --out."""
         tasks, numbers = _read_tasks(self.args.batch)
         term, args = self.term, self.args
+        # A task in a folder of its own is told that folder, and its AGENTS.md (quietly: a
+        # note per task would bury the progress line). A root that is no folder fails its task.
+        tasks = [{**task, "system_prompt": self._system_prompt(os.path.realpath(task["root"]), told=False)}
+                 if isinstance(task, dict) and isinstance(task.get("root"), str)
+                 and os.path.isdir(task["root"]) and "system_prompt" not in task else task
+                 for task in tasks]
         if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise _UsageError(f"--out: the folder of {args.out} does not exist")
         signal = self.signal = threading.Event()

@@ -13255,6 +13255,36 @@ def test_a_batch_from_the_command_line(batch_server, lich_model, cli, tmp_path, 
     assert len(batch_server.requests) == requests
 
 
+def test_a_batch_task_in_a_folder_of_its_own_is_told_that_folder_and_its_agents_md(batch_server, lich_model, cli,
+                                                                                  tmp_path, workspace):
+    """Its tools worked in its root, but its system prompt named --root's folder, and its
+    AGENTS.md was not read. Told as `lich --root` tells a run there, without a note per task."""
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text("over there\n")
+    (other / "AGENTS.md").write_text("Answer in French.\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(task) for task in [
+        {"id": "own", "prompt": "own", "root": str(other)}, {"id": "main", "prompt": "main"},
+        {"id": "given", "prompt": "given", "root": str(other), "system_prompt": "mine"}]) + "\n")
+    code, stdout, err = cli("--batch", str(tasks), "--workers", "1", "--root", str(workspace))
+    assert (code, sorted((row["id"], row["final"]) for row in map(json.loads, stdout.splitlines()))) == (
+        0, [("given", "answer to given: over there"), ("main", "answer to main: hello"),
+            ("own", "answer to own: over there")])
+    assert "AGENTS.md" not in err
+
+    def system_prompts():
+        return {r["json"]["messages"][1]["content"]: r["json"]["messages"][0]["content"]
+                for r in batch_server.requests}
+
+    told = system_prompts()
+    for prompt, root in (("own", other), ("main", workspace)):
+        del batch_server.requests[:]
+        assert cli("--root", str(root), "--no-session", prompt)[0] == 0
+        assert told[prompt] == system_prompts()[prompt]
+    assert told["given"] == "mine" and "Answer in French." in told["own"]
+
+
 def test_a_batch_out_line_whose_ok_is_no_true_is_not_counted_done(batch_server, lich_model, cli, tmp_path, workspace):
     prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
     prompts.write_text("one\n")
