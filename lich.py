@@ -8311,6 +8311,11 @@ def _output_schema(text):
     return schema
 
 
+_OTEL_EXPORTER_HINTS = {"otlp": "pip install opentelemetry-exporter-otlp"}
+_OTEL_EXPORTER_NAMES = ("OTEL_TRACES_EXPORTER names otlp, console, none, or an exporter an "
+                        "installed package adds")
+
+
 def _otel_provider():
     """The tracer provider the OpenTelemetry SDK makes from the OTEL_* variables; the console
     exporter writes to stderr (stdout carries the answer)."""
@@ -8342,7 +8347,7 @@ def _otel_provider():
                          if e.name == name]
             if not found:
                 raise _UsageError(f"--otel: no OpenTelemetry exporter named {name!r} is "
-                                  f"installed (for otlp: pip install opentelemetry-exporter-otlp)")
+                                  f"installed ({_OTEL_EXPORTER_HINTS.get(name, _OTEL_EXPORTER_NAMES)})")
             exporter = next(iter(found)).load()()
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return provider
@@ -8778,7 +8783,7 @@ def _plain(value):
     """A JSON-ready copy of an event value: dataclasses as dicts, exceptions described."""
     if isinstance(value, BaseException):
         described = {"type": type(value).__name__, "message": str(value)}
-        for name in ("kind", "status", "retryable", "retry_after"):
+        for name in ("kind", "status", "provider", "retryable", "retry_after", "after_output"):
             if hasattr(value, name):
                 described[name] = getattr(value, name)
         return described

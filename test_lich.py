@@ -11373,7 +11373,10 @@ def test_otel_exports_with_otlp_unless_told_otherwise_as_the_sdk_does(server, li
         pytest.skip("an OTLP exporter is installed here")
     assert Process(*LICH, "--otel", "hi").wait() == (2, "", (
         "lich: --otel: no OpenTelemetry exporter named 'otlp' is installed "
-        "(for otlp: pip install opentelemetry-exporter-otlp)\n"))
+        "(pip install opentelemetry-exporter-otlp)\n"))
+    assert Process(*LICH, "--otel", "hi", env={"OTEL_TRACES_EXPORTER": "consol"}).wait() == (2, "", (
+        "lich: --otel: no OpenTelemetry exporter named 'consol' is installed (OTEL_TRACES_EXPORTER names "
+        "otlp, console, none, or an exporter an installed package adds)\n"))  # not told to install otlp's
     queue(server, openai_reply("untraced"))
     assert Process(*LICH, "--otel", "-q", "--no-stream", "hi", env={"OTEL_TRACES_EXPORTER": "none"}).wait() == (
         0, "untraced\n", "")
@@ -11933,7 +11936,7 @@ def test_json_lines_on_a_provider_error(server, lich_model, cli, tmp_path):
                         "usage": {"input_tokens": 0, "output_tokens": 0}, "session_path": None}
     message = "openai: HTTP 400 (invalid_request_error): bad thing"
     assert lines[2]["error"] == {"type": "ProviderError", "message": message, "kind": "bad_request", "status": 400,
-                                 "retryable": False, "retry_after": None}
+                                 "provider": "openai", "retryable": False, "retry_after": None, "after_output": False}
     assert code == 1
     assert err == f"lich: error: bad_request: {message}\n"
 
