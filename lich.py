@@ -9866,7 +9866,7 @@ class _Cli:
         if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise _UsageError(f"--out: the folder of {args.out} does not exist")
         signal = self.signal = threading.Event()
-        started, counts = time.monotonic(), {"done": 0, "failed": 0}
+        started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
         total = len(tasks)
         done_before = 0 if args.out is None or args.redo else _done_in(args.out, tasks)
         begun = []  # a task's id as it begins (appended by the worker threads)
@@ -9874,6 +9874,7 @@ class _Cli:
         def on_result(result):
             counts["done"] += 1
             counts["failed"] += result.stopped_reason is None or result.stopped_reason == "aborted"
+            counts["budget"] += result.stopped_reason == "budget"
             if args.out is None:
                 term.json_line(asdict(result))
             elapsed = time.monotonic() - started
@@ -9881,7 +9882,8 @@ class _Cli:
             done = done_before + counts["done"]
             left = total - done
             eta = f" · ETA {max(1, round(left / rate))} s" if rate and left else ""  # never "0 s"
-            term.status(f"{done}/{total} done · {counts['failed']} failed · "
+            budget = f" · {counts['budget']} out of turns" if counts["budget"] else ""  # exit 3
+            term.status(f"{done}/{total} done · {counts['failed']} failed{budget} · "
                         f"{len(begun) - counts['done']} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
 
         def tools(task):  # made as the task begins: it runs until its result comes

@@ -13323,8 +13323,9 @@ def test_a_batchs_sessions_are_kept_apart_from_the_chats(batch_server, lich_mode
 def test_a_batch_that_runs_out_of_turns_exits_3(batch_server, lich_model, cli, tmp_path, workspace):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\n")
-    code, stdout, _ = cli("--batch", str(prompts), "--max-turns", "2", "--root", str(workspace))
+    code, stdout, err = cli("--batch", str(prompts), "--max-turns", "2", "--root", str(workspace))
     assert (code, json.loads(stdout)["stopped_reason"]) == (3, "budget")
+    assert err.split(" · ")[:4] == ["1/1 done", "0 failed", "1 out of turns", "0 running"]  # it said "0 failed" only
 
 
 def test_a_batch_whose_out_file_another_batch_holds_says_so(server, lich_model, cli, tmp_path, workspace):
