@@ -4836,6 +4836,8 @@ _READ_MAX_CHARS = 40_000        # read_file stops here and says where to go on
 _BINARY_SNIFF_BYTES = 8192      # a NUL byte in this much of a file makes it binary
 _PATH_SHOWN_CHARS = 400         # of a path quoted in an error, at most about this much
 _FILE_READ_BYTES = 65_536       # one read of the rest of a line too long to keep
+_READ_LINE_MAX_BYTES = 64 << 20  # read_file reads no further than a line this long (a sparse
+                                # file's hole is one line of NUL bytes, terabytes of them)
 _LIST_MAX_FILES = 500           # list_files names at most this many files
 _WALK_MAX_ENTRIES = 100_000     # list_files stops scanning after this many entries
 _WALK_MAX_DEPTH = 128           # folders deeper than this are not entered (one descriptor each)
@@ -5408,11 +5410,15 @@ def _worker_boot_argv():
     return None
 
 
-def _read_lines(f, max_chars):
+def _read_lines(f, max_chars, signal):
     """(text, cut) per line of the binary file ``f``: at most ``max_chars`` characters of the
-    line (undecodable bytes replaced) and how many more it had; memory stays bounded."""
+    line (undecodable bytes replaced) and how many more it had; memory stays bounded. A line
+    longer than ``_READ_LINE_MAX_BYTES`` ends the reading, its cut None (not counted to its
+    end). A set ``signal`` is a _ToolFailure, checked as a long line is read."""
     cap = max_chars * _UTF8_MAX_BYTES + 2
     while True:
+        if signal.is_set():
+            raise _ToolFailure("the read was aborted")
         raw = f.readline(cap)
         if not raw:
             return
@@ -5423,9 +5429,15 @@ def _read_lines(f, max_chars):
             continue
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         text = decoder.decode(raw)
-        more = 0
+        more, read = 0, len(raw)
         while True:
+            if signal.is_set():
+                raise _ToolFailure("the read was aborted")
+            if read > _READ_LINE_MAX_BYTES:
+                yield text[:max_chars], None
+                return
             chunk = f.readline(_FILE_READ_BYTES)
+            read += len(chunk)
             ended = chunk.endswith(b"\n") or not chunk
             more += len(decoder.decode(chunk.rstrip(b"\r\n") if ended else chunk, final=ended))
             if ended:
@@ -5979,7 +5991,8 @@ class _Workspace:
         self.search_timeout = search_timeout
         self._workers = _SearchWorkers()
 
-    def read_file(self, path: str, offset: int = 1, limit: int = _READ_DEFAULT_LIMIT) -> str:
+    def read_file(self, path: str, offset: int = 1, limit: int = _READ_DEFAULT_LIMIT,
+                  *, signal: threading.Event) -> str:
         """Read a text file of the workspace: its lines, numbered from 1; long lines are cut.
 
         Args:
@@ -5995,9 +6008,17 @@ class _Workspace:
         with self.root.open_file(self.root.resolve(path), path) as f:
             if _is_binary(f):
                 raise _ToolFailure(f"path is a binary file, not text: {path}")
-            for number, (text, cut) in enumerate(_read_lines(f, _LINE_MAX_CHARS), 1):
+            for number, (text, cut) in enumerate(_read_lines(f, _LINE_MAX_CHARS, signal), 1):
+                if cut is None and number < offset:
+                    raise _ToolFailure(
+                        f"line {number} of {path} is longer than {_READ_LINE_MAX_BYTES >> 20} MB: "
+                        f"read_file reads no further (search finds what is beyond it)")
                 if number < offset:
                     continue
+                if cut is None:
+                    lines.append(f"{number:6}\t{text} [... the line goes on past "
+                                 f"{_READ_LINE_MAX_BYTES >> 20} MB; nothing after it is read]")
+                    break
                 line = f"{number:6}\t{text}" + (f" [... {cut} more characters]" if cut else "")
                 if number >= offset + limit or (lines and size + len(line) > _READ_MAX_CHARS):
                     go_on = number

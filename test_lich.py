@@ -8113,6 +8113,25 @@ def test_read_file_cases(ws, content, arguments, result):
     (ws / "f.txt").write_bytes(content)
     assert run_tool(lich.coding_tools(ws), "read_file", path="f.txt", **arguments) == result
 
+def test_read_file_reads_no_further_than_a_line_of_64_mb(ws):
+    """A sparse file's hole is one line of NUL bytes: read_file read it to its end (a TiB of
+    them held the loop past the signal, Ctrl-C and SIGTERM)."""
+    with open(ws / "sparse.txt", "wb") as f:
+        f.write(b"text\n" * 2000)
+        f.truncate(1 << 40)
+    tools = lich.coding_tools(ws)
+    started = time.monotonic()
+    assert run_tool(tools, "read_file", path="sparse.txt", offset=5000) == lich.ToolResult(ok=False, error=(
+        "line 2001 of sparse.txt is longer than 64 MB: read_file reads no further (search finds what is "
+        "beyond it)"))
+    assert run_tool(tools, "read_file", path="sparse.txt", offset=2000) == lich.ToolResult(ok=True, output=(
+        "  2000\ttext\n  2001\t" + "\0" * 2000 + " [... the line goes on past 64 MB; nothing after it is read]"))
+    assert time.monotonic() - started < 10
+    signal = threading.Event()
+    signal.set()
+    assert tools.run(tool_call("read_file", {"path": "sparse.txt"}), signal) == lich.ToolResult(
+        ok=False, error="the read was aborted")
+
 
 def test_read_file_huge_file_stops_at_its_budget(ws):
     with open(ws / "big.txt", "w") as f:
