@@ -4862,6 +4862,15 @@ def _file_lock(real):
     return _file_locks[hash(real) % _FILE_LOCK_STRIPES]
 
 
+def _realpath(path):
+    """``os.path.realpath``; a chain of links too long for Python's recursion is an OSError
+    (ELOOP), as the kernel makes one of more than 40 links."""
+    try:
+        return os.path.realpath(path)
+    except RecursionError:
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
+
+
 def _fs_failure(error, path):
     """An OSError on ``path`` (as the model gave it) as a _ToolFailure the model can act on."""
     path = _shown_path(path)
@@ -4981,7 +4990,10 @@ class _Root:
     """
 
     def __init__(self, root):
-        real = os.path.realpath(root)
+        try:
+            real = _realpath(root)
+        except OSError as e:
+            raise ValueError(f"root is not a directory: {root} ({e.strerror})") from None
         if not os.path.isdir(real):
             raise ValueError(f"root is not a directory: {root}")
         self.path = real
@@ -4997,7 +5009,10 @@ class _Root:
         """The real path of ``path`` (relative to the root), which must lie inside the root."""
         if "\0" in path:
             raise _ToolFailure(f"path contains a NUL character: {_shown_path(repr(path))}")
-        real = os.path.realpath(os.path.join(self.path, path))
+        try:
+            real = _realpath(os.path.join(self.path, path))
+        except OSError as e:
+            raise _fs_failure(e, path) from None
         if not self.inside(real):
             raise _ToolFailure(f"path is outside the workspace: {_shown_path(path)}")
         return real
@@ -5040,8 +5055,8 @@ class _Root:
             return fd
         if opened is None:  # no kernel answer here: the path must still name what was opened
             try:
-                now, was = os.fstat(fd), os.stat(os.path.realpath(real))
-                if self.inside(os.path.realpath(real)) and os.path.samestat(now, was):
+                now, was = os.fstat(fd), os.stat(_realpath(real))
+                if self.inside(_realpath(real)) and os.path.samestat(now, was):
                     return fd
             except OSError:
                 pass
@@ -5061,7 +5076,7 @@ class _Root:
                 return entry.name not in _SKIP_DIRS
             try:
                 if entry.is_symlink():
-                    target = os.path.realpath(os.path.join(self.path, prefix + rel))
+                    target = _realpath(os.path.join(self.path, prefix + rel))
                     if not (self.inside(target) and os.path.isfile(target)):
                         return False
                 elif not entry.is_file(follow_symlinks=False):
@@ -5121,7 +5136,8 @@ class _Root:
                 # the rename needs only the folder's permission: a read-only file is refused
                 # here, as the shell's ``>`` refuses it
                 raise _ToolFailure(f"permission denied: {shown} is read-only")
-            temp = f".{name[:200]}.lich-{os.getpid()}-{os.urandom(4).hex()}.tmp"
+            temp = (f".{os.fsdecode(os.fsencode(name)[:200])}"  # bytes: a name holds 255 of them
+                    f".lich-{os.getpid()}-{os.urandom(4).hex()}.tmp")
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                          0o666, dir_fd=dir_fd)
             with os.fdopen(fd, "wb") as f:
@@ -6131,7 +6147,10 @@ class _Workspace:
                 "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
-        if glob and "/" not in glob:
+        # ripgrep filters by the glob too (lich checks each path anyway) when it reads it as
+        # lich does: not an unpaired brace or bracket (an error, or no file, to ripgrep)
+        if (glob and "/" not in glob and glob.count("{") == glob.count("}")
+                and glob.count("[") == glob.count("]")):
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
@@ -6183,8 +6202,9 @@ class _Workspace:
         finally:
             if ignore_file is not None:
                 os.unlink(ignore_file)
-        if ended == "done" and code == 2 and not matches.total and "regex" in errors:
-            return None  # a Python pattern ripgrep does not take: the worker searches
+        if ended == "done" and code == 2 and not matches.total and ("regex" in errors
+                                                                    or "glob" in errors):
+            return None  # a Python pattern (or a glob) ripgrep does not take: the worker searches
         return ended
 
     def _search_in_worker(self, pattern, fd, real, folder, prefix, glob, gitignore, matches,
@@ -8298,7 +8318,10 @@ def _project_instructions(root):
     file inside the root counts: a link to ~/.aws/credentials is not sent to a model."""
     root = os.path.realpath(root)
     for name in ("AGENTS.md", "CLAUDE.md"):
-        path = os.path.realpath(os.path.join(root, name))
+        try:  # a chain of links too long for realpath's recursion too
+            path = os.path.realpath(os.path.join(root, name))
+        except RecursionError:
+            continue
         if not path.startswith(root.rstrip("/") + "/"):
             continue
         try:
@@ -9320,8 +9343,9 @@ class _Cli:
         self.model = args.model or _default_model(environ)
         try:
             self.root = os.path.realpath(args.root)
-        except OSError as e:  # a relative root in a current folder that was removed
-            raise _UsageError(f"--root is not a folder: {args.root} ({e.strerror or e})") from None
+        except (OSError, RecursionError) as e:  # a relative root in a removed folder; a link chain
+            raise _UsageError(f"--root is not a folder: {args.root} "
+                              f"({getattr(e, 'strerror', None) or e})") from None
         if not os.path.isdir(self.root):
             raise _UsageError(f"--root is not a folder: {args.root}")
         self.approvals = _Approvals(self) if self.asks else None

@@ -7930,6 +7930,25 @@ def test_read_file_symlinks_inside(ws, tmp_path):
         ok=False, error="too many levels of symbolic links: loop_a")
 
 
+def test_a_chain_of_a_thousand_links_is_too_many_levels_of_links_not_a_recursion_error(ws, server, lich_model, cli):
+    """os.path.realpath recurses once per link: list_files and read_file failed with a
+    RecursionError, and an AGENTS.md at the end of such a chain stopped every lich there."""
+    (ws / "chain").mkdir()
+    (ws / "a.txt").write_text("hello\n")
+    os.symlink("../a.txt", ws / "chain" / "l0")
+    for i in range(1, 1000):
+        os.symlink(f"l{i - 1}", ws / "chain" / f"l{i}")
+    os.symlink("chain/l999", ws / "AGENTS.md")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "read_file", path="chain/l999") == lich.ToolResult(
+        ok=False, error="too many levels of symbolic links: chain/l999")
+    listed = run_tool(tools, "list_files")
+    assert listed.ok and listed.output.splitlines()[:3] == ["a.txt", "chain/l0", "chain/l1"]
+    assert "chain/l999" not in listed.output.splitlines()
+    queue(server, openai_reply("hello"))
+    assert cli("--root", str(ws), "--no-session", "--no-stream", "hi") == (0, "hello\n", "tokens: 7 in, 3 out\n")
+
+
 def test_coding_tools_root_given_through_a_symlink(ws, tmp_path):
     (ws / "f.txt").write_text("x\n")
     os.symlink(ws, tmp_path / "ws_link")
@@ -8231,6 +8250,14 @@ def test_search_refusals(ws, tmp_path, engine):
         ok=False, error="path is not a regular file or a directory: pipe")
 
 
+@pytest.mark.parametrize("glob", ["a{b.txt", "c[d.txt", "g}h.txt"])
+def test_a_glob_ripgrep_cannot_read_is_searched_by_lich_itself(ws, engine, glob):
+    """ripgrep refused it, and the search answered "no matches" as if it had looked."""
+    (ws / glob).write_text("needle\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle", glob=glob) == lich.ToolResult(
+        ok=True, output=f"{glob}:1: needle")
+
+
 def test_search_aborts_between_files(ws, engine):
     (ws / "a.txt").write_text("x\n")
     event = threading.Event()
@@ -8246,6 +8273,17 @@ def test_write_file_creates_folders_and_overwrites(ws):
     assert run_tool(tools, "write_file", path="new/dir/f.txt", content="bye") == \
         lich.ToolResult(ok=True, output="wrote 3 characters to new/dir/f.txt")
     assert (ws / "new/dir/f.txt").read_bytes() == b"bye"
+
+
+def test_a_long_name_of_letters_beyond_ascii_is_written_and_edited(ws):
+    """The temporary file's name kept 200 characters of the name, up to 800 bytes of UTF-8,
+    where a name holds 255: a valid name of 120 é's could not be written."""
+    tools = lich.coding_tools(ws, allow_write=True)
+    name = "é" * 120 + ".txt"  # 244 bytes
+    assert run_tool(tools, "write_file", path=name, content="one\n") == lich.ToolResult(
+        ok=True, output=f"wrote 4 characters to {name}")
+    assert run_tool(tools, "edit_file", path=name, old_text="one", new_text="two").ok
+    assert [(p.name, p.read_text()) for p in ws.iterdir() if p.name != "a.txt"] == [(name, "two\n")]
 
 
 def test_write_file_asks_approval(ws):
