@@ -5169,33 +5169,35 @@ _STAR = "*"
 
 
 def _expand_braces(pattern):
-    """The patterns ``{a,b}`` alternatives spell out (nested ones too)."""
-    start = pattern.find("{")
-    while start >= 0:
-        depth, i, commas = 0, start, []
-        while i < len(pattern):
-            if pattern[i] == "{":
-                depth += 1
-            elif pattern[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            elif pattern[i] == "," and depth == 1:
-                commas.append(i)
-            i += 1
-        if i < len(pattern) and commas:
-            head, tail = pattern[:start], pattern[i + 1:]
-            bounds = [start] + commas + [i]
-            expanded = []
-            for a, b in zip(bounds, bounds[1:]):
-                for each in _expand_braces(head + pattern[a + 1:b] + tail):
-                    expanded.append(each)
-                    if len(expanded) > _GLOB_MAX_ALTERNATIVES:
-                        raise _ToolFailure(f"the glob {pattern!r} spells out more than "
-                                           f"{_GLOB_MAX_ALTERNATIVES} patterns")
-            return expanded
-        start = pattern.find("{", start + 1)
-    return [pattern]
+    """The patterns ``{a,b}`` alternatives spell out (nested ones too): the first brace that
+    closes and holds a comma of its own is spelled out, and each of its patterns in turn.
+    One pass finds it (a brace closes at the first "}" that balances it; a comma is its
+    innermost open brace's), so a glob of thousands of braces takes no quadratic time."""
+    opened, commas = [], {}
+    first = None  # (the first brace that closes holding a comma, where it closes)
+    for i, c in enumerate(pattern):
+        if c == "{":
+            opened.append(i)
+            commas[i] = []
+        elif c == "," and opened:
+            commas[opened[-1]].append(i)
+        elif c == "}" and opened:
+            start = opened.pop()
+            if commas[start] and (first is None or start < first[0]):
+                first = (start, i)
+    if first is None:
+        return [pattern]
+    start, end = first
+    head, tail = pattern[:start], pattern[end + 1:]
+    bounds = [start] + commas[start] + [end]
+    expanded = []
+    for a, b in zip(bounds, bounds[1:]):
+        for each in _expand_braces(head + pattern[a + 1:b] + tail):
+            expanded.append(each)
+            if len(expanded) > _GLOB_MAX_ALTERNATIVES:
+                raise _ToolFailure(f"the glob {_echo(pattern)} spells out more than "
+                                   f"{_GLOB_MAX_ALTERNATIVES} patterns")
+    return expanded
 
 
 def _glob_tokens(segment):

@@ -8258,6 +8258,19 @@ def test_a_glob_ripgrep_cannot_read_is_searched_by_lich_itself(ws, engine, glob)
         ok=True, output=f"{glob}:1: needle")
 
 
+def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
+    """Each unclosed brace was scanned to the glob's end, again for each pattern spelled out:
+    3,000 of them held search (before its clock started) and list_files for 40 s."""
+    tools = lich.coding_tools(ws, search_timeout=1)
+    bomb = "{" * 3000 + "{a,b}" * 6
+    started = time.monotonic()
+    assert run_tool(tools, "search", pattern="x", glob=bomb) == lich.ToolResult(ok=True, output="no matches")
+    assert run_tool(tools, "list_files", pattern=bomb).output.startswith("no files match {{{")
+    assert run_tool(tools, "list_files", pattern=bomb + "{c,d}") == lich.ToolResult(ok=False, error=(
+        'the glob "' + "{" * 79 + '... spells out more than 64 patterns'))
+    assert time.monotonic() - started < 5
+
+
 def test_search_aborts_between_files(ws, engine):
     (ws / "a.txt").write_text("x\n")
     event = threading.Event()
