@@ -5999,6 +5999,17 @@ def _split_lines(pending, on_line):
         del pending[_PROCESS_LINE_MAX_BYTES:-_PROCESS_LINE_MAX_BYTES]
 
 
+def _places(text, part) -> list:
+    """The spans of ``part`` in ``text``, overlapping ones too ("end\nend" is twice in
+    "end\nend\nend"), up to one more than ``_EDIT_COUNT_MAX``: plain string search, in
+    time about the text's length whatever ``part`` holds."""
+    spans, at = [], text.find(part)
+    while at >= 0 and len(spans) <= _EDIT_COUNT_MAX:
+        spans.append((at, at + len(part)))
+        at = text.find(part, at + 1)
+    return spans
+
+
 class _Workspace:
     """The coding tools over one root folder; every path is confined to it."""
 
@@ -6334,18 +6345,17 @@ class _Workspace:
         text = data.decode("utf-8", "surrogateescape")
         crlf = "\r\n" in text
 
-        def places(pattern):  # overlapping ones too ("end\nend" is twice in "end\nend\nend"),
-            found, spans = re.compile(pattern), []  # counted up to a bound
-            match = found.search(text)
-            while match and len(spans) <= _EDIT_COUNT_MAX:
-                spans.append(match.span())
-                match = found.search(text, match.start() + 1)
-            return spans
-
-        spans = places(re.escape(old_text))
+        spans = _places(text, old_text)
         if not spans and crlf and "\n" in old_text:  # a line end matches \r\n once, or a lone \n
-            loose = re.escape(old_text.replace("\r\n", "\n")).replace("\\\n", "\n")
-            spans = places(loose.replace("\n", "(?:\r\n|(?<!\r)\n)"))
+            import bisect
+
+            ends, at = [], text.find("\r\n")  # where each \r\n's \n is once the \r's are gone
+            while at >= 0:
+                ends.append(at - len(ends))
+                at = text.find("\r\n", at + 2)
+            spans = [(start + bisect.bisect_left(ends, start), end + bisect.bisect_left(ends, end))
+                     for start, end in _places(text.replace("\r\n", "\n"),
+                                               old_text.replace("\r\n", "\n"))]
         if not spans and _has_undecodable(text):
             raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "
                                f"the bytes read_file shows as \ufffd cannot be matched; use "

@@ -8392,6 +8392,20 @@ def test_edit_file_matches_a_crlf_line_end_once_and_counts_up_to_a_bound(ws):
                          "so that it occurs exactly once"))
 
 
+def test_edit_file_finds_old_text_in_about_the_files_length_whatever_it_holds(ws):
+    """Across CRLF line ends old_text was a regular expression tried at every place of the
+    file, each try as long as old_text (2,000 lines in a 2 MB file: 50 s, past the signal),
+    and any old_text was first compiled (5 MB of it: 800 MB)."""
+    (ws / "crlf.txt").write_bytes(b"\r\n" * 1_000_000 + b"X\r\n")
+    tools = lich.coding_tools(ws, allow_write=True)
+    started = time.monotonic()
+    assert run_tool(tools, "edit_file", path="crlf.txt", old_text="\n" * 2000 + "X", new_text="\nY").ok
+    assert (ws / "crlf.txt").read_bytes() == b"\r\n" * 998_000 + b"\r\nY\r\n"
+    assert run_tool(tools, "edit_file", path="crlf.txt", old_text="z\n" * 2_500_000, new_text="") == lich.ToolResult(
+        ok=False, error="old_text was not found in crlf.txt; read the file and copy the text exactly, whitespace included")
+    assert time.monotonic() - started < 5
+
+
 def test_a_path_too_long_for_the_system_is_not_echoed_whole(ws):
     tools = lich.coding_tools(ws, allow_write=True)
     long = "d" * 300 + "/" + "x" * 50_000
