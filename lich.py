@@ -8985,10 +8985,23 @@ class _Approvals:
             old, new = (str(args.get(key, "")).replace("\r\n", "\n") for key in ("old_text", "new_text"))
             if old and before.count(old) == 1:  # the file's own lines around the change
                 old, new = before, before.replace(old, new)
-            return [_visible(line) for line in _diff_lines(old, new, path)]
+            return self._linked(path) + [_visible(line) for line in _diff_lines(old, new, path)]
         if name == "write_file":
-            return [_visible(line) for line in _diff_lines(self._text_of(path), str(args.get("content", "")), path)]
+            return self._linked(path) + [_visible(line) for line in _diff_lines(
+                self._text_of(path), str(args.get("content", "")), path)]
         return [_visible(str(call.get("arguments") or "{}"))]
+
+    def _linked(self, path):
+        """A line that names the file a write goes to when ``path`` leads there through a
+        link (docs/notes.md to .git/config, say): the user is asked about what is written."""
+        given = os.path.normpath(os.path.join(self.cli.root, path))
+        try:
+            real = os.path.realpath(given)
+        except RecursionError:  # a chain of links: the write fails too
+            return []
+        if real == given:
+            return []
+        return [f"(a link: this writes {_visible(os.path.relpath(real, self.cli.root))})"]
 
     def _text_of(self, path):
         """The file as the user sees it, for a diff (None when there is none, "" when it

@@ -12469,6 +12469,31 @@ def test_an_approvals_diff_of_forty_lines_is_shown_whole_and_a_longer_one_cut_in
     assert term.close() == 0
 
 
+def test_an_approval_of_a_write_through_a_link_names_the_file_it_writes(server, lich_model, workspace):
+    """docs/notes.md -> ../.git/config: the question named the link and showed its diff, and
+    the "yes" wrote git's config (fsmonitor: a command git then runs)."""
+    (workspace / ".git").mkdir()
+    (workspace / ".git" / "config").write_text("[core]\n")
+    (workspace / "docs").mkdir()
+    os.symlink("../.git/config", workspace / "docs" / "notes.md")
+    queue(server, tool_reply(("c1", "write_file", '{"path": "docs/notes.md", "content": "[core]\\nx\\n"}')),
+          tool_reply(("c2", "edit_file", '{"path": "docs/notes.md", "old_text": "[core]", "new_text": "[x]"}')),
+          stream_reply("Done."))
+    term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("note it")
+    shown = term.expect("[t] always write_file: ").split("→ write_file docs/notes.md\n")[1]
+    assert shown.splitlines()[:5] == ["  (a link: this writes .git/config)", "  --- a/docs/notes.md",
+                                      "  +++ b/docs/notes.md", "  @@ -1 +1,2 @@", "   [core]"]
+    term.send("n")
+    shown = term.expect("[t] always edit_file: ").split("→ edit_file docs/notes.md\n")[1]
+    assert shown.splitlines()[0] == "  (a link: this writes .git/config)"
+    term.send("n")
+    term.expect(PROMPT)
+    term.send("\x04")
+    assert term.close() == 0 and (workspace / ".git" / "config").read_text() == "[core]\n"
+
+
 def test_allow_revoke_of_no_grant_revokes_nothing(server, lich_model, tmp_path, workspace):
     queue(server, tool_reply(("c1", "bash", '{"command": "echo A"}')),
           tool_reply(("c2", "bash", '{"command": "echo B"}')), stream_reply("Both ran."))
