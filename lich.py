@@ -5269,10 +5269,13 @@ def _segment_matches(tokens, name):
 
 def _path_matches(segments, parts):
     """Whether the path ``parts`` match glob ``segments`` ("**" spans any number of folders)."""
-    def closure(states):
-        for p in sorted(states):
-            if p < len(segments) and segments[p] == "**":
+    def closure(states):  # "**/**": the state past one "**" may stand before another
+        pending = list(states)
+        while pending:
+            p = pending.pop()
+            if p < len(segments) and segments[p] == "**" and p + 1 not in states:
                 states.add(p + 1)
+                pending.append(p + 1)
         return states
 
     states = closure({0})

@@ -8188,8 +8188,11 @@ def _make_tree(ws):
     ({"path": "src/"}, "src/c.py\nsrc/deep/d.py\nsrc/e.js"),
     ({"path": ".git"}, ".git/config"),
     ({"pattern": "*.rs"}, "no files match *.rs under ."),
+    ({"pattern": "**/**/*.py"}, "a.py\nsrc/c.py\nsrc/deep/d.py"),  # each "**" may span no folder
+    ({"pattern": "src/**/**/*.py"}, "src/c.py\nsrc/deep/d.py"),
 ], ids=["everything", "name glob", "**/ glob", "folder glob", "folder/**", "braces", "class",
-        "question mark", "subfolder", "trailing slash", "skipped folder asked for", "no match"])
+        "question mark", "subfolder", "trailing slash", "skipped folder asked for", "no match", "**/**/",
+        "folder/**/**/"])
 def test_list_files(ws, arguments, output):
     _make_tree(ws)
     assert run_tool(lich.coding_tools(ws), "list_files", **arguments) == lich.ToolResult(
