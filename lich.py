@@ -6198,6 +6198,8 @@ class _Workspace:
                 rel = os.fsdecode(name).removeprefix("./")
                 keep = checked.get(rel)
                 if keep is None:
+                    if rules:  # thousands of rules take time per path: the clock runs here too
+                        check()
                     keep = checked[rel] = wanted(rel, rel.rpartition("/")[2]) and not (
                         rules and _rg_path_ignored(rules, prefix, rel))
                 if not keep:
@@ -6211,10 +6213,13 @@ class _Workspace:
         cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
         if folder and cwd is None:
             cwd = os.path.join(self.root.path, prefix) if prefix else self.root.path
+        check = _stop_check(signal, time.monotonic() + self.search_timeout)
         try:
             ended, code, errors = _run_reader(argv, on_line, signal, cwd=cwd,
                                               stdin=None if folder else fd,
                                               seconds=self.search_timeout)
+        except _Stopped as stopped:  # ripgrep is stopped with it
+            return stopped.args[0]
         finally:
             if ignore_file is not None:
                 os.unlink(ignore_file)

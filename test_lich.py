@@ -8274,6 +8274,24 @@ def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
     assert time.monotonic() - started < 5
 
 
+def test_a_gitignore_of_many_rules_keeps_the_searchs_time_limit(ws):
+    """ripgrep cannot take a .gitignore with a brace, so lich checks each path it finds
+    against every rule: 50,000 of them held a search of 200 files for a minute, past its time
+    limit and the signal (a model writes such a file with one write_file)."""
+    import shutil
+
+    if shutil.which("rg") is None:
+        pytest.skip("ripgrep is not on PATH (pip install -e '.[test]' brings it)")
+    (ws / "src").mkdir()
+    for i in range(100):
+        (ws / "src" / f"f{i}.txt").write_text("hit\n")
+    (ws / ".gitignore").write_text("".join(f"q{i}/**/z{{\n" for i in range(20_000)))
+    started = time.monotonic()
+    result = run_tool(lich.coding_tools(ws, search_timeout=1), "search", pattern="hit")
+    assert time.monotonic() - started < 4
+    assert result.ok and result.output.endswith("narrow the path, glob or pattern]")
+
+
 def test_search_aborts_between_files(ws, engine):
     (ws / "a.txt").write_text("x\n")
     event = threading.Event()
