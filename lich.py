@@ -9937,7 +9937,15 @@ class _Cli:
         term, args = self.term, self.args
         # A task in a folder of its own is told that folder, and its AGENTS.md (quietly: a
         # note per task would bury the progress line). A root that is no folder fails its task.
-        tasks = [{**task, "system_prompt": self._system_prompt(os.path.realpath(task["root"]), told=False)}
+        prompts = {}  # a folder's, made once however many tasks work there
+
+        def prompt_in(root):
+            real = os.path.realpath(root)
+            if real not in prompts:
+                prompts[real] = self._system_prompt(real, told=False)
+            return prompts[real]
+
+        tasks = [{**task, "system_prompt": prompt_in(task["root"])}
                  if isinstance(task, dict) and isinstance(task.get("root"), str)
                  and os.path.isdir(task["root"]) and "system_prompt" not in task else task
                  for task in tasks]
