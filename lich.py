@@ -4503,11 +4503,12 @@ def _docstring(fn):
         [node] = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
         return ast.get_docstring(node)
     except (OSError, TypeError, SyntaxError, ValueError):  # no source, or not one function's
-        if _docstring.__doc__ is None and not _NO_DOCSTRINGS_TOLD.is_set():
+        if (getattr(fn, "__module__", None) == __name__  # a built-in tool: lich's source is gone
+                and not _NO_DOCSTRINGS_TOLD.is_set()):
             _NO_DOCSTRINGS_TOLD.set()  # once: each tool would say it again
-            _log.warning("tools have no descriptions for the model: lich runs from bytecode "
-                         "compiled without docstrings (-OO) and without its source; ship "
-                         "lich.py with it, or compile without -OO")
+            _log.warning("the built-in tools have no descriptions for the model: lich runs "
+                         "from bytecode compiled without docstrings (-OO) and without its "
+                         "source; ship lich.py with it, or compile without -OO")
         return None
 
 
@@ -5173,7 +5174,7 @@ def _expand_braces(pattern):
     closes and holds a comma of its own is spelled out, and each of its patterns in turn.
     One pass finds it (a brace closes at the first "}" that balances it; a comma is its
     innermost open brace's), so a glob of thousands of braces takes no quadratic time."""
-    opened, commas = [], {}
+    opened, commas, groups = [], {}, 0
     first = None  # (the first brace that closes holding a comma, where it closes)
     for i, c in enumerate(pattern):
         if c == "{":
@@ -5183,10 +5184,15 @@ def _expand_braces(pattern):
             commas[opened[-1]].append(i)
         elif c == "}" and opened:
             start = opened.pop()
-            if commas[start] and (first is None or start < first[0]):
-                first = (start, i)
+            if commas[start]:
+                groups += 1
+                if first is None or start < first[0]:
+                    first = (start, i)
     if first is None:
         return [pattern]
+    if groups >= _GLOB_MAX_ALTERNATIVES:  # each adds a pattern at least (and a level of calls)
+        raise _ToolFailure(f"the glob {_echo(pattern)} spells out more than "
+                           f"{_GLOB_MAX_ALTERNATIVES} patterns")
     start, end = first
     head, tail = pattern[:start], pattern[end + 1:]
     bounds = [start] + commas[start] + [end]
@@ -5414,21 +5420,30 @@ _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "module._search_worker()\n")
 
 
-def _worker_boot_argv():
-    """The arguments of ``_WORKER_BOOT`` that find this file: its path, or in a zip (a zipapp,
-    a .zip on sys.path) its path, the importer's folder and the module's name; else None."""
+def _zip_boot_argv():
+    """The arguments of ``_WORKER_BOOT`` that find this module in the zip it was imported
+    from (a zipapp, a .zip on sys.path): its path, the importer's folder, made absolute as
+    the module loads (the folder may change), and its name; else None."""
     import zipimport
 
     source, loader = globals().get("__file__"), globals().get("__loader__")
-    if not source:
+    if not (source and isinstance(loader, zipimport.zipimporter)):
         return None
-    if os.path.isfile(source):
+    spec = globals().get("__spec__")
+    name = (spec.name if spec is not None else __name__).rpartition(".")[2]
+    return [source, os.path.abspath(os.path.join(loader.archive, loader.prefix)), name]
+
+
+_ZIP_BOOT_ARGV = _zip_boot_argv()
+
+
+def _worker_boot_argv():
+    """The arguments of ``_WORKER_BOOT`` that find this file: its path, or its place in a
+    zip; None when there is neither (then the calling thread searches)."""
+    source = globals().get("__file__")
+    if source and os.path.isfile(source):
         return [os.path.abspath(source)]
-    if isinstance(loader, zipimport.zipimporter):
-        spec = globals().get("__spec__")
-        name = (spec.name if spec is not None else __name__).rpartition(".")[2]
-        return [source, os.path.abspath(os.path.join(loader.archive, loader.prefix)), name]
-    return None
+    return _ZIP_BOOT_ARGV
 
 
 def _read_lines(f, max_chars, signal):
@@ -6041,22 +6056,22 @@ class _Workspace:
             if _is_binary(f):
                 raise _ToolFailure(f"path is a binary file, not text: {path}")
             for number, (text, cut) in enumerate(_read_lines(f, _LINE_MAX_CHARS, signal), 1):
-                if cut is None and number < offset:
-                    raise _ToolFailure(
-                        f"line {number} of {path} is longer than {_READ_LINE_MAX_BYTES >> 20} MB: "
-                        f"read_file reads no further (search finds what is beyond it)")
                 if number < offset:
+                    if cut is None:
+                        raise _ToolFailure(
+                            f"line {number} of {path} is longer than {_READ_LINE_MAX_BYTES >> 20} "
+                            f"MB: read_file reads no further (search finds what is beyond it)")
                     continue
-                if cut is None:
-                    lines.append(f"{number:6}\t{text} [... the line goes on past "
-                                 f"{_READ_LINE_MAX_BYTES >> 20} MB; nothing after it is read]")
-                    break
-                line = f"{number:6}\t{text}" + (f" [... {cut} more characters]" if cut else "")
+                line = f"{number:6}\t{text}" + (
+                    f" [... the line goes on past {_READ_LINE_MAX_BYTES >> 20} MB; nothing after "
+                    f"it is read]" if cut is None else f" [... {cut} more characters]" if cut else "")
                 if number >= offset + limit or (lines and size + len(line) > _READ_MAX_CHARS):
                     go_on = number
                     break
                 lines.append(line)
                 size += len(line) + 1
+                if cut is None:
+                    break
         if not lines:
             if number == 0:
                 return "(the file is empty)"
@@ -6164,9 +6179,10 @@ class _Workspace:
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
         # ripgrep filters by the glob too (lich checks each path anyway) when it reads it as
-        # lich does: not an unpaired brace or bracket (an error, or no file, to ripgrep)
-        if (glob and "/" not in glob and glob.count("{") == glob.count("}")
-                and glob.count("[") == glob.count("]")):
+        # lich does: no unpaired bracket, and no brace lich does not spell out ({a}.txt is a
+        # name to lich, an error or an alternative to ripgrep)
+        if (glob and "/" not in glob and glob.count("[") == glob.count("]")
+                and not any(c in each for each in _expand_braces(glob) for c in "{}")):
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
@@ -9002,11 +9018,12 @@ class _Approvals:
     def _linked(self, path):
         """A line that names the file a write goes to when ``path`` leads there through a
         link (docs/notes.md to .git/config, say): the user is asked about what is written."""
-        given = os.path.normpath(os.path.join(self.cli.root, path))
-        try:
+        given = os.path.join(self.cli.root, path)
+        try:  # "docs/../config" with docs a link: the write goes where the link leads first
             real = os.path.realpath(given)
         except RecursionError:  # a chain of links: the write fails too
             return []
+        given = os.path.normpath(given)
         if real == given:
             return []
         return [f"(a link: this writes {_visible(os.path.relpath(real, self.cli.root))})"]

@@ -8145,6 +8145,8 @@ def test_read_file_reads_no_further_than_a_line_of_64_mb(ws):
         "beyond it)"))
     assert run_tool(tools, "read_file", path="sparse.txt", offset=2000) == lich.ToolResult(ok=True, output=(
         "  2000\ttext\n  2001\t" + "\0" * 2000 + " [... the line goes on past 64 MB; nothing after it is read]"))
+    assert run_tool(tools, "read_file", path="sparse.txt", offset=2000, limit=1) == lich.ToolResult(ok=True, output=(
+        "  2000\ttext\n[... the file goes on; read more with offset=2001]"))
     assert time.monotonic() - started < 10
     signal = threading.Event()
     signal.set()
@@ -8253,7 +8255,7 @@ def test_search_refusals(ws, tmp_path, engine):
         ok=False, error="path is not a regular file or a directory: pipe")
 
 
-@pytest.mark.parametrize("glob", ["a{b.txt", "c[d.txt", "g}h.txt"])
+@pytest.mark.parametrize("glob", ["a{b.txt", "c[d.txt", "g}h.txt", "{a}.txt", "{}.txt"])
 def test_a_glob_ripgrep_cannot_read_is_searched_by_lich_itself(ws, engine, glob):
     """ripgrep refused it, and the search answered "no matches" as if it had looked."""
     (ws / glob).write_text("needle\n")
@@ -8271,6 +8273,8 @@ def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
     assert run_tool(tools, "list_files", pattern=bomb).output.startswith("no files match {{{")
     assert run_tool(tools, "list_files", pattern=bomb + "{c,d}") == lich.ToolResult(ok=False, error=(
         'the glob "' + "{" * 79 + '... spells out more than 64 patterns'))
+    assert run_tool(tools, "list_files", pattern="{a,b}" * 1100) == lich.ToolResult(ok=False, error=(  # no RecursionError
+        'the glob "' + "{a,b}" * 15 + '{a,b... spells out more than 64 patterns'))
     assert time.monotonic() - started < 5
 
 
@@ -8520,17 +8524,19 @@ def test_a_lich_imported_from_a_zip_searches_in_workers_the_signal_stops(ws, tmp
         else:
             archive.write(py_compile.compile(LICH_PY, cfile=str(tmp_path / "lich.pyc")), "plugin/lich.pyc")
     script = f"""if True:
-        import json, sys, threading, time
-        sys.path.insert(0, {str(tmp_path / "plugin.zip")!r})
+        import json, os, sys, threading, time
+        sys.path.insert(0, "plugin.zip")  # relative, and the folder changes before the search
         from plugin import lich
-        tools = lich.coding_tools({str(ws)!r})
+        os.chdir({str(ws)!r})
+        tools = lich.coding_tools(".")
         print(tools.run({{"id": "1", "name": "search", "arguments": '{{"pattern": "needle"}}'}}).output)
         signal = threading.Event()
         threading.Timer(0.3, signal.set).start()
         started = time.monotonic()
         result = tools.run({{"id": "2", "name": "search", "arguments": json.dumps({{"pattern": {CATASTROPHIC!r}}})}}, signal)
         print(result.error, time.monotonic() - started < 1.5)"""
-    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
     assert (done.returncode, done.stdout, done.stderr) == (0, "a.txt:1: a needle\nthe search was aborted True\n", "")
 
 
@@ -8901,6 +8907,9 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 import lich
 tools = lich.coding_tools(".", allow_write=True, allow_shell=True)
+made = {}  # a function without source, described in the call: no warning about lich's own
+exec("def add(a: int, b: int) -> int:\\n    return a + b\\n", made)
+tools.register(made["add"], description="Add two numbers.")
 
 
 @tools.tool
@@ -8946,8 +8955,9 @@ def test_lich_shipped_as_bytecode_without_docstrings_says_its_tools_lost_their_d
     if source:
         assert (code, err, specs) == (0, "", json.loads(Process(script, HERE).wait()[1]))
         return
-    assert (code, err) == (0, ("tools have no descriptions for the model: lich runs from bytecode compiled without "
-                               "docstrings (-OO) and without its source; ship lich.py with it, or compile without -OO\n"))
+    assert (code, err) == (0, ("the built-in tools have no descriptions for the model: lich runs from bytecode "
+                               "compiled without docstrings (-OO) and without its source; ship lich.py with it, or "
+                               "compile without -OO\n"))
     assert [spec["name"] for spec in specs if not spec["description"]] == [  # bash's is built, greet's read
         "read_file", "list_files", "search", "write_file", "edit_file"]
     assert specs[-1]["description"] == "Say hello."
@@ -12497,8 +12507,11 @@ def test_an_approval_of_a_write_through_a_link_names_the_file_it_writes(server, 
     (workspace / ".git" / "config").write_text("[core]\n")
     (workspace / "docs").mkdir()
     os.symlink("../.git/config", workspace / "docs" / "notes.md")
+    (workspace / ".git" / "hooks").mkdir()
+    os.symlink(".git/hooks", workspace / "tools")  # tools/../config is .git/config, not ./config
     queue(server, tool_reply(("c1", "write_file", '{"path": "docs/notes.md", "content": "[core]\\nx\\n"}')),
           tool_reply(("c2", "edit_file", '{"path": "docs/notes.md", "old_text": "[core]", "new_text": "[x]"}')),
+          tool_reply(("c3", "write_file", '{"path": "tools/../config", "content": "[core]\\nx\\n"}')),
           stream_reply("Done."))
     term = Pty("--allow", "write", "--root", str(workspace), env={"NO_COLOR": "1"})
     term.expect(PROMPT)
@@ -12508,6 +12521,9 @@ def test_an_approval_of_a_write_through_a_link_names_the_file_it_writes(server, 
                                       "  +++ b/docs/notes.md", "  @@ -1 +1,2 @@", "   [core]"]
     term.send("n")
     shown = term.expect("[t] always edit_file: ").split("→ edit_file docs/notes.md\n")[1]
+    assert shown.splitlines()[0] == "  (a link: this writes .git/config)"
+    term.send("n")
+    shown = term.expect("[t] always write_file: ").split("→ write_file tools/../config\n")[1]
     assert shown.splitlines()[0] == "  (a link: this writes .git/config)"
     term.send("n")
     term.expect(PROMPT)
