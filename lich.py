@@ -5405,6 +5405,8 @@ _SEARCH_PARTS_MAX = 4           # workers that share a folder's search, one per 
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
 _SEARCH_SPLIT_FOLDERS = 256     # folders looked into to cut a search among workers,
 _SEARCH_SPLIT_WORK = 200_000    # as long as their entries times .gitignore's rules stay below
+_SEARCH_WORKER_MAX_BYTES = 2 << 30  # a search worker's memory (a pattern that keeps a group
+                                    # per repeat asks some 150 bytes per byte of a long line)
 _WORKER_BOOT = (  # a search worker: this very file, loaded under another name
     "import sys\n"
     "if len(sys.argv) > 2:  # in a zip: its importer gives the code, of source or bytecode\n"
@@ -5717,6 +5719,14 @@ def _search_worker():
     job outlives its time limit: its default action kills even a process caught in a regex."""
     import signal as signals
 
+    try:  # a search that needs more fails; it does not take the machine's memory
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (_SEARCH_WORKER_MAX_BYTES if hard == resource.RLIM_INFINITY
+                                                else min(hard, _SEARCH_WORKER_MAX_BYTES), hard))
+    except (ImportError, ValueError, OSError):  # no such limit here
+        pass
     out = sys.stdout
     out.reconfigure(line_buffering=True)  # what was found is lich's even if the job is stopped
 
@@ -5752,6 +5762,10 @@ def _search_worker():
                 os.close(root)
         except (OSError, re.error, _ToolFailure) as e:
             emit("e", str(e))
+        except MemoryError:
+            emit("e", f"it needed more than {_SEARCH_WORKER_MAX_BYTES >> 30} GB of memory (a "
+                      f"pattern that keeps a group for each repeat, on a long line): simplify the "
+                      f"pattern, or narrow the path or glob")
         signals.alarm(0)
         emit("done")
         out.flush()

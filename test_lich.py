@@ -8540,6 +8540,21 @@ def test_a_lich_imported_from_a_zip_searches_in_workers_the_signal_stops(ws, tmp
     assert (done.returncode, done.stdout, done.stderr) == (0, "a.txt:1: a needle\nthe search was aborted True\n", "")
 
 
+def test_a_search_that_needs_gigabytes_of_memory_fails_saying_so(ws, monkeypatch):
+    """A group repeated inside a star keeps memory for each byte of the line in Python's re
+    (some 150 bytes for one group): a minified file of a few MB took gigabytes of a worker,
+    up to some 10 GB for a line of 64 MB, four workers at once."""
+    hide_ripgrep(monkeypatch)  # ripgrep refuses the look-ahead: lich's own workers search
+    (ws / "min.js").write_text("ab" * (4 << 20) + "\n")
+    (ws / "small.txt").write_text("abc\n")
+    result = run_tool(lich.coding_tools(ws), "search", pattern="^(?!z)(?:((((a))))|((((b)))))*c")
+    assert result == lich.ToolResult(ok=False, error=(
+        "the search failed: it needed more than 2 GB of memory (a pattern that keeps a group for each repeat, on "
+        "a long line): simplify the pattern, or narrow the path or glob"))
+    assert run_tool(lich.coding_tools(ws), "search", pattern="^(?!z)(?:((((a))))|((((b)))))*c",
+                    path="small.txt") == lich.ToolResult(ok=True, output="small.txt:1: abc")
+
+
 def deep_tree(ws):
     """``top.txt`` and, 130 folders down, ``deep.txt`` (both "hit"); returns the path of the
     first folder too deep for the walk (128 levels)."""
