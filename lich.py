@@ -5310,8 +5310,9 @@ class _Glob:
         while pattern.startswith("./"):
             pattern = pattern[2:]
         self.by_name = "/" not in pattern
+        self.patterns = _expand_braces(pattern) if braces else [pattern]  # braces spelled out
         self.alternatives = [[s if s == "**" else _glob_tokens(s) for s in each.split("/")]
-                             for each in (_expand_braces(pattern) if braces else [pattern])]
+                             for each in self.patterns]
 
     def __call__(self, rel, name):
         parts = [name] if self.by_name else rel.split("/")
@@ -6196,7 +6197,7 @@ class _Workspace:
         # lich does: no unpaired bracket, and no brace lich does not spell out ({a}.txt is a
         # name to lich, an error or an alternative to ripgrep)
         if (glob and "/" not in glob and glob.count("[") == glob.count("]")
-                and not any(c in each for each in _expand_braces(glob) for c in "{}")):
+                and not any(c in each for each in wanted.patterns for c in "{}")):
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
