@@ -1050,6 +1050,11 @@ def estimate_text_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+# What an assistant message may carry back to its provider besides its text and tool calls
+# (the README's reasoning): sent with every later request, so counted as its JSON text
+_REASONING_KEYS = ("thinking", "reasoning_content", "reasoning_details")
+
+
 def _tool_calls_json(tool_calls) -> str:
     return json.dumps(tool_calls, separators=(",", ":"), ensure_ascii=False)
 
@@ -1061,6 +1066,12 @@ def _estimate_message_tokens(message) -> int:
         tool_calls = message.get("tool_calls")
         if tool_calls:
             tokens += estimate_text_tokens(_tool_calls_json(tool_calls))
+        for key in _REASONING_KEYS:
+            reasoning = message.get(key)
+            if reasoning:
+                tokens += estimate_text_tokens(reasoning if isinstance(reasoning, str) else
+                                               json.dumps(reasoning, separators=(",", ":"),
+                                                          ensure_ascii=False, default=repr))
     elif role == "tool":
         tokens += _TOOL_MESSAGE_OVERHEAD_TOKENS
     return tokens
@@ -1086,14 +1097,50 @@ def _partition(messages):
     return system, rest[:start], rest[start:]
 
 
+def _omitted_marker(count) -> str:
+    return f"[... {count} characters omitted ...]"
+
+
+def _cut_middle(text, limit) -> str:
+    """``text`` in at most ``limit`` characters (some thousands): its head and tail around a
+    marker line."""
+    if len(text) <= limit:
+        return text
+    kept = limit - len(_omitted_marker(len(text))) - 2
+    tail = kept // 2
+    return f"{text[:kept - tail]}\n{_omitted_marker(len(text) - kept)}\n{text[len(text) - tail:]}"
+
+
+def _cut_head(text, limit) -> str:
+    """The end of ``text`` in at most ``limit`` characters (some thousands), after a marker
+    line for what went before."""
+    if len(text) <= limit:
+        return text
+    kept = limit - len(_omitted_marker(len(text))) - 1
+    return f"{_omitted_marker(len(text) - kept)}\n{text[len(text) - kept:]}"
+
+
 def _transcript(messages) -> str:
+    """The older messages as the summarizer reads them, in at most TRANSCRIPT_MAX_CHARS.
+
+    A longer transcript keeps the first message (the task, or the summary before) and the
+    newest lines: a quarter or more for the first, its middle cut when it is longer, the
+    rest for the newest, with a marker where text was left out.
+    """
     lines = []
     for message in messages:
         line = f"[{message.get('role')}] {message.get('content') or ''}"
         if message.get("tool_calls"):
             line += " tool_calls=" + _tool_calls_json(message["tool_calls"])
         lines.append(line)
-    return "\n".join(lines)[:TRANSCRIPT_MAX_CHARS]
+    text = "\n".join(lines)
+    if len(text) <= TRANSCRIPT_MAX_CHARS:
+        return text
+    if len(lines) == 1:
+        return _cut_middle(text, TRANSCRIPT_MAX_CHARS)
+    rest = "\n".join(lines[1:])
+    first = _cut_middle(lines[0], max(TRANSCRIPT_MAX_CHARS // 4, TRANSCRIPT_MAX_CHARS - 1 - len(rest)))
+    return f"{first}\n{_cut_head(rest, TRANSCRIPT_MAX_CHARS - 1 - len(first))}"
 
 
 def compress_messages(chat, messages, *, signal=None):

@@ -1280,6 +1280,37 @@ def test_estimate_of_tool_calls_is_compact_unescaped_json():
     assert lich.estimate_messages_tokens([{"role": "assistant", "content": "", "tool_calls": _CALLS}]) == 14
 
 
+@pytest.mark.parametrize("reasoning, tokens", [
+    ({"reasoning_content": "r" * 400}, 100),
+    ({"reasoning_details": [{"type": "reasoning.text", "text": "r" * 400}]},
+     lich.estimate_text_tokens('[{"type":"reasoning.text","text":"' + "r" * 400 + '"}]')),
+    ({"thinking": [{"type": "thinking", "thinking": "é" * 400, "signature": "s"}]},
+     lich.estimate_text_tokens('[{"type":"thinking","thinking":"' + "é" * 400 + '","signature":"s"}]')),
+    ({"reasoning_content": ""}, 0),
+], ids=["reasoning_content", "reasoning_details", "thinking", "empty"])
+def test_estimate_counts_the_reasoning_an_assistant_message_carries_back(reasoning, tokens):
+    """It goes back with every later request (DeepSeek's, OpenRouter's, Anthropic's)."""
+    message = {**assistant("1234", ("c1", "read", "{}")), **reasoning}
+    calls = lich.estimate_text_tokens('[{"id":"c1","name":"read","arguments":"{}"}]')
+    assert lich.estimate_messages_tokens([message]) == 1 + calls + tokens
+
+
+def test_the_loop_compresses_a_history_grown_by_its_reasoning():
+    def chat(messages, **kwargs):
+        if messages[0]["content"] == lich.COMPRESSION_SYSTEM_PROMPT:
+            return lich.ChatResult(assistant("summary"))
+        turn = sum(m["role"] == "assistant" for m in messages) + 1
+        return lich.ChatResult({**assistant("", (f"c{turn}", "echo", "{}")), "reasoning_content": "r" * 4_000})
+
+    emitter, events = recorder_emitter()
+    lich.run_conversation(chat, EchoTools(), [user("go")], max_turns=7, emitter=emitter,
+                          context_budget_tokens=5_000)
+    # each answer carries 1,000 tokens of reasoning: turn 5 sees four (4,085 >= 4,000), and
+    # the next turns again, as the 8 recent messages hold four and more come
+    starts = [e["estimated_tokens"] for e in events if e["type"] == "compress_start"]
+    assert starts == [4_085, 5_119, 5_120]
+
+
 def test_estimate_of_a_history_is_the_sum():
     history = [{"role": "user", "content": "x" * 10},
                {"role": "tool", "tool_call_id": "a", "name": "n", "content": "y", "is_error": False}]
@@ -1369,11 +1400,48 @@ def test_compress_transcript_shows_tool_calls():
         "\n[tool] out")
 
 
-def test_compress_transcript_is_cut_at_24000_chars():
+def summarised_transcript(older):
+    """The transcript the summarizer is given for ``older`` (then 8 recent messages)."""
     chat = ScriptedChat(assistant("s"))
-    lich.compress_messages(chat, [user("x" * 30_000), *long_history(8)[1:]])
-    transcript = chat.calls[0]["messages"][1]["content"]
-    assert transcript == "[user] " + "x" * 23_993
+    lich.compress_messages(chat, [*older, *long_history(8)[1:]])
+    return chat.calls[0]["messages"][1]["content"]
+
+
+def test_compress_transcript_of_one_long_message_keeps_its_head_and_tail():
+    text = "[user] " + "h" * 15_000 + "t" * 15_000  # 30,007 characters
+    transcript = summarised_transcript([user(text[7:])])
+    # 23,964 kept: 24,000 less the marker (34 characters) and its two line breaks
+    assert transcript == text[:11_982] + "\n[... 6043 characters omitted ...]\n" + text[-11_982:]
+    assert len(transcript) == 23_999
+
+
+def test_compress_transcript_keeps_the_task_at_the_end_of_a_long_first_message():
+    """Piped text comes before the prompt: the question ends the first message."""
+    task = "l" * 33_000 + " why does the worker crash?"
+    steps = [assistant(f"step {i} " * 50) for i in range(100)]  # 100 lines of 351 characters
+    transcript = summarised_transcript([user(task), *steps])
+    first = "[user] " + task
+    rest = "\n".join(f"[assistant] {m['content']}" for m in steps)
+    # the first message (33,034 characters) in 6,000, the newest of the rest (40,799) in the
+    # other 17,999, each less its marker
+    head = first[:2_982] + "\n[... 27070 characters omitted ...]\n" + first[-2_982:]
+    tail = "[... 22835 characters omitted ...]\n" + rest[-17_964:]
+    assert transcript == head + "\n" + tail
+    assert transcript.endswith("[assistant] " + "step 99 " * 50) and "worker crash?\n[..." in transcript
+    assert (len(head), len(transcript)) == (6_000, 24_000)
+
+
+def test_compress_transcript_keeps_a_short_first_message_whole_and_the_newest_lines():
+    steps = [assistant(f"step {i} " * 50) for i in range(100)]
+    transcript = summarised_transcript([user("the goal"), *steps])
+    rest = "\n".join(f"[assistant] {m['content']}" for m in steps)
+    assert transcript == "[user] the goal\n[... 16850 characters omitted ...]\n" + rest[-23_949:]
+    assert len(transcript) == 24_000
+
+
+def test_compress_transcript_within_its_limit_is_whole():
+    older = [user("g" * 20_000), assistant("a" * 3_000)]
+    assert summarised_transcript(older) == "[user] " + "g" * 20_000 + "\n[assistant] " + "a" * 3_000
 
 
 @pytest.mark.parametrize("failure", [lich.ProviderError("down", "server"), RuntimeError("bug"),
