@@ -7056,6 +7056,8 @@ class _StdioServer:
                 continue
             left = deadline - time.monotonic()
             if left <= 0 or not self._poller.poll(left * 1000):
+                if self.proc.poll() is not None:  # exited, its output held open by a process
+                    self._end(self._exit_message())  # it started: no answer will come
                 return
             self._read_output()
 
@@ -7126,8 +7128,8 @@ class _StdioServer:
         """Take in the lines read, one at a time: a reader stopped by an exception leaves
         the rest to the next one."""
         while self._lines:
-            try:
-                message = json.loads(self._lines.popleft())
+            try:  # a byte that is not UTF-8 in a string: U+FFFD, the rest of the answer kept
+                message = json.loads(self._lines.popleft().decode("utf-8", "replace"))
             except (ValueError, RecursionError):
                 continue  # not a message: MCP servers must not print anything else there
             if isinstance(message, dict):
@@ -7147,7 +7149,7 @@ class _StdioServer:
                 # JSON's true is no id, though True == 1 would find request 1's slot
                 slot = (self._waiting.get(ident) if isinstance(ident, (int, str))
                         and not isinstance(ident, bool) else None)
-            if slot is not None:
+            if slot is not None and slot[1] is None:  # the first answer is the answer
                 slot[1] = message
                 slot[0].set()
         elif "id" in message:  # the server asks
@@ -7156,15 +7158,29 @@ class _StdioServer:
             self.on_list_changed()
 
     def _read_stderr(self):
+        """Keep the last _MCP_STDERR_KEEP characters of the server's stderr, a line at a time;
+        of a longer line, its end."""
+        import codecs
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        line = ""
         with self.proc.stderr:  # closed at its end (unless an escaped child holds it open)
-            for line in iter(self.proc.stderr.readline, b""):
-                text = _redact_secrets(line.decode("utf-8", "replace").rstrip())
-                _log.debug("mcp %s: %s", self.name, text)
-                with self._lock:
-                    self._stderr.append(text)
-                    self._stderr_size += len(text)
-                    while self._stderr_size > _MCP_STDERR_KEEP and len(self._stderr) > 1:
-                        self._stderr_size -= len(self._stderr.popleft())
+            for piece in iter(lambda: self.proc.stderr.readline(_MCP_READ_BYTES), b""):
+                line = (line + decoder.decode(piece))[-2 * _MCP_STDERR_KEEP:]
+                if piece.endswith(b"\n"):
+                    self._keep_stderr(line)
+                    line = ""
+            if line:
+                self._keep_stderr(line)
+
+    def _keep_stderr(self, line):
+        # secrets hidden before the cut: one cut through could not be found after
+        text = _redact_secrets(line.rstrip())[-_MCP_STDERR_KEEP:]
+        _log.debug("mcp %s: %s", self.name, text)
+        with self._lock:
+            self._stderr.append(text)
+            self._stderr_size += len(text)
+            while self._stderr_size > _MCP_STDERR_KEEP and len(self._stderr) > 1:
+                self._stderr_size -= len(self._stderr.popleft())
 
     def stderr_tail(self, lead=""):
         with self._lock:

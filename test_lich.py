@@ -9510,6 +9510,25 @@ while True:
             time.sleep(60)
         elif name == "crash":
             os._exit(3)
+        elif name == "twice":  # an answer, then another to the same id, in one write
+            sys.stdout.write("".join(json.dumps({"jsonrpc": "2.0", "id": ident, "result": {"content": [
+                {"type": "text", "text": text}]}}) + "\n" for text in ("the answer", "a stale repeat")))
+            sys.stdout.flush()
+        elif name == "latin1":  # one byte that is no UTF-8 in the answer's text
+            sys.stdout.buffer.write(b'{"jsonrpc": "2.0", "id": %d, "result": {"content": '
+                                    b'[{"type": "text", "text": "caf\xe9"}]}}\n' % ident)
+            sys.stdout.flush()
+        elif name == "loud_crash":  # a line of stderr of a megabyte, without its newline
+            sys.stderr.write("starting\n" + "e" * 1_000_000 + "the end")
+            sys.stderr.flush()
+            os._exit(3)
+        elif name == "orphan_crash":  # exits, a process it started holding its output open
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            sys.stderr.write("fatal: out of cheese\n")
+            sys.stderr.flush()
+            os._exit(9)
         elif name == "close_output":  # lives on until its input ends
             os.close(1)
             sys.stdin.read()
@@ -9633,6 +9652,36 @@ def test_an_mcp_server_that_dies_mid_call_is_a_failed_result_not_a_hang(fake_mcp
         name = os.path.basename(sys.executable)
         assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 3)")
         assert finishes(lambda: tools.run(tool_call("first"))) == result  # and stays failed, quickly
+
+
+def test_an_mcp_server_that_dies_mid_call_is_quoted_by_the_end_of_its_long_stderr_line(fake_mcp):
+    """A megabyte of stderr without a newline: its last 4,000 characters, not all of it."""
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        result = finishes(lambda: tools.run(tool_call("loud_crash")))
+    name = os.path.basename(sys.executable)
+    assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 3): "
+                                     + "e" * 3_993 + "the end")
+
+
+def test_an_mcp_server_that_dies_mid_call_holding_its_output_open_fails_the_call_at_once(fake_mcp):
+    """A process the server started keeps its output open: its exit is seen all the same."""
+    command, _ = fake_mcp
+    with lich.mcp_tools(command, timeout=60) as tools:
+        started = time.monotonic()
+        result = finishes(lambda: tools.run(tool_call("orphan_crash")), timeout=10)
+        assert time.monotonic() - started < 3  # the exit seen, stderr waited for 1 s at most
+        name = os.path.basename(sys.executable)
+        assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 9): "
+                                         "fatal: out of cheese")
+        assert finishes(lambda: tools.run(tool_call("first"))) == result
+
+
+def test_an_mcp_answer_is_the_first_to_its_id_and_a_byte_not_utf8_in_it_is_replaced(fake_mcp):
+    command, _ = fake_mcp
+    with lich.mcp_tools(command, timeout=5) as tools:
+        assert tools.run(tool_call("twice")) == lich.ToolResult(ok=True, output="the answer")
+        assert finishes(lambda: tools.run(tool_call("latin1"))) == lich.ToolResult(ok=True, output="caf\ufffd")
 
 
 def test_mcp_arguments_given_as_an_object_are_sent_as_tools_takes_them(fake_mcp):
