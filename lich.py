@@ -1589,6 +1589,7 @@ _MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _LABEL_MAX_CHARS = 64
 _SESSION_NAME_ATTEMPTS = 1000
 _SESSION_LINK_CHECK_SECONDS = 1.0  # how often an append looks whether its file was removed
+_SESSION_PIECE_CHARS = 1 << 20  # a longer line is read in pieces: kept if it starts a record
 
 # --- recording ---
 
@@ -2016,10 +2017,28 @@ def read_session_messages(path) -> list:
     # sniff each line's encoding): a third faster on a 30 MB session. A byte order mark
     # that an editor put first is not part of the first record.
     with open(path, encoding="utf-8-sig", errors="replace", newline="\n") as lines:
-        return _repair_history(_recorded_messages(lines, path))
+        return _repair_history(_recorded_messages(_session_lines(lines), path))
 
 
 _decode_json = json.JSONDecoder().decode
+
+
+def _session_lines(lines):
+    """The lines of an open session file. A long line that does not start as a record does
+    (the NUL bytes a crash can leave, a gigabyte without a newline) is passed over in pieces:
+    only its first piece is given."""
+    piece = functools.partial(lines.readline, _SESSION_PIECE_CHARS)  # no frame a line
+    for line in iter(piece, ""):
+        if line.endswith("\n") or len(line) < _SESSION_PIECE_CHARS:
+            yield line
+            continue
+        pieces = [line] if line.lstrip().startswith("{") else None
+        for more in iter(piece, ""):
+            if pieces is not None:
+                pieces.append(more)
+            if more.endswith("\n") or len(more) < _SESSION_PIECE_CHARS:
+                break
+        yield "".join(pieces) if pieces is not None else line  # its start: said not JSON
 
 
 def _recorded_messages(lines, path):
@@ -7160,7 +7179,6 @@ class _StdioServer:
     def _read_stderr(self):
         """Keep the last _MCP_STDERR_KEEP characters of the server's stderr, a line at a time;
         of a longer line, its end."""
-        import codecs
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         line = ""
         with self.proc.stderr:  # closed at its end (unless an escaped child holds it open)
@@ -8152,6 +8170,8 @@ _DEFAULT_OPENAI_MODEL = "openai:gpt-4.1-mini"
 _DEFAULT_ANTHROPIC_MODEL = "anthropic:claude-sonnet-4-5"
 _LIST_SESSIONS_LIMIT = 20
 _PROMPT_SHOWN_CHARS = 200       # of a session's first prompt, in --list-sessions --json
+_RECORD_PIECE_BYTES = 1 << 20  # a longer line of a session file is read in pieces: kept if
+                                # it starts a record
 _QUIT_WINDOW_SECONDS = 2.0      # a second Ctrl-C this soon quits, whatever lich is doing
 _TOOL_SUMMARY_CHARS = 60
 _PREVIEW_LINES = 3              # lines of a tool's output shown under its line
@@ -9227,11 +9247,24 @@ class _LazySession:
 
 
 def _session_records(path):
-    """The records of a session file; lines that are not records are skipped."""
+    """The records of a session file; lines that are not records are skipped (one too long
+    that does not start as a record is passed over in pieces). A byte that is not UTF-8 is
+    U+FFFD, as a resume reads it."""
     with open(path, "rb") as lines:
-        for line in lines:
+        piece = functools.partial(lines.readline, _RECORD_PIECE_BYTES)
+        for line in iter(piece, b""):
+            if not line.endswith(b"\n") and len(line) == _RECORD_PIECE_BYTES:  # a long line
+                pieces = [line] if line.lstrip(b"\xef\xbb\xbf \t\r").startswith(b"{") else None
+                for more in iter(piece, b""):
+                    if pieces is not None:
+                        pieces.append(more)
+                    if more.endswith(b"\n") or len(more) < _RECORD_PIECE_BYTES:
+                        break
+                if pieces is None:  # no record: NUL bytes a crash left, say
+                    continue
+                line = b"".join(pieces)
             try:
-                record = json.loads(line)
+                record = json.loads(line.decode("utf-8-sig", "replace"))
             except (ValueError, RecursionError):
                 continue
             if isinstance(record, dict):

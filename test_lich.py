@@ -3424,6 +3424,38 @@ def test_read_session_messages_is_lenient(tmp_path, caplog):
         for n in (3, 4, 8, 10, 11, 12, 17)]
 
 
+def session_with_a_gigabyte_of_nul_bytes(path):
+    """A session whose middle a crash filled with NUL bytes (a sparse gigabyte, no newline)."""
+    write_records(path, msg(user("before")), msg(assistant("answer")))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + (1 << 30))
+        f.seek(0, os.SEEK_END)
+        f.write(b"\n")
+        f.writelines(json.dumps(record).encode() + b"\n" for record in (msg(user("after")), msg(assistant("again"))))
+    return path
+
+
+def peak_memory_of(code, *args):
+    """What ``code`` (lich imported) printed, and the peak memory of the process it ran in, in MB."""
+    child = subprocess.run([sys.executable, "-c", "import resource, sys, lich\n" + code + (
+        "\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, file=sys.stderr)"), *map(str, args)],
+        check=True, capture_output=True, text=True, cwd=HERE, timeout=120)
+    return child.stdout, int(child.stderr.splitlines()[-1])
+
+
+def test_read_session_messages_passes_over_a_gigabyte_without_a_newline_in_little_memory(tmp_path):
+    path = session_with_a_gigabyte_of_nul_bytes(tmp_path / "s.jsonl")
+    out, megabytes = peak_memory_of("print(lich.read_session_messages(sys.argv[1]))", path)
+    assert out == repr([user("before"), assistant("answer"), user("after"), assistant("again")]) + "\n"
+    assert megabytes < 200  # the gigabyte was read whole, then decoded: 2 GB
+
+
+def test_read_session_messages_reads_a_long_record_whole(tmp_path):
+    text = "é" * 3_000_000  # a record of 6 MB, read in pieces of a million characters
+    path = write_records(tmp_path / "s.jsonl", msg(user(text)), msg(assistant("a")))
+    assert lich.read_session_messages(path) == [user(text), assistant("a")]
+
+
 def test_read_session_messages_skips_a_role_that_is_no_string(tmp_path):
     # a list or an object cannot be looked up among the roles (unhashable): skipped, not raised
     path = write_records(tmp_path / "s.jsonl", msg(user("q")), msg({"role": ["user"], "content": "x"}),
@@ -12807,6 +12839,28 @@ def test_list_sessions_finds_a_run_start_that_comes_after_the_first_records(lich
     os.utime(path, (1_700_000_000, 1_700_000_000))
     assert cli("--list-sessions") == (0, (f"20260101T000000Z-1  2023-11-14 22:13  {os.path.realpath(tmp_path)}  "
                                           f"m-late     6 messages  first\n"), "")
+
+
+def test_list_sessions_passes_over_a_gigabyte_without_a_newline_in_little_memory(tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = session_with_a_gigabyte_of_nul_bytes(d / "20260101T000000Z-1.jsonl")
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    out, megabytes = peak_memory_of("lich.main(['--list-sessions', '--session-dir', sys.argv[1]])", d)
+    assert out == "20260101T000000Z-1  2023-11-14 22:13  -  -     4 messages  before\n"
+    assert megabytes < 200  # the gigabyte was read whole: 1 GB
+
+
+def test_list_sessions_reads_a_byte_that_is_not_utf8_as_a_resume_does(lich_model, cli, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    path = write_records(d / "20260101T000000Z-1.jsonl",
+                         json.dumps(msg(user("caf\udce9 prompt"))).replace("\\udce9", "\xe9").encode("latin-1"),
+                         msg(assistant("a")), msg(user("second")), msg(assistant("b")))
+    assert lich.read_session_messages(path)[0] == user("caf\ufffd prompt")
+    code, out, err = cli("--list-sessions", "--json", "--session-dir", str(d))
+    listed = json.loads(out)
+    assert (code, listed["messages"], listed["prompt"], err) == (0, 4, "caf\ufffd prompt", "")
 
 
 def test_hostile_session_files_read_leniently_and_resume(server, lich_model, cli, tmp_path):
