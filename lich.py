@@ -9567,8 +9567,8 @@ class _Cli:
         waiting.start()
         try:
             tools = mcp_tools(server, cwd=self.root, prefix=prefix)
-        except MCPError as e:  # it names the server, a URL's secrets redacted
-            raise _UsageError(f"--mcp: {e}") from None
+        except MCPError as e:  # it names the server (its program), a URL's secrets redacted
+            raise _UsageError(f"--mcp {named.group(0)}: {e}" if named else f"--mcp: {e}") from None
         except ValueError as e:  # a command that cannot be split
             raise _UsageError(f"--mcp {server}: {e}") from None
         finally:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import struct
@@ -13804,7 +13805,7 @@ def test_an_mcp_tool_named_like_a_built_in_one_is_a_usage_error_unless_its_serve
     assert len(server.requests) == 2  # the fs= run's only
 
 
-def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli):
+def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, cli, fake_mcp):
     assert cli("--mcp", "/nonexistent/server", "hi") == (2, "", (
         "lich: --mcp: cannot start the MCP server '/nonexistent/server': No such file or directory\n"))
     port = free_port()
@@ -13812,6 +13813,10 @@ def test_an_mcp_server_that_does_not_start_is_a_usage_error(server, lich_model, 
         f"lich: --mcp: cannot reach the MCP server http://[redacted]@127.0.0.1:{port}/mcp?token=[redacted]"
         "&x=[redacted]: [Errno 111] Connection refused\n"))
     assert cli("--mcp", "server 'unclosed", "hi") == (2, "", "lich: --mcp server 'unclosed: No closing quotation\n")
+    # of two servers run by one program, the name says which failed
+    good = shlex.join(fake_mcp[0])
+    assert cli("--mcp", f"ok={good}", "--mcp", f"bad={sys.executable} -c exit(1)", "hi") == (
+        2, "", f"lich: --mcp bad=: the MCP server {os.path.basename(sys.executable)} exited (code 1)\n")
     assert server.requests == []
 
 
