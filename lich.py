@@ -2123,6 +2123,7 @@ _SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event
 _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
 _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
+_MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
 
@@ -2283,6 +2284,16 @@ def _sse_events(chunks, check):
         data = value if data is None else bytes(data) + b"\n" + value
     if data is not None:
         yield event, bytes(data)
+
+
+def _origin(url) -> str:
+    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme.lower()}://{host}{port}"
 
 
 def _wire_json(value) -> bytes:
@@ -2515,7 +2526,6 @@ _ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError
 _STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
 _SCHEMAS_REFUSED_KEPT = 100        # schemas an AnthropicChat remembers Anthropic refused
-_MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
 _RAW_ARGUMENTS_KEY = "_raw_arguments"  # Anthropic input for tool arguments that are not a JSON object
 _CACHE_CONTROL = {"type": "ephemeral"}
@@ -2713,16 +2723,6 @@ def _object_kind(text, codes, default):
     if codes and len(codes[0]) == 3 and codes[0].isdecimal() and 400 <= int(codes[0]) < 600:
         return _status_kind(int(codes[0]), text, codes)
     return ("overloaded" if "overloaded_error" in codes else default), None
-
-
-def _origin(url) -> str:
-    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme.lower()}://{host}{port}"
 
 
 # --- wire ---
@@ -6825,6 +6825,15 @@ def _rpc_result(answer) -> dict:
     return answer.get("result") if isinstance(answer.get("result"), dict) else {}
 
 
+def _mcp_message(data):
+    """A message (or a batch) from an MCP server's bytes, or None for what is not JSON; a
+    byte that is not UTF-8 in a string is U+FFFD, the rest of the message kept."""
+    try:
+        return json.loads(data.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+
+
 def _mcp_reply(request) -> dict:
     """lich's answer to a request from a server: a ping is answered, the rest refused (lich
     offers no sampling, elicitation or roots)."""
@@ -7147,11 +7156,8 @@ class _StdioServer:
         """Take in the lines read, one at a time: a reader stopped by an exception leaves
         the rest to the next one."""
         while self._lines:
-            try:  # a byte that is not UTF-8 in a string: U+FFFD, the rest of the answer kept
-                message = json.loads(self._lines.popleft().decode("utf-8", "replace"))
-            except (ValueError, RecursionError):
-                continue  # not a message: MCP servers must not print anything else there
-            if isinstance(message, dict):
+            message = _mcp_message(self._lines.popleft())  # anything else: MCP servers
+            if isinstance(message, dict):  # must not print anything else there
                 self._received(message)
 
     def _exit_message(self):
@@ -7278,26 +7284,44 @@ class _HTTPServer:
         return headers
 
     def _post(self, message, exchange):
+        """POST ``message``; the response once its headers are in. A same-origin 307 or 308
+        (Starlette's ``/mcp`` to ``/mcp/``) is followed, and its target used from then on."""
         requests = _requests()
         sent_in = self.session_id
-        try:
-            response = self._http().post(self.url, data=_wire_json(message),
-                                         headers=self._headers(), timeout=(_CONNECT_TIMEOUT, None),
-                                         stream=True, allow_redirects=False)
-        except requests.RequestException as e:
-            exchange.check()
-            raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
-        status = response.status_code
-        if status < 300:
-            return response
-        body = response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True)
-        response.close()
-        if sent_in and (status == 404 or status == 400 and _says_no_session(body)):
-            with self._lock:  # not a session another thread has begun meanwhile
-                if self.session_id == sent_in:
-                    self.session_id = None
-            raise _SessionExpired(f"the MCP server {self.name} ended the session")
-        raise _Gone(f"the MCP server {self.name} answered HTTP {status}: {_snippet(body)}")
+        for _ in range(_MAX_REDIRECTS + 1):
+            url = self.url
+            try:
+                response = self._http().post(url, data=_wire_json(message), headers=self._headers(),
+                                             timeout=(_CONNECT_TIMEOUT, None), stream=True,
+                                             allow_redirects=False)
+            except requests.RequestException as e:
+                exchange.check()
+                raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
+            status = response.status_code
+            if status < 300:
+                return response
+            location = response.headers.get("location") if 300 <= status < 400 else None
+            if status in (307, 308) and location:
+                from urllib.parse import urljoin
+                try:
+                    target = urljoin(url, location)
+                    same = _origin(target) == _origin(url)
+                except ValueError:  # "http://[::1", a port past 65535
+                    same = False
+                if same:  # the headers (a token) stay with the server they were given for
+                    response.close()
+                    self.url = target
+                    continue
+            body = response.raw.read(_ERROR_BODY_MAX_BYTES, decode_content=True)
+            response.close()
+            if sent_in and (status == 404 or status == 400 and _says_no_session(body)):
+                with self._lock:  # not a session another thread has begun meanwhile
+                    if self.session_id == sent_in:
+                        self.session_id = None
+                raise _SessionExpired(f"the MCP server {self.name} ended the session")
+            to = f" (to {_redact_url(_redact_secrets(location))[:_SNIPPET_MAX_CHARS]})" if location else ""
+            raise _Gone(f"the MCP server {self.name} answered HTTP {status}{to}: {_snippet(body)}")
+        raise _Gone(f"the MCP server {self.name} redirected more than {_MAX_REDIRECTS} times")
 
     def request(self, method, params, seconds, signal):
         with _Exchange(signal, seconds) as exchange:
@@ -7335,23 +7359,19 @@ class _HTTPServer:
             exchange.check()
             raise _Gone(f"the MCP server {self.name} broke off: "
                         f"{_redact_secrets(str(e))[:_SNIPPET_MAX_CHARS]}") from None
+        except _StreamTooLong as e:
+            raise _Gone(f"the MCP server {self.name} answered more than lich reads: {e}") from None
 
     def _answer(self, response, request_id, exchange):
         """The answer to ``request_id`` from a JSON body or an SSE stream."""
-        def parsed(text):  # None for what is not JSON: skipped, as over stdio
-            try:
-                return json.loads(text)
-            except (ValueError, RecursionError):
-                return None
-
         if response.headers.get("content-type", "").startswith("application/json"):
             body = response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True)
-            messages = [parsed(body)]
+            messages = [_mcp_message(body)]
             if messages[0] is None:
                 raise _Gone(f"the MCP server {self.name} answered with a body that is not JSON: "
                             f"{_snippet(body)}")
         else:
-            messages = (parsed(data) for _, data in
+            messages = (_mcp_message(data) for _, data in
                         _sse_events(_arriving_chunks(response), exchange.check) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
@@ -7428,9 +7448,8 @@ class _HTTPServer:
                 return None
             heard = 0
             for _, data in _sse_events(_arriving_chunks(response), exchange.check):
-                try:
-                    message = json.loads(data) if data.strip() else None
-                except (ValueError, RecursionError):
+                message = _mcp_message(data) if data.strip() else None
+                if message is None and data.strip():
                     continue  # not JSON: skipped, as in an answer
                 for each in message if isinstance(message, list) else [message]:
                     heard += 1

@@ -10354,11 +10354,68 @@ def test_an_mcp_http_url_that_answers_404_is_no_session_that_ended(server):
     assert str(info.value) == f"the MCP server {server.url}/nothing answered HTTP 404: no such page"
 
 
-def test_an_mcp_http_url_that_redirects_is_an_mcp_error_whatever_its_location(server):
-    server.responder = lambda request: Reply(302, "moved", headers={"Location": "http://[::1/mcp"})
+@pytest.mark.parametrize("status, location", [
+    (302, "/mcp/"), (307, "http://[::1/mcp"), (307, "http://localhost:9/mcp?token=s3cret")],
+    ids=["302", "no-url", "another-origin"])
+def test_an_mcp_http_url_that_redirects_elsewhere_is_an_mcp_error_naming_where(server, status, location):
+    server.responder = lambda request: Reply(status, "moved", headers={"Location": location})
     with pytest.raises(lich.MCPError) as info:
-        lich.mcp_tools(server.url + "/mcp")
-    assert str(info.value) == f"the MCP server {server.url}/mcp answered HTTP 302: moved"
+        lich.mcp_tools(server.url + "/mcp", headers={"Authorization": "Bearer t0ken-of-mcp"})
+    shown = location.replace("s3cret", "[redacted]")
+    assert str(info.value) == f"the MCP server {server.url}/mcp answered HTTP {status} (to {shown}): moved"
+    assert [r["path"] for r in server.requests] == ["/mcp"]
+
+
+def test_an_mcp_http_answer_with_a_byte_not_utf8_in_it_is_read_with_a_replacement_character(server):
+    url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": {"content": [{"type": "text", "text": "caf"}]}})
+    answer = server.responder
+
+    def respond(request):  # tools/call answered as JSON, then as SSE, with a byte of Latin-1
+        reply = answer(request)
+        if (request["json"] or {}).get("method") != "tools/call":
+            return reply
+        body = reply.body.replace(b'"caf"', b'"caf\xe9"')
+        if request["json"]["id"] % 2:
+            return Reply(200, body, content_type="application/json")
+        return Reply(200, b"data: " + body + b"\n\n", content_type="text/event-stream")
+
+    server.responder = respond
+    with lich.mcp_tools(url) as tools:
+        assert [tools.run(tool_call("t")) for _ in "12"] == [lich.ToolResult(ok=True, output="caf\ufffd")] * 2
+
+
+def test_an_mcp_http_answer_of_an_sse_line_too_long_fails_the_call_naming_the_server(server):
+    url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": {"content": []}})
+    answer = server.responder
+    server.responder = lambda request: (
+        Reply(200, b"data: " + b"x" * (33 << 20), content_type="text/event-stream")
+        if (request["json"] or {}).get("method") == "tools/call" else answer(request))
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("t")) == lich.ToolResult(ok=False, error=(
+            f"the MCP server {url} answered more than lich reads: an SSE line exceeds 33554432 bytes"))
+
+
+def test_an_mcp_http_url_redirected_in_its_origin_by_307_or_308_is_followed_from_then_on(server):
+    """Starlette mounts answer /mcp with a 307 to /mcp/; the headers (a token) go along."""
+    mcp_answering(server, tools=[{"name": "echo"}], calls={"echo": {"content": [{"type": "text", "text": "hi"}]}})
+    answer = server.responder
+
+    def respond(request):
+        if request["path"] == "/mcp":
+            return Reply(307, "", headers={"Location": "/mcp/"})
+        if request["path"] == "/mcp/":
+            return Reply(308, "", headers={"Location": server.url + "/mcp/2"})
+        return answer(request)
+
+    server.responder = respond
+    with lich.mcp_tools(server.url + "/mcp", headers={"Authorization": "Bearer t0ken-of-mcp"}) as tools:
+        assert tools.run(tool_call("echo")) == lich.ToolResult(ok=True, output="hi")
+    posts = [(r["path"], r["headers"].get("authorization"), r["json"].get("method"))
+             for r in server.requests if r["method"] == "POST"]
+    assert posts == [("/mcp", "Bearer t0ken-of-mcp", "initialize"), ("/mcp/", "Bearer t0ken-of-mcp", "initialize"),
+                     ("/mcp/2", "Bearer t0ken-of-mcp", "initialize"),
+                     *[("/mcp/2", "Bearer t0ken-of-mcp", method)
+                       for method in ("notifications/initialized", "tools/call")]]
 
 
 def test_a_lone_surrogate_in_an_mcp_servers_error_becomes_a_replacement_character(server):
