@@ -8090,6 +8090,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     # each task's run has an emitter of its own, which sums its usage
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
+    if trace is True:  # without OpenTelemetry: its ImportError now, not a failure per task
+        trace_otel(AgentEmitter())()
     if max_errors is not None and (isinstance(max_errors, bool) or not isinstance(max_errors, int)
                                    or max_errors < 1):  # 0 would start nothing
         raise ValueError(f"max_errors must be an int >= 1 or None (the failures after which no "
@@ -8508,7 +8510,11 @@ def _output_schema(text):
     return schema
 
 
-_OTEL_EXPORTER_HINTS = {"otlp": "pip install opentelemetry-exporter-otlp"}
+_OTEL_EXPORTER_HINTS = {"otlp": "pip install opentelemetry-exporter-otlp",
+                        "otlp_proto_http": "pip install opentelemetry-exporter-otlp-proto-http",
+                        "otlp_proto_grpc": "pip install opentelemetry-exporter-otlp-proto-grpc"}
+# The exporter "otlp" is, by the OTLP protocol variables, as the SDK reads them
+_OTLP_EXPORTERS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 _OTEL_EXPORTER_NAMES = ("OTEL_TRACES_EXPORTER names otlp, console, none, or an exporter an "
                         "installed package adds")
 
@@ -8533,7 +8539,14 @@ def _otel_provider():
     # As the SDK's own configuration reads it: otlp unless told otherwise, "none" for nothing.
     names = [n.strip() for n in (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").split(",")
              if n.strip() and n.strip().lower() != "none"]
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip()
     for name in names:
+        if name == "otlp" and protocol:
+            if protocol not in _OTLP_EXPORTERS:
+                raise _UsageError(f"--otel: the OTLP protocol {protocol!r} is none the "
+                                  f"OpenTelemetry SDK exports with ({', '.join(_OTLP_EXPORTERS)})")
+            name = _OTLP_EXPORTERS[protocol]
         if name == "console":
             exporter = ConsoleSpanExporter(out=sys.stderr)
         else:

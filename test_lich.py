@@ -11440,6 +11440,18 @@ def test_run_batch_on_a_dask_cluster_on_loopback(batch_server, workspace):
         on_cluster = lich.run_batch(tasks, chat=chat, tools=tools, executor=client.get_executor(), max_turns=5)
     assert on_cluster == threads
 
+def test_run_batch_traced_without_opentelemetry_raises_before_any_task():
+    script = ("import sys; sys.modules['opentelemetry'] = None\n"
+              "import lich\ncalls = []\n"
+              "def chat(messages, **options):\n    calls.append(messages)\n"
+              "    return lich.ChatResult({'role': 'assistant', 'content': 'done'})\n"
+              "try:\n    lich.run_batch(['a', 'b'], chat=chat, max_turns=1, trace=True)\n"
+              "except ImportError as e:\n    print(e, len(calls))")
+    code, out, err = Process("-c", script, cwd=HERE).wait()
+    assert (code, out) == (0, ("trace_otel needs the OpenTelemetry API: pip install opentelemetry-api "
+                               "(and opentelemetry-sdk to export spans) 0\n")), err
+
+
 
 # ============================================================================
 # Command line
@@ -11717,6 +11729,49 @@ def test_otel_exports_with_otlp_unless_told_otherwise_as_the_sdk_does(server, li
     queue(server, openai_reply("untraced"))
     assert Process(*LICH, "--otel", "-q", "--no-stream", "hi", env={"OTEL_TRACES_EXPORTER": "none"}).wait() == (
         0, "untraced\n", "")
+
+
+FAKE_EXPORTERS = """
+import sys
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+class Exporter(SpanExporter):
+    def export(self, spans):
+        sys.stderr.write("".join(f"{self.protocol}: {span.name}\\n" for span in spans))
+        return SpanExportResult.SUCCESS
+
+class Http(Exporter):
+    protocol = "http"
+
+class Grpc(Exporter):
+    protocol = "grpc"
+"""
+
+
+def test_otel_exports_otlp_by_the_protocol_the_otlp_variables_name(server, lich_model, tmp_path):
+    """An installed package's entry points, as opentelemetry-exporter-otlp-proto-http's are."""
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    (tmp_path / "fake_exporters.py").write_text(FAKE_EXPORTERS)
+    info = tmp_path / "fake_exporters-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-exporters\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[opentelemetry_traces_exporter]\n"
+                                           "otlp_proto_http = fake_exporters:Http\notlp_proto_grpc = fake_exporters:Grpc\n")
+    for variables, protocol in [({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, "http"),
+                                ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                                  "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": " grpc "}, "grpc")]:
+        queue(server, openai_reply("traced"))
+        assert Process(*LICH, "--otel", "-q", "--no-stream", "hi", env={"PYTHONPATH": str(tmp_path), **variables}).wait() == (
+            0, "traced\n", f"{protocol}: chat gpt-test\n{protocol}: invoke_agent\n")
+    assert Process(*LICH, "--otel", "hi", env={"PYTHONPATH": str(tmp_path), "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}).wait() == (
+        2, "", ("lich: --otel: the OTLP protocol 'http/json' is none the OpenTelemetry SDK exports with "
+                "(grpc, http/protobuf)\n"))
+    from importlib.metadata import distributions
+
+    if not any(d.metadata["Name"] == "opentelemetry-exporter-otlp-proto-http" for d in distributions()):
+        assert Process(*LICH, "--otel", "hi", env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}).wait() == (
+            2, "", ("lich: --otel: no OpenTelemetry exporter named 'otlp_proto_http' is installed "
+                    "(pip install opentelemetry-exporter-otlp-proto-http)\n"))
 
 
 @pytest.mark.parametrize("files, shown", [
