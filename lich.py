@@ -10333,6 +10333,10 @@ def _main(argv, main_thread) -> int:
     handler = _LogHandler(term, logging.DEBUG if args.verbose else logging.WARNING)
     previous_level = logger.level
     logger.addHandler(handler)
+    # the OpenTelemetry SDK's warnings (a collector down) as lich's: one line, no traceback
+    otel_logger = logging.getLogger("opentelemetry") if args.otel else None
+    if otel_logger is not None:
+        otel_logger.addHandler(handler)
     if args.verbose:
         logger.setLevel(logging.DEBUG)
     interrupts = _Interrupts()
@@ -10389,6 +10393,8 @@ def _main(argv, main_thread) -> int:
             _set_dumpable(True)
         logger.removeHandler(handler)
         logger.setLevel(previous_level)
+        if otel_logger is not None:
+            otel_logger.removeHandler(handler)
 
 
 def _quiet_stdout():

@@ -11745,18 +11745,30 @@ class Http(Exporter):
 
 class Grpc(Exporter):
     protocol = "grpc"
+
+class Broken(Exporter):
+    def export(self, spans):
+        raise ConnectionError("the collector is down")
 """
+
+
+def fake_exporters(folder):
+    """A folder that, on PYTHONPATH, installs the exporters of FAKE_EXPORTERS as a package
+    does, by entry points: otlp_proto_http, otlp_proto_grpc and broken."""
+    (folder / "fake_exporters.py").write_text(FAKE_EXPORTERS)
+    info = folder / "fake_exporters-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-exporters\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[opentelemetry_traces_exporter]\notlp_proto_http = fake_exporters:Http\n"
+        "otlp_proto_grpc = fake_exporters:Grpc\nbroken = fake_exporters:Broken\n")
+    return str(folder)
 
 
 def test_otel_exports_otlp_by_the_protocol_the_otlp_variables_name(server, lich_model, tmp_path):
     """An installed package's entry points, as opentelemetry-exporter-otlp-proto-http's are."""
     pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
-    (tmp_path / "fake_exporters.py").write_text(FAKE_EXPORTERS)
-    info = tmp_path / "fake_exporters-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-exporters\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[opentelemetry_traces_exporter]\n"
-                                           "otlp_proto_http = fake_exporters:Http\notlp_proto_grpc = fake_exporters:Grpc\n")
+    fake_exporters(tmp_path)
     for variables, protocol in [({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, "http"),
                                 ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                                   "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": " grpc "}, "grpc")]:
@@ -11772,6 +11784,14 @@ def test_otel_exports_otlp_by_the_protocol_the_otlp_variables_name(server, lich_
         assert Process(*LICH, "--otel", "hi", env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}).wait() == (
             2, "", ("lich: --otel: no OpenTelemetry exporter named 'otlp_proto_http' is installed "
                     "(pip install opentelemetry-exporter-otlp-proto-http)\n"))
+
+
+def test_otel_says_an_exporters_failure_as_a_warning_without_a_traceback(server, lich_model, tmp_path):
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    queue(server, openai_reply("traced"))
+    code, out, err = Process(*LICH, "--otel", "-q", "--no-stream", "hi", env={
+        "PYTHONPATH": fake_exporters(tmp_path), "OTEL_TRACES_EXPORTER": "broken"}).wait()
+    assert (code, out, err) == (0, "traced\n", "lich: warning: Exception while exporting Span.\n")
 
 
 @pytest.mark.parametrize("files, shown", [
