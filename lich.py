@@ -4236,6 +4236,7 @@ class Limiter:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._in_flight = set()
+        self._waiting = deque()  # the calls waiting, first come first served
         self._starts = deque()  # (start time, estimated tokens) within the window
         self._tokens = 0
         self._paused_until = 0.0
@@ -4272,30 +4273,35 @@ class Limiter:
         return 0.0
 
     def _acquire(self, call, tokens, signal):
+        """Wait for the turn of ``call``: the calls start in the order they came (a thread
+        that calls again at once, as an agent's next turn does, waits behind the others)."""
         with self._lock:
-            while True:
-                if signal is not None and signal.is_set():
-                    self._cond.notify()  # a wake-up it may have had goes on to another waiter
-                    raise AbortError("aborted while waiting for the limiter")
-                now = time.monotonic()
-                wait = self._wait_needed(tokens, now)
-                if wait <= 0:
-                    self._in_flight.add(call)
-                    self._starts.append((now, tokens))
-                    self._tokens += tokens
-                    return
-                # a short wait on the condition: a finished call wakes it, the signal is seen soon
-                self._cond.wait(min(wait, _WATCH_SECONDS))
+            self._waiting.append(call)
+            try:
+                while True:
+                    if signal is not None and signal.is_set():
+                        raise AbortError("aborted while waiting for the limiter")
+                    now = time.monotonic()
+                    wait = self._wait_needed(tokens, now) if self._waiting[0] is call else _WATCH_SECONDS
+                    if wait <= 0:
+                        self._in_flight.add(call)
+                        self._starts.append((now, tokens))
+                        self._tokens += tokens
+                        return
+                    # a short wait on the condition: a change wakes it, the signal is seen soon
+                    self._cond.wait(min(wait, _WATCH_SECONDS))
+            finally:  # started, or stopped waiting (the signal, a Ctrl-C): the next in line
+                self._waiting.remove(call)  # may start at once
+                self._cond.notify_all()
 
     def _release(self, error):
-        """After a call, given back already: another may start, or all wait out a pause."""
+        """After a call, given back already: the first waiting may start, or all wait out
+        a pause."""
         with self._lock:
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
                     and error.retry_after):
                 self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
-                self._cond.notify_all()  # every waiter must learn of the pause
-            else:
-                self._cond.notify()  # one slot: one waiter (all of them would only queue again)
+            self._cond.notify_all()  # the first in line is one of them
 
 
 class _LimitedChat:

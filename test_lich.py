@@ -6789,6 +6789,40 @@ def test_limiter_caps_calls_in_flight_across_threads():
     assert (most, len(starts), errors) == (3, 12, [])
 
 
+def test_limiter_serves_calls_in_the_order_they_came():
+    """Threads that each call again at once, as runs' turns do: each waits behind the others
+    (the one that had just given its slot back took it again, and the rest waited for ever)."""
+    limiter = lich.Limiter(max_concurrent=1)
+    order, ready, go = [], [], threading.Event()
+
+    def chat(messages, **kwargs):
+        if messages is not USER:  # the first call: held until every thread waits behind it
+            go.wait(10)
+        order.append(threading.current_thread().name)
+        time.sleep(0.002)
+        return lich.ChatResult(answer("ok"))
+
+    limited = limiter.wrap(chat)
+
+    def calls():
+        ready.append(1)
+        for _ in range(5):
+            limited(USER)
+
+    holder = threading.Thread(target=limited, args=([user("first")],), name="holder")
+    holder.start()
+    threads = [threading.Thread(target=calls, name=f"t{i}") for i in range(6)]
+    for t in threads:
+        t.start()
+    eventually(lambda: len(ready) == 6)
+    time.sleep(0.3)  # from calling to waiting at the limiter
+    go.set()
+    for t in [holder, *threads]:
+        t.join(10)
+    rounds = [sorted(order[1 + 6 * i:7 + 6 * i]) for i in range(5)]
+    assert order[0] == "holder" and rounds == [[f"t{i}" for i in range(6)]] * 5
+
+
 def test_a_ctrl_c_as_any_function_of_a_limited_call_begins_gives_its_slot_back():
     """A Ctrl-C (a notebook's interrupt) is raised as a Python function begins, among other
     places: one at the start of the call that gave the slot back kept it for ever, and the
