@@ -8200,6 +8200,7 @@ _PROMPT_SHOWN_CHARS = 200       # of a session's first prompt, in --list-session
 _RECORD_PIECE_BYTES = 1 << 20  # a longer line of a session file is read in pieces: kept if
                                 # it starts a record
 _QUIT_WINDOW_SECONDS = 2.0      # a second Ctrl-C this soon quits, whatever lich is doing
+_QUIT_GRACE_SECONDS = 0.5       # then the run has this long to end, recorded and traced
 _TOOL_SUMMARY_CHARS = 60
 _PREVIEW_LINES = 3              # lines of a tool's output shown under its line
 _PLAIN_LINE_CHARS = 400         # the most of a tool's line or preview line kept in a log
@@ -9490,7 +9491,16 @@ def _run_interruptibly(work, signal, cli):
         try:
             done.wait(_POLL_SECONDS)
         except KeyboardInterrupt:
-            cli.interrupts.pressed()
+            try:
+                cli.interrupts.pressed()
+            except _Quit as leaving:  # the signal, set by the first, has most often stopped
+                signal.set()  # it by now: its session gets its last records and its spans
+                try:  # end, or it is left as it is
+                    done.wait(_QUIT_GRACE_SECONDS)
+                except KeyboardInterrupt:
+                    pass
+                leaving.run_ended = done.is_set()
+                raise
             if not signal.is_set():
                 signal.set()
                 cli.term.stop_spinner()
@@ -9743,6 +9753,10 @@ class _Cli:
         except AbortError:
             self._interrupted(progress, session)
             return self.interrupts.exit_code, progress.history
+        except _Quit as leaving:
+            if getattr(leaving, "run_ended", False):  # closed as one Ctrl-C closes it
+                self._interrupted(progress, session)
+            raise
         except Exception as exc:
             refusal = _schema_refusal(exc)
             if refusal is not None:  # refused before any call: the chat cannot go on

@@ -13533,6 +13533,38 @@ def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
         assert "error" not in term.transcript
 
 
+def test_a_quick_second_ctrl_c_lets_the_stopped_run_end_its_spans_and_its_session(server, lich_model, tmp_path):
+    """Two Ctrl-Cs 10 ms apart as the model is asked: the first cuts the request (within
+    0.1 s), and lich leaves once the run has ended, closed as one Ctrl-C closes it (it left
+    at once, the run's spans open, unexported, the session without its note). A second that
+    comes once lich is done kills it as SIGINT does (-2)."""
+    import signal as signals
+
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed (pip install -e '.[test]')")
+    held = threading.Event()
+    queue(server, openai_reply("", ("c1", "list_files", "{}"), finish="tool_calls"),
+          Reply(200, openai_reply("late"), hold=held))
+    sessions = tmp_path / "sessions"
+    child = Process(*LICH, "--otel", "--no-stream", "--session-dir", sessions, "--root", tmp_path, "hi",
+                    env={"OTEL_TRACES_EXPORTER": "console"})
+    try:
+        wait_for_request(server, 2)
+        child.popen.send_signal(signals.SIGINT)
+        time.sleep(0.01)
+        child.popen.send_signal(signals.SIGINT)
+        code, out, err = child.wait()
+    finally:
+        held.set()
+    assert (code in (130, -signals.SIGINT), out) == (True, "")
+    assert sorted(re.findall(r'"name": "([^"]+)"', err)) == [
+        "chat gpt-test", "chat gpt-test", "execute_tool list_files", "invoke_agent"]
+    [path] = sessions.iterdir()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("meta", {}).get("event") or r["message"]["role"] for r in records] == [
+        "run_start", "system", "user", "assistant", "tool", "run_error", "assistant"]
+    assert records[-1]["message"]["content"] == "[interrupted by the user]"
+
+
 def frames_of(thread, caller):
     """The functions ``thread`` is in below ``caller``, innermost first: the last is the one
     ``caller`` called (empty when ``thread`` is not in ``caller``)."""
