@@ -1050,8 +1050,8 @@ def estimate_text_tokens(text: str) -> int:
     return (len(text) + 3) // 4
 
 
-# What an assistant message may carry back to its provider besides its text and tool calls
-# (the README's reasoning): sent with every later request, so counted as its JSON text
+# What an assistant message with tool calls may carry back to its provider beside them (the
+# README's reasoning): sent with every later request, so counted, as its JSON text
 _REASONING_KEYS = ("thinking", "reasoning_content", "reasoning_details")
 
 
@@ -1066,12 +1066,12 @@ def _estimate_message_tokens(message) -> int:
         tool_calls = message.get("tool_calls")
         if tool_calls:
             tokens += estimate_text_tokens(_tool_calls_json(tool_calls))
-        for key in _REASONING_KEYS:
-            reasoning = message.get(key)
-            if reasoning:
-                tokens += estimate_text_tokens(reasoning if isinstance(reasoning, str) else
-                                               json.dumps(reasoning, separators=(",", ":"),
-                                                          ensure_ascii=False, default=repr))
+            for key in _REASONING_KEYS:
+                reasoning = message.get(key)
+                if reasoning:
+                    tokens += estimate_text_tokens(reasoning if isinstance(reasoning, str) else
+                                                   json.dumps(reasoning, separators=(",", ":"),
+                                                              ensure_ascii=False, default=repr))
     elif role == "tool":
         tokens += _TOOL_MESSAGE_OVERHEAD_TOKENS
     return tokens
@@ -2292,6 +2292,8 @@ def _origin(url) -> str:
 
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
+    if ":" in host:  # IPv6 in its brackets: [::1]:8080 is not [::1:8080]
+        host = f"[{host}]"
     port = f":{parts.port}" if parts.port else ""
     return f"{parts.scheme.lower()}://{host}{port}"
 
@@ -4276,8 +4278,8 @@ class Limiter:
         """Wait for the turn of ``call``: the calls start in the order they came (a thread
         that calls again at once, as an agent's next turn does, waits behind the others)."""
         with self._lock:
-            self._waiting.append(call)
-            try:
+            try:  # appended inside: a Ctrl-C as the append returns leaves no call in line
+                self._waiting.append(call)
                 while True:
                     if signal is not None and signal.is_set():
                         raise AbortError("aborted while waiting for the limiter")
@@ -4291,7 +4293,8 @@ class Limiter:
                     # a short wait on the condition: a change wakes it, the signal is seen soon
                     self._cond.wait(min(wait, _WATCH_SECONDS))
             finally:  # started, or stopped waiting (the signal, a Ctrl-C): the next in line
-                self._waiting.remove(call)  # may start at once
+                if call in self._waiting:  # may start at once
+                    self._waiting.remove(call)
                 self._cond.notify_all()
 
     def _release(self, error):
@@ -7089,11 +7092,16 @@ class _StdioServer:
                 self._take_in()
                 continue
             left = deadline - time.monotonic()
-            if left <= 0 or not self._poller.poll(left * 1000):
-                if self.proc.poll() is not None:  # exited, its output held open by a process
-                    self._end(self._exit_message())  # it started: no answer will come
-                return
-            self._read_output()
+            if self._poller.poll(max(0.0, left) * 1000):
+                self._read_output()
+                if left <= 0:
+                    return
+                continue
+            # Exited with nothing left to read (looked at again once it had exited), its
+            # output held open by a process it started: no answer will come.
+            if self.proc.poll() is not None and not self._poller.poll(0):
+                self._end(self._exit_message())
+            return
 
     def _leave_reading(self):
         """The reader goes: one of the threads that wait for it, their answer still to come,

@@ -1290,10 +1290,12 @@ def test_estimate_of_tool_calls_is_compact_unescaped_json():
     ({"reasoning_content": ""}, 0),
 ], ids=["reasoning_content", "reasoning_details", "thinking", "empty"])
 def test_estimate_counts_the_reasoning_an_assistant_message_carries_back(reasoning, tokens):
-    """It goes back with every later request (DeepSeek's, OpenRouter's, Anthropic's)."""
+    """It goes back beside the tool calls with every later request (DeepSeek's, OpenRouter's,
+    Anthropic's); a final answer's is never sent back."""
     message = {**assistant("1234", ("c1", "read", "{}")), **reasoning}
     calls = lich.estimate_text_tokens('[{"id":"c1","name":"read","arguments":"{}"}]')
     assert lich.estimate_messages_tokens([message]) == 1 + calls + tokens
+    assert lich.estimate_messages_tokens([{**assistant("1234"), **reasoning}]) == 1
 
 
 def test_the_loop_compresses_a_history_grown_by_its_reasoning():
@@ -6794,10 +6796,11 @@ def test_limiter_serves_calls_in_the_order_they_came():
     """Threads that each call again at once, as runs' turns do: each waits behind the others
     (the one that had just given its slot back took it again, and the rest waited for ever)."""
     limiter = lich.Limiter(max_concurrent=1)
-    order, ready, go = [], [], threading.Event()
+    order, ready, go, holder_in_chat = [], [], threading.Event(), threading.Event()
 
     def chat(messages, **kwargs):
         if messages is not USER:  # the first call: held until every thread waits behind it
+            holder_in_chat.set()
             go.wait(10)
         order.append(threading.current_thread().name)
         time.sleep(0.002)
@@ -6812,11 +6815,12 @@ def test_limiter_serves_calls_in_the_order_they_came():
 
     holder = threading.Thread(target=limited, args=([user("first")],), name="holder")
     holder.start()
+    eventually(lambda: order == [] and holder_in_chat.is_set())
     threads = [threading.Thread(target=calls, name=f"t{i}") for i in range(6)]
     for t in threads:
         t.start()
     eventually(lambda: len(ready) == 6)
-    time.sleep(0.3)  # from calling to waiting at the limiter
+    time.sleep(0.5)  # from calling to waiting at the limiter
     go.set()
     for t in [holder, *threads]:
         t.join(10)
@@ -6851,6 +6855,34 @@ def test_a_ctrl_c_as_any_function_of_a_limited_call_begins_gives_its_slot_back()
         assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: the slot is free
         waited.set()
     assert interrupted >= 8  # every function the call ran began with a Ctrl-C once
+
+
+def test_a_ctrl_c_as_any_builtin_of_a_limited_call_returns_leaves_no_call_in_line():
+    """A Ctrl-C is raised as a builtin returns too (the end of a CALL): one as the call joined
+    the line left it at the head, and every later call waited behind it for ever."""
+    limiter = lich.Limiter(max_concurrent=1)
+    chat = limiter.wrap(lambda messages, **options: lich.ChatResult(assistant("ok")))
+    interrupted = 0
+    for n in range(1, 40):
+        returned = 0
+
+        def interrupt(frame, event, arg, n=n):
+            nonlocal returned
+            returned += event == "c_return"
+            if event == "c_return" and returned == n:
+                raise KeyboardInterrupt
+        sys.setprofile(interrupt)
+        try:
+            chat(USER)
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.setprofile(None)
+        waited = threading.Event()
+        threading.Timer(2, waited.set).start()
+        assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: nobody in line
+        waited.set()
+    assert interrupted >= 8  # every builtin the call ran returned with a Ctrl-C once
 
 
 def test_limiter_holds_requests_per_minute_by_waiting_and_the_signal_ends_the_wait():
@@ -9590,6 +9622,10 @@ while True:
             sys.stderr.write("starting\n" + "e" * 1_000_000 + "the end")
             sys.stderr.flush()
             os._exit(3)
+        elif name == "answer_exit":  # 30 MB of notification, the answer, and gone at once
+            send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"data": "n" * (30 << 20)}})
+            send({"jsonrpc": "2.0", "id": ident, "result": {"content": [{"type": "text", "text": "last answer"}]}})
+            os._exit(0)
         elif name == "orphan_crash":  # exits, a process it started holding its output open
             if os.fork() == 0:
                 time.sleep(30)
@@ -9743,6 +9779,13 @@ def test_an_mcp_server_that_dies_mid_call_holding_its_output_open_fails_the_call
         assert result == lich.ToolResult(ok=False, error=f"the MCP server {name} exited (code 9): "
                                          "fatal: out of cheese")
         assert finishes(lambda: tools.run(tool_call("first"))) == result
+
+
+def test_an_mcp_answer_read_after_its_server_exited_is_the_answer(fake_mcp):
+    """The server wrote its answer and exited while lich still read what came before it."""
+    command, _ = fake_mcp
+    with lich.mcp_tools(command) as tools:
+        assert finishes(lambda: tools.run(tool_call("answer_exit")), 20) == lich.ToolResult(ok=True, output="last answer")
 
 
 def test_an_mcp_answer_is_the_first_to_its_id_and_a_byte_not_utf8_in_it_is_replaced(fake_mcp):
@@ -10428,6 +10471,19 @@ def test_an_mcp_http_answer_of_an_sse_line_too_long_fails_the_call_naming_the_se
     with lich.mcp_tools(url) as tools:
         assert tools.run(tool_call("t")) == lich.ToolResult(ok=False, error=(
             f"the MCP server {url} answered more than lich reads: an SSE line exceeds 33554432 bytes"))
+
+
+def test_an_mcp_http_redirect_to_another_ipv6_address_is_not_followed(server):
+    """[::ffff:127.0.0.1]:P and [::ffff:127.0.0.1:P] are two hosts (they read as one origin
+    without their brackets): the token stays with the first. Python 3.9's urlsplit takes
+    the second (not followed, it cannot be reached); later ones refuse it as no address."""
+    port = server.url.rpartition(":")[2]
+    url, location = f"http://[::ffff:127.0.0.1]:{port}/mcp", f"http://[::ffff:127.0.0.1:{port}]/mcp"
+    server.responder = lambda request: Reply(307, "", headers={"Location": location})
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools(url, headers={"Authorization": "Bearer t0ken-of-mcp"})
+    assert str(info.value) == f"the MCP server {url} answered HTTP 307 (to {location}): "
+    assert len(server.requests) == 1
 
 
 def test_an_mcp_http_url_redirected_in_its_origin_by_307_or_308_is_followed_from_then_on(server):
