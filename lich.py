@@ -1213,7 +1213,7 @@ _CUT_CALL_ERROR = ("not run: the answer reached its output token limit while wri
                    "so its arguments may be incomplete; ask for less in one call (a long file "
                    "in parts)")
 _OUTPUT_FORMAT_NAME = "output"
-_FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*)\n\s*```\s*\Z"
+_FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n?(.*?)\s*```\s*\Z"
 # The thinking some servers leave in the answer's text (vLLM's MiniMax parser, llama.cpp's
 # --reasoning-format none), before what the model answers
 _THINKING_FIRST = r"(?s)\A\s*<think>.*?</think>"
@@ -1471,14 +1471,27 @@ def _parse_output(text, schema):
         return None, f"it is not valid JSON ({e})"
     problems = []
     try:
-        value = _schema_check(value, schema, "answer", problems, schema)
+        checked = _schema_check(value, schema, "answer", problems, schema)
+        if not problems:  # its integers as the model wrote them: a "number" made them floats
+            return _integers_as_given(value, checked), None
     except RecursionError:  # a tree deeper than Python's stack, under a recursive $ref
         return None, "it is nested too deeply to check against the schema"
-    if not problems:
-        return value, None
     described = "; ".join(f"{where} must be {expected}, not {got}"
                           for where, expected, got in problems[:10])
     return None, f"it does not match the schema: {described}"
+
+
+def _integers_as_given(given, checked):
+    """``checked`` (what _schema_check gave back for ``given``) with each integer of
+    ``given`` that it made a float given back: 9007199254740993 is no float, 5 is not 5.0."""
+    if isinstance(checked, float) and isinstance(given, int) and not isinstance(given, bool):
+        return given
+    if isinstance(checked, list) and isinstance(given, list) and len(checked) == len(given):
+        return [_integers_as_given(a, b) for a, b in zip(given, checked)]
+    if isinstance(checked, dict) and isinstance(given, dict):
+        return {key: _integers_as_given(given[key], item) if key in given else item
+                for key, item in checked.items()}
+    return checked
 
 
 def _output_correction(error, schema) -> dict:
@@ -1555,6 +1568,8 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
                 return LoopOutcome(history, message, result, turn, "final", output)
             if turn == max_turns:
                 break
+            if result.stop_reason == "length":  # asked again alike, it would be cut again
+                error += "; it was cut at the output token limit: write a shorter one"
             correction = _output_correction(error, output_schema)
             history.append(correction)
             _emit(emitter, {"type": "output_invalid", "turn": turn, "error": error,
@@ -2855,6 +2870,7 @@ class _HTTPChat:
             return send(messages, None, options)
         schema = json.dumps(response_format["schema"], ensure_ascii=False)
         if (not self._format_refused and schema not in self._schemas_refused
+                and self._format_field not in (self.extra_body or {})  # extra_body's replaces it
                 and self._takes_schema(response_format["schema"])):
             try:
                 return send(messages, response_format, options)
@@ -2868,6 +2884,8 @@ class _HTTPChat:
                 else:
                     self._format_refused = True
         return send(self._instructed(messages, _SCHEMA_INSTRUCTION + schema), None, options)
+
+    _format_field = "response_format"  # the body's field that holds a schema
 
     def _takes_schema(self, schema):
         return True
@@ -3887,6 +3905,7 @@ class AnthropicChat(_HTTPChat):
     _reasoning_refusal = r"(?i)\binvalid\W+(signature|data)\b|input tag\W+(redacted_)?thinking\b"
     _format_refusal = (r"(?i)output_config|output_format|structured output|schema is too complex"
                        r"|recursive definitions")
+    _format_field = "output_config"
 
     def __init__(self, model, *, api_key=None, base_url=None, timeout=_DEFAULT_TIMEOUT,
                  stream=False, on_delta=None, session=None, max_tokens=_ANTHROPIC_MAX_TOKENS,
@@ -8509,11 +8528,14 @@ def _project_instructions(root):
 def _output_schema(text):
     """The --schema value: JSON, or @FILE holding it; it must be an object."""
     if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as f:
+        try:  # a byte order mark that an editor put first is not JSON's
+            with open(text[1:], encoding="utf-8-sig") as f:
                 text = f.read()
         except OSError as e:
             raise _UsageError(f"--schema: cannot read {text[1:]}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise _UsageError(f"--schema: {text[1:]} is not UTF-8 text ({e.reason} at offset "
+                              f"{e.start})") from None
     try:
         schema = json.loads(text)
     except ValueError as e:

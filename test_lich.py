@@ -2020,6 +2020,38 @@ def test_structured_output_is_parsed_validated_and_asked_for():
     assert chat.calls[0]["response_format"] == {"name": "output", "schema": SCHEMA}
 
 
+def test_a_structured_answers_integers_stay_as_written_where_the_schema_says_number():
+    """9007199254740993 is no float (it came back ...992.0), and 5 is not 5.0; a whole
+    number where the schema says integer is an int."""
+    schema = {"type": "object", "properties": {"id": {"type": "number"}, "n": {"type": "number"},
+                                               "x": {"type": "number"}, "k": {"type": "integer"},
+                                               "all": {"type": "array", "items": {"type": "number"}}}}
+    chat = ScriptedChat(assistant('{"id": 9007199254740993, "n": 5, "x": 2.5, "k": 3.0, "all": [1, 1.5]}'))
+    outcome = lich.run_conversation(chat, None, [user("ids?")], max_turns=1, output_schema=schema)
+    assert repr(outcome.output) == "{'id': 9007199254740993, 'n': 5, 'x': 2.5, 'k': 3, 'all': [1, 1.5]}"
+
+
+@pytest.mark.parametrize("text", [
+    '```json\r\n{"city": "Lima", "temp": 19}\r\n```', '```json\n{"city": "Lima", "temp": 19}```',
+    '```json {"city": "Lima", "temp": 19} ```', '```\n{"city": "Lima", "temp": 19}\n```\n',
+], ids=["crlf", "fence-on-the-json-line", "one-line", "no-language"])
+def test_a_structured_answer_in_a_code_fence_of_any_common_shape_is_taken(text):
+    outcome = lich.run_conversation(ScriptedChat(assistant(text)), None, [user("weather?")], max_turns=1,
+                                    output_schema=SCHEMA)
+    assert (outcome.stopped_reason, outcome.output) == ("final", {"city": "Lima", "temp": 19})
+
+
+def test_a_structured_answer_cut_at_the_output_limit_is_told_so():
+    """Asked again as before, the model wrote as much again and was cut again."""
+    cut = lich.ChatResult(assistant('{"city": "Li'), stop_reason="length")
+    chat = ScriptedChat(cut, assistant('{"city": "Lima", "temp": 19}'))
+    emitter, events = recorder_emitter()
+    lich.run_conversation(chat, None, [user("weather?")], max_turns=2, output_schema=SCHEMA, emitter=emitter)
+    assert [e["error"] for e in events if e["type"] == "output_invalid"] == [
+        ("it is not valid JSON (Unterminated string starting at: line 1 column 10 (char 9)); it was cut at "
+         "the output token limit: write a shorter one")]
+
+
 def test_a_structured_answer_that_does_not_fit_is_corrected_within_the_budget():
     chat = ScriptedChat(assistant("It is warm in Lima."), assistant('{"city": "Lima", "temp": "warm"}'),
                         assistant('{"city": "Lima", "temp": 19.5}'))
@@ -6057,6 +6089,19 @@ def test_anthropic_without_structured_output_gets_the_schema_in_the_system_promp
     assert second["system"] == third["system"] == instruction
     assert second["messages"] == [{"role": "user", "content": "Hi"}]
     assert messages == [{"role": "system", "content": "Count."}, *USER]
+
+
+def test_anthropic_whose_extra_body_takes_output_config_gets_the_schema_in_the_system_prompt(server):
+    """extra_body's output_config (Anthropic's effort) replaces the one the schema went in:
+    the model was neither held to it nor told it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    server.reply(200, anthropic_reply(text_block('{"n": 1}')))
+    chat = anthropic_at(server, cache=False, extra_body={"output_config": {"effort": "low"}})
+    chat([{"role": "system", "content": "Count."}, *USER], response_format={"name": "output", "schema": schema})
+    [sent] = [r["json"] for r in server.requests]
+    assert sent["output_config"] == {"effort": "low"}
+    assert sent["system"] == ("Count.\n\nAnswer with one JSON value and nothing else (no prose, no code fence), "
+                              'valid under this JSON Schema: {"type": "object", "properties": {"n": {"type": "integer"}}}')
 
 
 def test_anthropic_refusing_one_schema_still_gets_the_others_as_structured_output(server):
@@ -11785,6 +11830,18 @@ def test_a_budget_spent_on_answers_that_did_not_fit_says_so(server, lich_model, 
 def test_a_bad_schema_is_a_usage_error(server, lich_model, cli, schema, error):
     assert cli("--schema", schema, "x") == (2, "", error)
     assert server.requests == []
+
+
+def test_a_schema_file_with_a_byte_order_mark_is_read_and_one_not_utf8_is_a_usage_error(
+        server, lich_model, cli, tmp_path):
+    """An editor's BOM was "not valid JSON"; Latin-1 text was an error of exit 1, a traceback's name."""
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(PERSON).encode())
+    (tmp_path / "latin1.json").write_bytes(b'{"description": "caf\xe9"}')
+    queue(server, openai_reply(json.dumps({"name": "Ada", "age": 36})))
+    assert cli("--no-stream", "--schema", f"@{tmp_path / 'bom.json'}", "who?")[:2] == (0, '{"name": "Ada", "age": 36}\n')
+    assert cli("--schema", f"@{tmp_path / 'latin1.json'}", "x") == (2, "", (
+        f"lich: --schema: {tmp_path / 'latin1.json'} is not UTF-8 text (invalid continuation byte at offset 20)\n"))
+    assert len(server.requests) == 1
 
 
 def test_otel_without_the_sdk_is_a_usage_error_naming_the_packages(lich_model):
