@@ -8616,6 +8616,30 @@ def _visible(text) -> str:
     return re.sub(_CONTROL, lambda m: repr(m.group())[1:-1], text)
 
 
+def _column_widths(text):
+    """The columns a terminal gives each character of ``text``: two for the wide ones of
+    CJK and emoji, none for a combining mark."""
+    import unicodedata
+
+    return [0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+            for c in text]
+
+
+def _columns(text) -> int:
+    """How many columns ``text`` takes on a terminal."""
+    return sum(_column_widths(text))
+
+
+def _fitting(text, columns) -> int:
+    """How many characters of ``text`` fit in ``columns``."""
+    used = 0
+    for i, width in enumerate(_column_widths(text)):
+        used += width
+        if used > columns:
+            return i
+    return len(text)
+
+
 def _one_line(text) -> str:
     """``_visible(text)`` with newlines and tabs spelled out too: a cell of a table row."""
     return _visible(text).replace("\n", "\\n").replace("\t", "\\t")
@@ -8861,10 +8885,16 @@ class _Terminal:
         else:
             width = _PLAIN_LINE_CHARS
         width = max(width - room, width // 2)
-        if len(text) <= width:
-            return text
-        cut = text.rfind(" ", 0, width - 1)
-        return text[:cut if cut > width // 2 else width - 1] + "…"
+        if text.isascii() or not self.fancy:  # a log's line counts characters
+            if len(text) <= width:
+                return text
+            end = width - 1
+        else:  # a terminal's counts columns: two for a wide character (CJK, emoji)
+            if _columns(text) <= width:
+                return text
+            end = _fitting(text, width - 1)
+        cut = text.rfind(" ", 0, end)
+        return text[:cut if cut > end // 2 else end] + "…"
 
     def _paint(self, text, code):
         return f"\033[{code}m{text}\033[0m" if self.color else text

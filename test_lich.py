@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -12401,9 +12402,18 @@ def test_what_a_terminal_gets_drawn(server, lich_model, tmp_path, workspace, env
         assert "\x1b" not in shown and "\r" not in shown.replace("\r\n", "\n")
 
 
-@pytest.mark.parametrize("piped", [False, True], ids=["answer-on-the-terminal", "answer-piped"])
-def test_a_narrow_terminal_gets_lines_that_fit_it(server, lich_model, workspace, tmp_path, piped):
-    command = "sleep 1.2; echo done-with-a-fairly-long-command-line-here"
+def columns(text):
+    """How many columns ``text`` takes on a terminal: two for a wide character."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+               for c in text)
+
+
+@pytest.mark.parametrize("piped, words", [
+    (False, "done-with-a-fairly-long-command-line-here"), (True, "done-with-a-fairly-long-command-line-here"),
+    (False, "漢字漢字 🙂🙂🙂 漢字漢字漢字 漢字漢字漢字漢字"),
+], ids=["answer-on-the-terminal", "answer-piped", "wide-characters"])
+def test_a_narrow_terminal_gets_lines_that_fit_it(server, lich_model, workspace, tmp_path, piped, words):
+    command = f"sleep 1.2; echo {words}"
     queue(server, tool_reply(("c1", "bash", json.dumps({"command": command}))), stream_reply("Done."))
     with open(tmp_path / "answer.txt", "w") as answer:  # the width is stderr's, whatever stdout is
         term = Pty("--yolo", "--root", str(workspace), "go", env={"NO_COLOR": "1", "COLUMNS": ""}, columns=40,
@@ -12412,9 +12422,9 @@ def test_a_narrow_terminal_gets_lines_that_fit_it(server, lich_model, workspace,
     drawn = [piece.replace("\x1b[K", "") for line in term.transcript.replace("\r\n", "\n").split("\n")
              for piece in line.split("\r")]
     spun = [piece for piece in drawn if " bash " in piece and not piece.startswith("→")]
-    assert spun and all(len(piece) <= 40 for piece in spun), spun  # a wider one wraps, and each redraw leaves a line
+    assert spun and all(columns(piece) <= 40 for piece in spun), spun  # a wider one wraps, and each redraw leaves a line
     [done] = [piece for piece in drawn if piece.startswith("→ bash")]
-    assert re.search(r" ✓ \(\d+\.\d s\)$", done) and len(done) <= 40, done
+    assert re.search(r" ✓ \(\d+\.\d s\)$", done) and columns(done) <= 40, done
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
