@@ -8232,6 +8232,7 @@ _TOOL_SUMMARY_CHARS = 60
 _PREVIEW_LINES = 3              # lines of a tool's output shown under its line
 _PLAIN_LINE_CHARS = 400         # the most of a tool's line or preview line kept in a log
 _DIFF_SHOWN_LINES = 40          # an approval's diff longer than this is cut in the middle
+_DIFF_LINE_CHARS = 500          # and a line of it longer than this (a minified file's)
 _RECAP_LINES = 4                # lines of each message of the last exchange shown on resume
 _RECAP_LINE_CHARS = 120         # and the most characters of each of those lines
 _TOOL_ELAPSED_SECONDS = 1.0     # a tool running longer shows its elapsed time
@@ -8625,7 +8626,7 @@ def _column_widths(text):
             for c in text]
 
 
-def _columns(text) -> int:
+def _columns_of(text) -> int:
     """How many columns ``text`` takes on a terminal."""
     return sum(_column_widths(text))
 
@@ -8786,6 +8787,13 @@ class _Terminal:
             for line in preview:
                 self._stderr(self._paint(self._fit("    " + _visible(line)), "2") + "\n")
 
+    def rows(self) -> int:
+        """How many lines stderr's terminal shows (24 when it cannot say)."""
+        try:
+            return os.get_terminal_size(sys.stderr.fileno()).lines or 24
+        except (OSError, ValueError, AttributeError):
+            return 24
+
     def ask(self, question):
         """Show ``question`` (lines; the last one is where the answer is typed)."""
         self.stop_spinner()
@@ -8890,7 +8898,7 @@ class _Terminal:
                 return text
             end = width - 1
         else:  # a terminal's counts columns: two for a wide character (CJK, emoji)
-            if _columns(text) <= width:
+            if _columns_of(text) <= width:
                 return text
             end = _fitting(text, width - 1)
         cut = text.rfind(" ", 0, end)
@@ -9143,14 +9151,20 @@ def _diff_lines(before, after, path):
     """The unified diff of a file's text ``before`` (None: no such file) and ``after``."""
     import difflib
 
-    lines = list(difflib.unified_diff((before or "").splitlines(), after.splitlines(),
+    def split(text):  # at "\n" only, as the file's lines are: a lone "\r" is shown, escaped
+        return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n") if text else []
+
+    lines = list(difflib.unified_diff(split(before or ""), split(after),
                                       "/dev/null" if before is None else f"a/{path}",
                                       f"b/{path}", lineterm="", n=2))
     if len(lines) > _DIFF_SHOWN_LINES:
         half = _DIFF_SHOWN_LINES // 2
         cut = _how_many(len(lines) - 2 * half, "line", "lines")
         lines = lines[:half] + [f"[... {cut} not shown ...]"] + lines[-half:]
-    return lines
+    half = _DIFF_LINE_CHARS // 2
+    return [line if len(line) <= _DIFF_LINE_CHARS else
+            f"{line[:half]} [... {len(line) - 2 * half} characters not shown ...] {line[-half:]}"
+            for line in lines]
 
 
 class _Approvals:
@@ -9173,9 +9187,12 @@ class _Approvals:
         if self.cli.drop_typed_ahead():
             self.cli.term.note("(what was typed before this question is dropped: it needs a "
                                "fresh answer)")
-        self.cli.term.ask("\n".join([f"→ {_tool_summary(call)}", *("  " + line for line in body),
-                                     (f"  allow? [y]es / [N]o / [a]lways this {what} / "
-                                      f"[t] always {name}: ")]))
+        lines = [f"→ {_tool_summary(call)}", *("  " + line for line in "\n".join(body).split("\n"))]
+        if len(lines) + 1 > self.cli.term.rows():  # its first lines are off the screen
+            lines.append(f"  ({len(lines)} lines above: scroll up to read the whole {what} "
+                         f"from its start)")
+        self.cli.term.ask("\n".join([*lines, (f"  allow? [y]es / [N]o / [a]lways this {what} / "
+                                              f"[t] always {name}: ")]))
         try:
             answer = self.cli.read_answer()
         finally:
@@ -9198,8 +9215,10 @@ class _Approvals:
         return str(call.get("arguments") or "")
 
     def _body(self, name, args, call):
-        if name == "bash":
-            return ["$ " + _visible(str(args.get("command", ""))).replace("\n", "\n    ")]
+        if name == "bash":  # whole, but for runs of blank lines, which push its start away
+            command = re.sub(r"\n(?:[ \t]*\n){3,}", lambda run: (
+                f"\n\u22ee {run.group().count(chr(10)) - 1} blank lines\n"), str(args.get("command", "")))
+            return ["$ " + _visible(command).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
         if name == "edit_file":
             before = self._text_of(path) or ""  # its \r\n read as \n, as edit_file matches old_text
@@ -9503,6 +9522,10 @@ class _Interrupts:
         self.exit_code = _EXIT_INTERRUPTED  # 128 + the signal for SIGTERM and SIGHUP
         self.terminating = False  # SIGTERM or SIGHUP came: stop what runs, then leave
 
+    def forget(self):
+        """A new turn began: a Ctrl-C now is a first one, however soon after the last."""
+        self.last = None
+
     def pressed(self):
         now = time.monotonic()
         if self.last is not None and now - self.last < _QUIT_WINDOW_SECONDS:
@@ -9786,6 +9809,7 @@ class _Cli:
         """
         term = self.term
         signal = self.signal = threading.Event()
+        self.interrupts.forget()  # a Ctrl-C that stopped the turn before is not this one's first
         seeded = seed_system_prompt(list(history) + [{"role": "user", "content": prompt}],
                                     self.system_prompt)
         progress = self.progress = _Progress(self, seeded)

@@ -12750,6 +12750,39 @@ def test_a_one_shot_run_on_a_terminal_asks_and_shows_the_whole_command(server, l
     assert "Not run." in term.rest and not (workspace / "PWNED").exists()
 
 
+def test_an_approval_of_a_tall_command_keeps_its_start_in_sight(server, lich_model, workspace):
+    """Blank lines pushed "rm -rf" off a terminal of 24 rows, above the question: a run of
+    them is one line, and a command still taller says that its start is above."""
+    padded = "rm -rf ~/x" + "\n" * 100 + "  \n\t\n" + "echo harmless"
+    tall = "\n".join(f"echo {i}" for i in range(30))
+    queue(server, tool_reply(("c1", "bash", json.dumps({"command": padded}))),
+          tool_reply(("c2", "bash", json.dumps({"command": tall}))), openai_reply("Not run."))
+    term = Pty("--allow", "shell", "--no-stream", "--root", str(workspace), "tidy up", env={"NO_COLOR": "1"})
+    shown = term.expect("[t] always bash: ")
+    assert shown.endswith("→ bash rm -rf ~/x echo harmless\n  $ rm -rf ~/x\n      \u22ee 101 blank lines\n"
+                          "      echo harmless\n  allow? [y]es / [N]o / [a]lways this command / [t] always bash: ")
+    term.send("n")
+    shown = term.expect("[t] always bash: ")
+    assert shown.endswith("      echo 29\n  (31 lines above: scroll up to read the whole command from its start)\n"
+                          "  allow? [y]es / [N]o / [a]lways this command / [t] always bash: ")
+    term.send("n")
+    assert term.close() == 0
+
+
+def test_an_approvals_diff_cuts_a_long_line_and_shows_a_lone_cr_as_it_is(server, lich_model, workspace):
+    """A minified file of 50,000 characters on one line filled 500 rows; "\r" split a line in two."""
+    content = "a" * 25_000 + "b" * 25_000 + "\necho safe\rrm -rf ~\n"
+    queue(server, tool_reply(("c1", "write_file", json.dumps({"path": "min.js", "content": content}))),
+          openai_reply("Not written."))
+    term = Pty("--allow", "write", "--no-stream", "--root", str(workspace), "write it", env={"NO_COLOR": "1"})
+    shown = term.expect("[t] always write_file: ").split("→ write_file min.js\n")[1]
+    assert shown.splitlines()[:-1] == ["  --- /dev/null", "  +++ b/min.js", "  @@ -0,0 +1,2 @@",
+                                       "  +" + "a" * 249 + " [... 49501 characters not shown ...] " + "b" * 250,
+                                       "  +echo safe\\rrm -rf ~"]
+    term.send("n")
+    assert term.close() == 0 and not (workspace / "min.js").exists()
+
+
 def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, workspace):
     import signal as signals
 
@@ -12942,13 +12975,16 @@ def test_an_approvals_diff_of_forty_lines_is_shown_whole_and_a_longer_one_cut_in
     term.expect(PROMPT)
     term.send("write them")
     shown = term.expect("[t] always write_file: ").split("→ write_file x.txt\n")[1]
+    # taller than the terminal's 24 rows: a line says its start is above
     assert shown.splitlines()[:-1] == ["  --- /dev/null", "  +++ b/x.txt", "  @@ -0,0 +1,37 @@",
-                                       *[f"  +line {i}" for i in range(1, 38)]]
+                                       *[f"  +line {i}" for i in range(1, 38)],
+                                       "  (41 lines above: scroll up to read the whole file from its start)"]
     term.send("n")
     shown = term.expect("[t] always write_file: ").split("→ write_file y.txt\n")[1]
     assert shown.splitlines()[:-1] == ["  --- /dev/null", "  +++ b/y.txt", "  @@ -0,0 +1,38 @@",
                                        *[f"  +line {i}" for i in range(1, 18)], "  [... 1 line not shown ...]",
-                                       *[f"  +line {i}" for i in range(19, 39)]]
+                                       *[f"  +line {i}" for i in range(19, 39)],
+                                       "  (42 lines above: scroll up to read the whole file from its start)"]
     term.send("n")
     term.expect(PROMPT)
     term.send("\x04")
@@ -13643,6 +13679,25 @@ def test_ctrl_c_at_an_empty_prompt_says_how_to_leave_and_twice_quits(server, lic
     term.signal_at_prompt(signals.SIGINT)
     assert term.close() == 130
     assert term.rest == "\n"  # the shell's prompt comes on a line of its own
+
+
+def test_a_ctrl_c_after_a_turn_that_followed_an_interrupted_one_is_a_first_one(server, lich_model, tmp_path):
+    """Ctrl-C stops a turn, a quick question is answered at once, and a Ctrl-C clears the next
+    line: lich quit, the first Ctrl-C less than 2 s before."""
+    import signal as signals
+
+    with TurnHeld(server, tmp_path) as term:
+        term.proc.send_signal(signals.SIGINT)
+        term.expect("interrupted")
+        term.expect(PROMPT)
+        queue(server, openai_reply("quick answer"))
+        term.send("quick question")
+        term.expect("quick answer")
+        term.expect(PROMPT)
+        term.signal_at_prompt(signals.SIGINT)
+        assert term.expect(PROMPT).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
+        term.send("\x04")
+        assert term.close() == 0
 
 
 def test_a_second_ctrl_c_during_a_turn_quits(server, lich_model, tmp_path):
