@@ -7956,9 +7956,11 @@ _BATCH_RETRIES = 8  # a batch's spec chats retry more than one run's: many worke
 _BATCH_CHATS_KEPT = 4  # spec chats kept per worker thread, for the batches that reuse it
 
 
-def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params) -> BatchResult:
+def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params, submission=None) -> BatchResult:
     """One task of a batch, in whatever thread or process runs it; never raises. A task that
-    fails still reports what its calls used."""
+    fails still reports what its calls used. ``submission`` is unused: a token of each
+    submission, so that an executor that names a task by its arguments (Dask) never hands
+    back an earlier submission's result for a task run again."""
     used = _zero_usage()
     session = None
     try:
@@ -8133,6 +8135,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \
         if own else executor
+    # The standard library's executors cancel only what has not started
+    cancels_queued_only = isinstance(pool, (futures.ThreadPoolExecutor, futures.ProcessPoolExecutor))
     # opened once the pool is made (a mistaken ``workers`` raises first), before it has a thread
     fd, done = _results_file(out, redo) if out is not None else (None, {})
     results = dict(done)
@@ -8159,12 +8163,12 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 stopping.set()
             stop = stopping.is_set() or broken is not None or (
                 max_errors is not None and errors >= max_errors)
-            if stop:  # what waits in the executor's queue does not start (a running one runs on)
-                for future in running:
-                    future.cancel()
+            if stop and cancels_queued_only:  # what waits in its queue does not start (a
+                for future in running:  # running one runs on); another executor's cancel
+                    future.cancel()  # may stop a running task (Dask's): what it has, ends
             while pending and not stop and len(running) < max(1, workers):
                 task = pending[0]
-                args = (task, chat, tools, limiter, session_dir, trace, loop_params)
+                args = (task, chat, tools, limiter, session_dir, trace, loop_params, os.urandom(8))
                 try:
                     if own:  # spans of the tasks nest under the caller's current one
                         import contextvars
@@ -8186,10 +8190,13 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 if future.cancelled():  # never started: it is among the tasks not started
                     pending.append(task)
                     continue
-                try:
-                    result = future.result()
+                try:  # not result(): its raising would tie this frame to the failure, and a
+                    failure = future.exception()  # cluster keeps what a future still held is
+                    result = future.result() if failure is None else BatchResult(
+                        task["id"], False, None, None, error=_error_text(failure))
                 except BaseException as exc:  # the executor's failure: this task is lost
                     result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
+                failure = None
                 results[task["id"]] = result
                 errors += not result.ok and result.stopped_reason is None
                 if max_errors is not None and errors >= max_errors:
@@ -8198,6 +8205,9 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                     os.write(fd, _json_line(asdict(result)))
                 if on_result is not None:
                     on_result(result)
+            # A cluster keeps a task's result while a future of it is held, and runs it again
+            # when the worker that holds it dies (Dask): the batch holds none it has read.
+            finished = future = submitted = None
     finally:
         stopping.set()
         for future in running:

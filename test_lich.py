@@ -11577,6 +11577,110 @@ def test_run_batch_on_a_dask_cluster_on_loopback(batch_server, workspace):
         on_cluster = lich.run_batch(tasks, chat=chat, tools=tools, executor=client.get_executor(), max_turns=5)
     assert on_cluster == threads
 
+
+def dask_cluster(**config):
+    """A LocalCluster of two worker processes of one thread each on loopback, and its client
+    (the scheduler, in this process, under dask ``config``)."""
+    distributed = pytest.importorskip("dask.distributed", reason="dask is not installed (pip install -e '.[test]')")
+    import logging
+
+    import dask
+
+    with dask.config.set(config):
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, host="127.0.0.1", processes=True,
+                                           dashboard_address=None, silence_logs=logging.CRITICAL)
+    return cluster, distributed.Client(cluster)
+
+
+def prompts_asked(server):
+    return [r["json"]["messages"][-1]["content"] for r in server.requests if r["json"]]
+
+
+def test_run_batch_on_a_cluster_stopped_by_its_signal_reports_the_tasks_that_ran_on(server):
+    """Dask's cancel() stops a task it has begun: the two running were "not started", their
+    answers dropped, though the cluster ran them to their end."""
+    held, stop, started = threading.Event(), threading.Event(), time.monotonic()
+    server.responder = lambda request: Reply(200, openai_reply("done"), hold=held)
+    cluster, client = dask_cluster()
+    try:
+        box = []
+        batch = threading.Thread(target=lambda: box.append(lich.run_batch(
+            ["one", "two", "three", "four"], chat=openai_at(server), executor=client.get_executor(), workers=2,
+            signal=stop, max_turns=1)))
+        batch.start()
+        wait_for_request(server, 2, timeout=30)
+        stop.set()
+        time.sleep(0.3)  # the batch sees the signal
+        held.set()
+        batch.join(30)
+    finally:
+        held.set()
+        client.close()
+        cluster.close()
+    [results] = box
+    assert [(r.id, r.ok, r.final, r.error) for r in results] == [
+        ("0", True, "done", None), ("1", True, "done", None),
+        ("2", False, None, "not started: the signal was set"), ("3", False, None, "not started: the signal was set")]
+    assert sorted(prompts_asked(server)) == ["one", "two"] and time.monotonic() - started < 30
+
+
+def test_run_batch_on_a_cluster_never_runs_a_finished_task_again_when_its_worker_dies(server):
+    """The batch held the futures it had read while it waited for the next: a cluster keeps
+    what a future holds, and computes it again when the worker that held it dies (Dask)."""
+    held = threading.Event()
+    server.responder = lambda request: (Reply(200, openai_reply("slow done"), hold=held)
+                                        if request["json"]["messages"][-1]["content"] == "slow"
+                                        else Reply(200, openai_reply("fast done")))
+    cluster, client = dask_cluster()
+
+    def kill_the_workers(result):  # once the fast task's result is read
+        if result.id == "0":
+            for pid in client.run(os.getpid).values():
+                os.kill(pid, signal.SIGKILL)
+
+    try:
+        box = []
+        batch = threading.Thread(target=lambda: box.append(lich.run_batch(
+            ["fast", "slow"], chat=openai_at(server), executor=client.get_executor(), workers=2, max_turns=1,
+            on_result=kill_the_workers)))
+        batch.start()
+        eventually(lambda: prompts_asked(server).count("slow") == 2, 30, "the slow task never ran again")
+        time.sleep(1)  # where the fast one would be asked again too
+        held.set()
+        batch.join(30)
+    finally:
+        held.set()
+        client.close()
+        cluster.close()
+    [results] = box
+    assert [(r.id, r.final) for r in results] == [("0", "fast done"), ("1", "slow done")]
+    assert sorted(prompts_asked(server)) == ["fast", "slow", "slow"]
+
+
+def test_run_batch_on_a_cluster_runs_a_task_its_worker_died_in_again_when_run_again(server, tmp_path, workspace):
+    """A task whose worker died fails (KilledWorker); run again with the same out, it runs
+    again (Dask named the new submission as the old one and gave back its failure)."""
+    server.responder = lambda request: (
+        tool_reply(("c1", "bash", json.dumps({"command": "kill -9 $PPID"})))
+        if prompts_asked(server).count("die") == 1 and request["json"]["messages"][-1]["content"] == "die"
+        else Reply(200, openai_reply("done")))
+    out = tmp_path / "out.jsonl"
+    tools = lich.coding_tools(workspace, allow_shell=True)
+    cluster, client = dask_cluster(**{"distributed.scheduler.allowed-failures": 0})
+    try:
+        def batch():
+            return lich.run_batch(["die"], chat=openai_at(server), tools=tools, executor=client.get_executor(),
+                                  out=out, max_turns=2)
+        [first] = batch()
+        [second] = batch()
+    finally:
+        client.close()
+        cluster.close()
+    assert (first.ok, first.error.split(":")[0]) == (False, "KilledWorker")
+    assert (second.ok, second.final) == (True, "done")
+    assert prompts_asked(server) == ["die", "die"]
+
+
 def test_run_batch_traced_without_opentelemetry_raises_before_any_task():
     script = ("import sys; sys.modules['opentelemetry'] = None\n"
               "import lich\ncalls = []\n"
@@ -11587,7 +11691,6 @@ def test_run_batch_traced_without_opentelemetry_raises_before_any_task():
     code, out, err = Process("-c", script, cwd=HERE).wait()
     assert (code, out) == (0, ("trace_otel needs the OpenTelemetry API: pip install opentelemetry-api "
                                "(and opentelemetry-sdk to export spans) 0\n")), err
-
 
 
 # ============================================================================
