@@ -6943,6 +6943,7 @@ class _StdioServer:
         self._lines = deque()  # whole lines read, not yet taken in
         self._partial = []  # the start of a line not read to its end yet, in pieces
         self._partial_size = 0
+        self._dropping = False  # a line too long to be read is read to its end, unkept
         self._eof = threading.Event()  # the server's output ended
         self._closed = False
         self._stderr = deque()
@@ -7160,16 +7161,22 @@ class _StdioServer:
         data = os.read(self.proc.stdout.fileno(), _MCP_READ_BYTES)
         if data:
             lines = data.split(b"\n")
-            if len(lines) > 1 and self._partial:
+            if len(lines) > 1 and self._dropping:  # the end of a line too long to be read
+                del lines[0]
+                self._dropping = False
+            elif len(lines) > 1 and self._partial:
                 lines[0] = b"".join(self._partial) + lines[0]
                 self._partial.clear()
                 self._partial_size = 0
-            if lines[-1]:
+            if lines[-1] and not (self._dropping and len(lines) == 1):
                 self._partial.append(lines[-1])
                 self._partial_size += len(lines[-1])
                 if self._partial_size > _MCP_LINE_MAX_BYTES:  # too long to be read: dropped
                     self._partial.clear()
                     self._partial_size = 0
+                    self._dropping = True
+                    _log.warning("the MCP server %s sent a message of more than %d MB, which "
+                                 "lich does not read", self.name, _MCP_LINE_MAX_BYTES >> 20)
             self._lines.extend(lines[:-1])
         elif self._partial:  # a last line without its newline
             self._lines.append(b"".join(self._partial))

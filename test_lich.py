@@ -9877,12 +9877,17 @@ def test_mcp_results_are_cut_as_a_tools_output_is(fake_mcp):
         assert tools.run(tool_call("huge_error")) == lich.ToolResult(ok=False, error=cut)
 
 
-def test_mcp_answers_in_pieces_past_noise_and_a_line_too_long_are_read(fake_mcp):
+def test_mcp_answers_in_pieces_past_noise_and_a_line_too_long_are_read(fake_mcp, caplog):
+    """A message over 64 MB is not read, and said so once (a call it answered waited for its
+    whole time limit, untold)."""
     command, _ = fake_mcp
-    with lich.mcp_tools(command) as tools:
+    with lich.mcp_tools(command) as tools, caplog.at_level("WARNING", logger="lich"):
         assert tools.run(tool_call("pieces")) == lich.ToolResult(ok=True, output="in pieces")
         assert tools.run(tool_call("long")) == lich.ToolResult(ok=True, output="after it")
         assert tools.run(tool_call("pieces")) == lich.ToolResult(ok=True, output="in pieces")
+    name = os.path.basename(sys.executable)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {name} sent a message of more than 64 MB, which lich does not read"]
 
 
 def test_mcp_threads_hand_over_the_reading_and_pings_are_answered_while_nobody_waits(fake_mcp):
