@@ -1213,7 +1213,9 @@ _CUT_CALL_ERROR = ("not run: the answer reached its output token limit while wri
                    "so its arguments may be incomplete; ask for less in one call (a long file "
                    "in parts)")
 _OUTPUT_FORMAT_NAME = "output"
-_FENCED_JSON = r"(?s)\A\s*```[A-Za-z0-9_-]*[ \t]*\r?\n?(.*?)\s*```\s*\Z"
+# (a language tag only before a line break or a space: ```42``` is 42; the body greedy, as a
+# lazy one before \s*``` took time growing with the square of a run of spaces)
+_FENCED_JSON = r"(?s)\A\s*```(?:[A-Za-z0-9_-]*[ \t]*\r?\n|[A-Za-z0-9_-]+[ \t]+)?(.*)```\s*\Z"
 # The thinking some servers leave in the answer's text (vLLM's MiniMax parser, llama.cpp's
 # --reasoning-format none), before what the model answers
 _THINKING_FIRST = r"(?s)\A\s*<think>.*?</think>"
@@ -1484,6 +1486,8 @@ def _parse_output(text, schema):
 def _integers_as_given(given, checked):
     """``checked`` (what _schema_check gave back for ``given``) with each integer of
     ``given`` that it made a float given back: 9007199254740993 is no float, 5 is not 5.0."""
+    if checked is given:  # unchanged, and all it holds
+        return given
     if isinstance(checked, float) and isinstance(given, int) and not isinstance(given, bool):
         return given
     if isinstance(checked, list) and isinstance(given, list) and len(checked) == len(given):
@@ -8645,7 +8649,7 @@ def _column_widths(text):
 
 def _columns_of(text) -> int:
     """How many columns ``text`` takes on a terminal."""
-    return sum(_column_widths(text))
+    return len(text) if text.isascii() else sum(_column_widths(text))
 
 
 def _fitting(text, columns) -> int:
@@ -8811,6 +8815,24 @@ class _Terminal:
         except (OSError, ValueError, AttributeError):
             return 24
 
+    def rows_of(self, lines) -> int:
+        """How many rows of the terminal ``lines`` take, a long one wrapped."""
+        width = max(1, self._width())
+        return sum(max(1, -(-_columns_of(_visible(line)) // width)) for line in lines)
+
+    def _width(self) -> int:
+        """The width of stderr's terminal, where these lines go (stdout may be a pipe)."""
+        try:
+            width = max(0, int(self._columns))
+        except ValueError:
+            width = 0
+        if not width:
+            try:  # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal given no size
+                width = os.get_terminal_size(sys.stderr.fileno()).columns or 100
+            except (OSError, ValueError, AttributeError):
+                width = 100
+        return width
+
     def ask(self, question):
         """Show ``question`` (lines; the last one is where the answer is typed)."""
         self.stop_spinner()
@@ -8897,23 +8919,12 @@ class _Terminal:
         """``text`` cut to the terminal's width (or, not on a terminal, to a log's line) less
         ``room`` for what follows it on the line (half the width at most), at a word where it
         can be."""
-        if self.fancy:  # the width of stderr's terminal, where these lines go (stdout may be a pipe)
-            try:
-                width = max(0, int(self._columns))
-            except ValueError:
-                width = 0
-            if not width:
-                try:  # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal given no size
-                    width = os.get_terminal_size(sys.stderr.fileno()).columns or 100
-                except (OSError, ValueError, AttributeError):
-                    width = 100
-        else:
-            width = _PLAIN_LINE_CHARS
+        width = self._width() if self.fancy else _PLAIN_LINE_CHARS
         width = max(width - room, width // 2)
         if text.isascii() or not self.fancy:  # a log's line counts characters
             if len(text) <= width:
                 return text
-            end = width - 1
+            end = max(0, width - 1)
         else:  # a terminal's counts columns: two for a wide character (CJK, emoji)
             if _columns_of(text) <= width:
                 return text
@@ -9171,17 +9182,18 @@ def _diff_lines(before, after, path):
     def split(text):  # at "\n" only, as the file's lines are: a lone "\r" is shown, escaped
         return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n") if text else []
 
-    lines = list(difflib.unified_diff(split(before or ""), split(after),
-                                      "/dev/null" if before is None else f"a/{path}",
+    old_name = "/dev/null" if before is None else f"a/{path}"
+    before, after = (before or "").replace("\r\n", "\n"), after.replace("\r\n", "\n")  # a file's
+    lines = list(difflib.unified_diff(split(before), split(after), old_name,  # CRLFs: no change
                                       f"b/{path}", lineterm="", n=2))
     if len(lines) > _DIFF_SHOWN_LINES:
         half = _DIFF_SHOWN_LINES // 2
         cut = _how_many(len(lines) - 2 * half, "line", "lines")
         lines = lines[:half] + [f"[... {cut} not shown ...]"] + lines[-half:]
     half = _DIFF_LINE_CHARS // 2
-    return [line if len(line) <= _DIFF_LINE_CHARS else
-            f"{line[:half]} [... {len(line) - 2 * half} characters not shown ...] {line[-half:]}"
-            for line in lines]
+    return [line if len(line) <= _DIFF_LINE_CHARS + 50 else  # a cut saves something
+            f"{line[:half]} [... {_how_many(len(line) - 2 * half, 'character', 'characters')} "
+            f"not shown ...] {line[-half:]}" for line in lines]
 
 
 class _Approvals:
@@ -9205,9 +9217,11 @@ class _Approvals:
             self.cli.term.note("(what was typed before this question is dropped: it needs a "
                                "fresh answer)")
         lines = [f"→ {_tool_summary(call)}", *("  " + line for line in "\n".join(body).split("\n"))]
-        if len(lines) + 1 > self.cli.term.rows():  # its first lines are off the screen
-            lines.append(f"  ({len(lines)} lines above: scroll up to read the whole {what} "
-                         f"from its start)")
+        term = self.cli.term
+        rows = term.rows_of(lines)
+        if rows + 1 > term.rows():  # its first lines are off the screen
+            lines.append(f"  ({rows} lines above: scroll up to read the whole {what} from its "
+                         f"start)")
         self.cli.term.ask("\n".join([*lines, (f"  allow? [y]es / [N]o / [a]lways this {what} / "
                                               f"[t] always {name}: ")]))
         try:
@@ -9233,7 +9247,7 @@ class _Approvals:
 
     def _body(self, name, args, call):
         if name == "bash":  # whole, but for runs of blank lines, which push its start away
-            command = re.sub(r"\n(?:[ \t]*\n){3,}", lambda run: (
+            command = re.sub(r"\n(?:[ \t\r]*\n){3,}", lambda run: (
                 f"\n\u22ee {run.group().count(chr(10)) - 1} blank lines\n"), str(args.get("command", "")))
             return ["$ " + _visible(command).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
@@ -9597,8 +9611,8 @@ def _run_interruptibly(work, signal, cli):
                 signal.set()  # it by now: its session gets its last records and its spans
                 try:  # end, or it is left as it is
                     done.wait(_QUIT_GRACE_SECONDS)
-                except KeyboardInterrupt:
-                    pass
+                except KeyboardInterrupt:  # a third Ctrl-C, or SIGTERM: its code is the exit's
+                    leaving.args = (cli.interrupts.exit_code,)
                 leaving.run_ended = done.is_set()
                 raise
             if not signal.is_set():

@@ -2042,6 +2042,34 @@ def test_a_structured_answer_in_a_code_fence_of_any_common_shape_is_taken(text):
     assert (outcome.stopped_reason, outcome.output) == ("final", {"city": "Lima", "temp": 19})
 
 
+@pytest.mark.parametrize("text, value", [("```42```", 42), ("```true```", True), ("```json\nnull\n```", None),
+                                         ("``` -1 ```", -1)], ids=["number", "true", "null", "spaced"])
+def test_a_plain_value_in_a_one_line_fence_is_taken(text, value):
+    """A language tag is read only before a line break or a space: "42" was taken for one."""
+    outcome = lich.run_conversation(ScriptedChat(assistant(text)), None, [user("n?")], max_turns=1,
+                                    output_schema={})
+    assert (outcome.stopped_reason, outcome.output) == ("final", value)
+
+
+def test_an_unclosed_fence_then_a_long_run_of_spaces_is_read_at_once():
+    """A model writing spaces to its output limit: the fence's pattern took time growing with
+    the square of the run (0.5 s for 8,000 spaces; hours for a megabyte)."""
+    text = '```json\n{"city": "Lima",' + " " * 1_000_000
+    chat = ScriptedChat(assistant(text), assistant('{"city": "Lima", "temp": 19}'))
+    outcome = finishes(lambda: lich.run_conversation(chat, None, [user("weather?")], max_turns=2,
+                                                     output_schema=SCHEMA))
+    assert (outcome.stopped_reason, outcome.output) == ("final", {"city": "Lima", "temp": 19})
+
+
+def test_a_deep_structured_answer_the_schema_leaves_alone_is_taken():
+    """Each level of an answer cost two frames more than checking it did: 600 levels were
+    "nested too deeply to check"."""
+    text = "[" * 600 + "]" * 600
+    outcome = lich.run_conversation(ScriptedChat(assistant(text)), None, [user("deep?")], max_turns=1,
+                                    output_schema={"type": "array"})
+    assert (outcome.stopped_reason, outcome.output) == ("final", json.loads(text))
+
+
 def test_a_structured_answer_cut_at_the_output_limit_is_told_so():
     """Asked again as before, the model wrote as much again and was cut again."""
     cut = lich.ChatResult(assistant('{"city": "Li'), stop_reason="length")
@@ -11638,8 +11666,9 @@ def test_run_batch_on_a_cluster_never_runs_a_finished_task_again_when_its_worker
                                         else Reply(200, openai_reply("fast done")))
     cluster, client = dask_cluster()
 
-    def kill_the_workers(result):  # once the fast task's result is read
+    def kill_the_workers(result):  # once the fast task's result is read, the slow one asked
         if result.id == "0":
+            eventually(lambda: "slow" in prompts_asked(server), 30)
             for pid in client.run(os.getpid).values():
                 os.kill(pid, signal.SIGKILL)
 
@@ -12861,10 +12890,12 @@ def test_a_one_shot_run_on_a_terminal_asks_and_shows_the_whole_command(server, l
 def test_an_approval_of_a_tall_command_keeps_its_start_in_sight(server, lich_model, workspace):
     """Blank lines pushed "rm -rf" off a terminal of 24 rows, above the question: a run of
     them is one line, and a command still taller says that its start is above."""
-    padded = "rm -rf ~/x" + "\n" * 100 + "  \n\t\n" + "echo harmless"
+    padded = "rm -rf ~/x" + "\n" * 100 + "  \n\t\r\n" + "echo harmless"
     tall = "\n".join(f"echo {i}" for i in range(30))
+    wide = "rm -rf ~/y;" + " " * 4000 + "echo harmless"  # 41 rows of a terminal of 100 columns
     queue(server, tool_reply(("c1", "bash", json.dumps({"command": padded}))),
-          tool_reply(("c2", "bash", json.dumps({"command": tall}))), openai_reply("Not run."))
+          tool_reply(("c2", "bash", json.dumps({"command": tall}))),
+          tool_reply(("c3", "bash", json.dumps({"command": wide}))), openai_reply("Not run."))
     term = Pty("--allow", "shell", "--no-stream", "--root", str(workspace), "tidy up", env={"NO_COLOR": "1"})
     shown = term.expect("[t] always bash: ")
     assert shown.endswith("→ bash rm -rf ~/x echo harmless\n  $ rm -rf ~/x\n      \u22ee 101 blank lines\n"
@@ -12872,6 +12903,10 @@ def test_an_approval_of_a_tall_command_keeps_its_start_in_sight(server, lich_mod
     term.send("n")
     shown = term.expect("[t] always bash: ")
     assert shown.endswith("      echo 29\n  (31 lines above: scroll up to read the whole command from its start)\n"
+                          "  allow? [y]es / [N]o / [a]lways this command / [t] always bash: ")
+    term.send("n")
+    shown = term.expect("[t] always bash: ")
+    assert shown.endswith("echo harmless\n  (42 lines above: scroll up to read the whole command from its start)\n"
                           "  allow? [y]es / [N]o / [a]lways this command / [t] always bash: ")
     term.send("n")
     assert term.close() == 0
@@ -12889,6 +12924,21 @@ def test_an_approvals_diff_cuts_a_long_line_and_shows_a_lone_cr_as_it_is(server,
                                        "  +echo safe\\rrm -rf ~"]
     term.send("n")
     assert term.close() == 0 and not (workspace / "min.js").exists()
+
+
+def test_an_approvals_diff_of_a_crlf_file_shows_the_line_changed(server, lich_model, workspace):
+    """Its CRLFs are no change: every line read as changed, cut in the middle, the one that
+    was went unseen."""
+    (workspace / "crlf.txt").write_bytes("".join(f"line {i}\r\n" for i in range(200)).encode())
+    content = "".join("CHANGED\r\n" if i == 100 else f"line {i}\r\n" for i in range(200))
+    queue(server, tool_reply(("c1", "write_file", json.dumps({"path": "crlf.txt", "content": content}))),
+          openai_reply("Not written."))
+    term = Pty("--allow", "write", "--no-stream", "--root", str(workspace), "fix it", env={"NO_COLOR": "1"})
+    shown = term.expect("[t] always write_file: ").split("→ write_file crlf.txt\n")[1]
+    assert shown.splitlines()[:-1] == ["  --- a/crlf.txt", "  +++ b/crlf.txt", "  @@ -99,5 +99,5 @@", "   line 98",
+                                       "   line 99", "  -line 100", "  +CHANGED", "   line 101", "   line 102"]
+    term.send("n")
+    assert term.close() == 0
 
 
 def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, workspace):
@@ -13877,6 +13927,23 @@ def test_sigterm_as_a_run_ends_still_exits_128_plus_its_number(cli, monkeypatch)
     monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
     assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (
         128 + signals.SIGTERM, "done anyway\n", "told to end (signal 15); stopping\n")
+
+
+def test_sigterm_while_a_quick_second_ctrl_c_waits_for_the_run_exits_128_plus_its_number(cli, monkeypatch):
+    """Ctrl-C, Ctrl-C (lich waits up to 0.5 s for the run to end), then SIGTERM: 143, not 130."""
+    import signal as signals
+
+    def chat(messages, *, signal=None, **options):  # a run slow to see its signal
+        eventually(lambda: frames_of(threading.main_thread(), "_run_interruptibly")[-1:] == ["wait"], 5)
+        for number in (signals.SIGINT, signals.SIGINT, signals.SIGTERM):
+            os.kill(os.getpid(), number)  # each handled in the main thread before the next
+            time.sleep(0.1)
+        time.sleep(1)
+        return lich.ChatResult({"role": "assistant", "content": "late"})
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
+    code, out, _ = cli("-m", "openai:x", "--no-session", "--no-stream", "hi")
+    assert (code, out) == (128 + signals.SIGTERM, "")
 
 
 def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
