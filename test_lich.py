@@ -6902,61 +6902,36 @@ def test_limiter_serves_calls_in_the_order_they_came():
     assert order[0] == "holder" and rounds == [[f"t{i}" for i in range(6)]] * 5
 
 
-def test_a_ctrl_c_as_any_function_of_a_limited_call_begins_gives_its_slot_back():
-    """A Ctrl-C (a notebook's interrupt) is raised as a Python function begins, among other
-    places: one at the start of the call that gave the slot back kept it for ever, and the
+@pytest.mark.parametrize("hook, event, places", [(sys.settrace, "call", 30), (sys.setprofile, "c_return", 40)],
+                         ids=["as-a-function-begins", "as-a-builtin-returns"])
+def test_a_ctrl_c_anywhere_in_a_limited_call_gives_its_slot_back_and_leaves_no_call_in_line(hook, event, places):
+    """A Ctrl-C (a notebook's interrupt) is raised as a Python function begins, and as a
+    builtin returns (the end of a CALL): one at the start of the call that gave the slot back
+    kept it for ever, and one as a call joined the line left it at the head; either way the
     next call through a limiter of one waited for ever."""
     limiter = lich.Limiter(max_concurrent=1)
     chat = limiter.wrap(lambda messages, **options: lich.ChatResult(assistant("ok")))
     interrupted = 0
-    for n in range(1, 30):
-        begun = 0
+    for n in range(1, places):
+        seen = 0
 
-        def interrupt(frame, event, arg, n=n):
-            nonlocal begun
-            begun += event == "call"
-            if event == "call" and begun == n:
+        def interrupt(frame, kind, arg, n=n):
+            nonlocal seen
+            seen += kind == event
+            if kind == event and seen == n:
                 raise KeyboardInterrupt
-        sys.settrace(interrupt)
+        hook(interrupt)
         try:
             chat(USER)
         except KeyboardInterrupt:
             interrupted += 1
         finally:
-            sys.settrace(None)
+            hook(None)
         waited = threading.Event()
         threading.Timer(2, waited.set).start()
-        assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: the slot is free
+        assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: free, nobody in line
         waited.set()
-    assert interrupted >= 8  # every function the call ran began with a Ctrl-C once
-
-
-def test_a_ctrl_c_as_any_builtin_of_a_limited_call_returns_leaves_no_call_in_line():
-    """A Ctrl-C is raised as a builtin returns too (the end of a CALL): one as the call joined
-    the line left it at the head, and every later call waited behind it for ever."""
-    limiter = lich.Limiter(max_concurrent=1)
-    chat = limiter.wrap(lambda messages, **options: lich.ChatResult(assistant("ok")))
-    interrupted = 0
-    for n in range(1, 40):
-        returned = 0
-
-        def interrupt(frame, event, arg, n=n):
-            nonlocal returned
-            returned += event == "c_return"
-            if event == "c_return" and returned == n:
-                raise KeyboardInterrupt
-        sys.setprofile(interrupt)
-        try:
-            chat(USER)
-        except KeyboardInterrupt:
-            interrupted += 1
-        finally:
-            sys.setprofile(None)
-        waited = threading.Event()
-        threading.Timer(2, waited.set).start()
-        assert chat(USER, signal=waited).message == assistant("ok"), n  # not AbortError: nobody in line
-        waited.set()
-    assert interrupted >= 8  # every builtin the call ran returned with a Ctrl-C once
+    assert interrupted >= 8  # every place the call has was interrupted once
 
 
 def test_limiter_holds_requests_per_minute_by_waiting_and_the_signal_ends_the_wait():
@@ -11625,22 +11600,36 @@ def dask_cluster(**config):
     return cluster, distributed.Client(cluster)
 
 
+@pytest.fixture
+def dask_client():
+    cluster, client = dask_cluster()
+    yield client
+    client.close()
+    cluster.close()
+
+
+def batch_in_a_thread(client, server, tasks, **options):
+    """``run_batch`` of ``tasks`` on ``client``'s cluster, asking ``server``, in a thread:
+    (the thread, a list that gets the results)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(lich.run_batch(
+        tasks, chat=openai_at(server), executor=client.get_executor(), max_turns=1, **options)))
+    thread.start()
+    return thread, box
+
+
 def prompts_asked(server):
     return [r["json"]["messages"][-1]["content"] for r in server.requests if r["json"]]
 
 
-def test_run_batch_on_a_cluster_stopped_by_its_signal_reports_the_tasks_that_ran_on(server):
+def test_run_batch_on_a_cluster_stopped_by_its_signal_reports_the_tasks_that_ran_on(server, dask_client):
     """Dask's cancel() stops a task it has begun: the two running were "not started", their
     answers dropped, though the cluster ran them to their end."""
     held, stop, started = threading.Event(), threading.Event(), time.monotonic()
     server.responder = lambda request: Reply(200, openai_reply("done"), hold=held)
-    cluster, client = dask_cluster()
     try:
-        box = []
-        batch = threading.Thread(target=lambda: box.append(lich.run_batch(
-            ["one", "two", "three", "four"], chat=openai_at(server), executor=client.get_executor(), workers=2,
-            signal=stop, max_turns=1)))
-        batch.start()
+        batch, box = batch_in_a_thread(dask_client, server, ["one", "two", "three", "four"], workers=2,
+                                       signal=stop)
         wait_for_request(server, 2, timeout=30)
         stop.set()
         time.sleep(0.3)  # the batch sees the signal
@@ -11648,8 +11637,6 @@ def test_run_batch_on_a_cluster_stopped_by_its_signal_reports_the_tasks_that_ran
         batch.join(30)
     finally:
         held.set()
-        client.close()
-        cluster.close()
     [results] = box
     assert [(r.id, r.ok, r.final, r.error) for r in results] == [
         ("0", True, "done", None), ("1", True, "done", None),
@@ -11657,35 +11644,28 @@ def test_run_batch_on_a_cluster_stopped_by_its_signal_reports_the_tasks_that_ran
     assert sorted(prompts_asked(server)) == ["one", "two"] and time.monotonic() - started < 30
 
 
-def test_run_batch_on_a_cluster_never_runs_a_finished_task_again_when_its_worker_dies(server):
+def test_run_batch_on_a_cluster_never_runs_a_finished_task_again_when_its_worker_dies(server, dask_client):
     """The batch held the futures it had read while it waited for the next: a cluster keeps
     what a future holds, and computes it again when the worker that held it dies (Dask)."""
     held = threading.Event()
     server.responder = lambda request: (Reply(200, openai_reply("slow done"), hold=held)
                                         if request["json"]["messages"][-1]["content"] == "slow"
                                         else Reply(200, openai_reply("fast done")))
-    cluster, client = dask_cluster()
 
     def kill_the_workers(result):  # once the fast task's result is read, the slow one asked
         if result.id == "0":
             eventually(lambda: "slow" in prompts_asked(server), 30)
-            for pid in client.run(os.getpid).values():
+            for pid in dask_client.run(os.getpid).values():
                 os.kill(pid, signal.SIGKILL)
 
     try:
-        box = []
-        batch = threading.Thread(target=lambda: box.append(lich.run_batch(
-            ["fast", "slow"], chat=openai_at(server), executor=client.get_executor(), workers=2, max_turns=1,
-            on_result=kill_the_workers)))
-        batch.start()
+        batch, box = batch_in_a_thread(dask_client, server, ["fast", "slow"], workers=2, on_result=kill_the_workers)
         eventually(lambda: prompts_asked(server).count("slow") == 2, 30, "the slow task never ran again")
         time.sleep(1)  # where the fast one would be asked again too
         held.set()
         batch.join(30)
     finally:
         held.set()
-        client.close()
-        cluster.close()
     [results] = box
     assert [(r.id, r.final) for r in results] == [("0", "fast done"), ("1", "slow done")]
     assert sorted(prompts_asked(server)) == ["fast", "slow", "slow"]
