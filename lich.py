@@ -4681,8 +4681,7 @@ def _truncate(text, limit):
         return text
     tail = limit // 2
     head = limit - tail
-    omitted = len(text) - limit
-    return f"{text[:head]}\n[... {omitted} characters omitted ...]\n{text[len(text) - tail:]}"
+    return f"{text[:head]}\n{_omitted_marker(len(text) - limit)}\n{text[len(text) - tail:]}"
 
 
 def _plural(word, names):
@@ -5288,9 +5287,13 @@ def _expand_braces(pattern):
                     first = (start, i)
     if first is None:
         return [pattern]
+
+    def too_many():
+        return _ToolFailure(f"the glob {_echo(pattern)} spells out more than "
+                            f"{_GLOB_MAX_ALTERNATIVES} patterns")
+
     if groups >= _GLOB_MAX_ALTERNATIVES:  # each adds a pattern at least (and a level of calls)
-        raise _ToolFailure(f"the glob {_echo(pattern)} spells out more than "
-                           f"{_GLOB_MAX_ALTERNATIVES} patterns")
+        raise too_many()
     start, end = first
     head, tail = pattern[:start], pattern[end + 1:]
     bounds = [start] + commas[start] + [end]
@@ -5299,8 +5302,7 @@ def _expand_braces(pattern):
         for each in _expand_braces(head + pattern[a + 1:b] + tail):
             expanded.append(each)
             if len(expanded) > _GLOB_MAX_ALTERNATIVES:
-                raise _ToolFailure(f"the glob {_echo(pattern)} spells out more than "
-                                   f"{_GLOB_MAX_ALTERNATIVES} patterns")
+                raise too_many()
     return expanded
 
 
@@ -9222,8 +9224,7 @@ class _Approvals:
         if rows + 1 > term.rows():  # its first lines are off the screen
             lines.append(f"  ({rows} lines above: scroll up to read the whole {what} from its "
                          f"start)")
-        self.cli.term.ask("\n".join([*lines, (f"  allow? [y]es / [N]o / [a]lways this {what} / "
-                                              f"[t] always {name}: ")]))
+        term.ask("\n".join([*lines, f"  allow? [y]es / [N]o / [a]lways this {what} / [t] always {name}: "]))
         try:
             answer = self.cli.read_answer()
         finally:
