@@ -1101,14 +1101,20 @@ def _omitted_marker(count) -> str:
     return f"[... {count} characters omitted ...]"
 
 
-def _cut_middle(text, limit) -> str:
-    """``text`` in at most ``limit`` characters (some thousands): its head and tail around a
-    marker line."""
+def _truncate(text, limit):
+    """``text`` cut to its head and tail, ``limit`` characters of it kept, around a marker."""
     if len(text) <= limit:
         return text
-    kept = limit - len(_omitted_marker(len(text))) - 2
-    tail = kept // 2
-    return f"{text[:kept - tail]}\n{_omitted_marker(len(text) - kept)}\n{text[len(text) - tail:]}"
+    tail = limit // 2
+    head = limit - tail
+    return f"{text[:head]}\n{_omitted_marker(len(text) - limit)}\n{text[len(text) - tail:]}"
+
+
+def _cut_middle(text, limit) -> str:
+    """``text`` in at most ``limit`` characters (some thousands), its marker line counted."""
+    if len(text) <= limit:
+        return text
+    return _truncate(text, limit - len(_omitted_marker(len(text))) - 2)
 
 
 def _cut_head(text, limit) -> str:
@@ -4316,8 +4322,10 @@ class Limiter:
                     # a short wait on the condition: a change wakes it, the signal is seen soon
                     self._cond.wait(min(wait, _WATCH_SECONDS))
             finally:  # started, or stopped waiting (the signal, a Ctrl-C): the next in line
-                if call in self._waiting:  # may start at once
+                try:  # may start at once
                     self._waiting.remove(call)
+                except ValueError:  # a Ctrl-C before it was appended
+                    pass
                 self._cond.notify_all()
 
     def _release(self, error):
@@ -4673,15 +4681,6 @@ def _function_tool(fn, name, description):
     spec = {"name": name, "description": doc_description if description is None else description,
             "parameters": parameters}
     return spec, signal_param, call_param
-
-
-def _truncate(text, limit):
-    """``text`` cut to its head and tail, ``limit`` characters in all, around a marker."""
-    if len(text) <= limit:
-        return text
-    tail = limit // 2
-    head = limit - tail
-    return f"{text[:head]}\n{_omitted_marker(len(text) - limit)}\n{text[len(text) - tail:]}"
 
 
 def _plural(word, names):
@@ -5153,8 +5152,9 @@ class _Root:
             return fd
         if opened is None:  # no kernel answer here: the path must still name what was opened
             try:
-                now, was = os.fstat(fd), os.stat(_realpath(real))
-                if self.inside(_realpath(real)) and os.path.samestat(now, was):
+                followed = _realpath(real)
+                now, was = os.fstat(fd), os.stat(followed)
+                if self.inside(followed) and os.path.samestat(now, was):
                     return fd
             except OSError:
                 pass
@@ -8656,12 +8656,22 @@ def _columns_of(text) -> int:
 
 def _fitting(text, columns) -> int:
     """How many characters of ``text`` fit in ``columns``."""
+    if text.isascii():
+        return max(0, min(len(text), columns))
     used = 0
     for i, width in enumerate(_column_widths(text)):
         used += width
         if used > columns:
             return i
     return len(text)
+
+
+def _stderr_size():
+    """The size of stderr's terminal, or None when it has none."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _one_line(text) -> str:
@@ -8812,10 +8822,8 @@ class _Terminal:
 
     def rows(self) -> int:
         """How many lines stderr's terminal shows (24 when it cannot say)."""
-        try:
-            return os.get_terminal_size(sys.stderr.fileno()).lines or 24
-        except (OSError, ValueError, AttributeError):
-            return 24
+        size = _stderr_size()
+        return size.lines if size is not None and size.lines else 24
 
     def rows_of(self, lines) -> int:
         """How many rows of the terminal ``lines`` take, a long one wrapped."""
@@ -8828,11 +8836,9 @@ class _Terminal:
             width = max(0, int(self._columns))
         except ValueError:
             width = 0
-        if not width:
-            try:  # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal given no size
-                width = os.get_terminal_size(sys.stderr.fileno()).columns or 100
-            except (OSError, ValueError, AttributeError):
-                width = 100
+        if not width:  # Python 3.9 and 3.10 give 0 columns for a pseudo-terminal given no size
+            size = _stderr_size()
+            width = size.columns if size is not None and size.columns else 100
         return width
 
     def ask(self, question):
@@ -8923,14 +8929,10 @@ class _Terminal:
         can be."""
         width = self._width() if self.fancy else _PLAIN_LINE_CHARS
         width = max(width - room, width // 2)
-        if text.isascii() or not self.fancy:  # a log's line counts characters
-            if len(text) <= width:
-                return text
-            end = max(0, width - 1)
-        else:  # a terminal's counts columns: two for a wide character (CJK, emoji)
-            if _columns_of(text) <= width:
-                return text
-            end = _fitting(text, width - 1)
+        # a terminal's line counts columns (two for a wide character: CJK, emoji), a log's characters
+        if (_columns_of if self.fancy else len)(text) <= width:
+            return text
+        end = _fitting(text, width - 1) if self.fancy else max(0, width - 1)
         cut = text.rfind(" ", 0, end)
         return text[:cut if cut > end // 2 else end] + "…"
 
