@@ -2163,6 +2163,12 @@ def _snippet(body):
 def _unreachable_reason(error) -> str:
     """Why ``requests`` could not reach a server: its ``[Errno N] text`` when it has one (not
     urllib3's paragraph around it), secrets and URL user-info redacted."""
+    while error.args and isinstance(error.args[0], BaseException):  # requests' wrapping
+        error = error.args[0]
+    if len(error.args) == 2 and isinstance(error.args[1], BaseException):
+        # urllib3's ("Connection broken: ...", the error): the error's errno, else the words
+        cause = error.args[1]
+        error = cause if isinstance(cause, OSError) and cause.errno else error.args[0]
     text = _redact_url(_redact_secrets(str(error)))
     found = re.search(_ERRNO_TEXT, text)
     return found.group(0) if found else _snippet(text)
@@ -3064,10 +3070,17 @@ class _HTTPChat:
             except _StreamTooLong as e:
                 raise self._error(f"invalid response: {e}", "invalid_response") from e
         except (ProviderError, _Cut) as e:
-            if shown and isinstance(e, ProviderError):  # another try would show that text twice
-                e.retryable = False
-                e.after_output = True
-            raise
+            if not shown:
+                raise
+            # Another try would show that text twice. A cut (the clock of the whole exchange)
+            # becomes its error here, to be marked so.
+            error = self._cut_error(e.args[0]) if isinstance(e, _Cut) else e
+            if isinstance(error, ProviderError):
+                error.retryable = False
+                error.after_output = True
+            if error is e:
+                raise
+            raise error from None
         self._drain(chunks, exchange)
         return result
 
@@ -3205,8 +3218,8 @@ class _HTTPChat:
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
         reason = _unreachable_reason(e)
-        if streaming:
-            return self._error(f"stream broke off before its end: {reason}", "invalid_response")
+        if streaming:  # its connection broke (a stream the server ends early is another error)
+            return self._error(f"stream broke off before its end: {reason}", "network")
         if reading:  # the server was reached: its answer was cut
             return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
@@ -9771,7 +9784,7 @@ class _Cli:
     def _chat(self, spec):
         options = {"stream": self.streaming, "on_retry": self._on_retry,
                    "on_failover": self._on_failover}
-        if self.streaming:
+        if self.answer_on_stdout:  # text a provider hands on counts as shown: not retried
             options["on_delta"] = self._delta
         if self.args.base_url:
             options["base_url"] = self.args.base_url

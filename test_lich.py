@@ -4548,6 +4548,24 @@ def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
         "openai: the answer failed mid-generation: no reason given", False, True, ["The answer is"])
 
 
+def test_a_stream_cut_by_its_clock_after_showing_text_is_not_retried(server):
+    """A stream that outlasts ``timeout`` (a slow model's long answer, or a stall) once it has
+    shown text: retried, each try showed the text again from its start."""
+    body = openai_sse(*[delta_chunk(content="x")] * 100, delta_chunk(finish="stop"))
+    server.reply(200, chunks=pieces(body, len(body) // 40 + 1), delay=0.1,
+                 content_type="text/event-stream")
+    shown = []
+    chat = lich.chat_from_spec("openai:gpt-test", base_url=server.url + "/v1", api_key="k",
+                               stream=True, on_delta=shown.append, timeout=0.5)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable, info.value.after_output,
+            len(server.requests)) == (
+        f"openai: timed out: no whole answer within 0.5s from {server.url}/v1/chat/completions",
+        "timeout", False, True, 1)
+    assert 0 < len("".join(shown)) < 100 and set("".join(shown)) == {"x"}
+
+
 def test_an_error_body_in_an_array_is_read_as_google_sends_it(server):
     server.reply(400, [{"error": {"code": 400, "message": "Function call is missing a thought_signature",
                                   "status": "INVALID_ARGUMENT"}}])
@@ -5119,18 +5137,25 @@ def test_a_finished_stream_does_not_wait_for_the_end_of_the_body(server):
 
 
 @pytest.mark.parametrize("at", ["openai", "anthropic"])
-def test_a_stream_cut_off_mid_way_is_an_invalid_response(server, at):
+def test_a_stream_whose_connection_breaks_mid_way_is_a_network_error(server, at):
+    """A reset is the network's fault, as in a whole answer: retried unless it showed text (a
+    stream the server ends before its end marker is an invalid_response)."""
     if at == "openai":
-        body, chat = openai_sse(delta_chunk(content="Hel"), delta_chunk(content="lo")), openai_at
+        body, chat = [openai_sse(delta_chunk(content="Hel"), done=False), openai_sse(delta_chunk(content="lo"))], openai_at
     else:
-        body = anthropic_sse(message_start(), block_start(0, text_block("")),
-                             block_delta(0, type="text_delta", text="Hel"), MESSAGE_STOP)
+        body = [anthropic_sse(message_start(), block_start(0, text_block("")),
+                              block_delta(0, type="text_delta", text="Hel")), anthropic_sse(MESSAGE_STOP)]
         chat = anthropic_at
-    server.reply(200, chunks=pieces(body, 150), reset_after=1)
+    server.reply(200, chunks=body, reset_after=1)
     deltas = []
     with pytest.raises(lich.ProviderError) as info:
         chat(server, stream=True, on_delta=deltas.append)(USER)
-    assert (info.value.kind, info.value.retryable) == ("invalid_response", False)
+    assert (info.value.kind, info.value.retryable, info.value.after_output, deltas) == (
+        "network", False, True, ["Hel"])
+    server.reply(200, chunks=body, reset_after=1)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(server, stream=True)(USER)
+    assert (info.value.kind, info.value.retryable, info.value.after_output) == ("network", True, False)
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
@@ -6639,7 +6664,8 @@ def test_a_stream_that_broke_off_after_showing_text_is_neither_retried_nor_faile
                                on_delta=shown.append, retries=2, base_delay=0.001)
     with pytest.raises(lich.ProviderError) as info:
         chat(USER)
-    assert (info.value.kind, shown, len(server.requests)) == ("invalid_response", ["Hello "], 1)
+    assert (info.value.kind, info.value.retryable, info.value.after_output, shown,
+            len(server.requests)) == ("network", False, True, ["Hello "], 1)
 
 
 @pytest.mark.parametrize("unframed", [False, True], ids=["chunked", "unframed"])
@@ -6677,10 +6703,10 @@ OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delt
 @pytest.mark.parametrize("provider, faults, ending", [
     ("openai-stream", [Reply(200, reset_after=0), OPENAI_STREAM_OK], "recovered"),
     ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="par"), done=False), "x" * 50],
-                             reset_after=1)],
-     ("invalid_response", ("openai: stream broke off before its end: (\"Connection broken: ConnectionResetError"
-                           "(104, 'Connection reset by peer')\", ConnectionResetError(104, 'Connection reset by "
-                           "peer'))"))),
+                             reset_after=1), OPENAI_STREAM_OK], "recovered"),  # nothing was shown
+    ("openai-stream", [Reply(200, chunks=[openai_sse(delta_chunk(content="par"), done=False), "x" * 50],
+                             reset_after=1)] * 2,
+     ("network", "openai: stream broke off before its end: [Errno 104] Connection reset by peer")),
     ("openai", [Reply(200, b"", content_type="application/json")],
      ("invalid_response", "openai: invalid response: body is not JSON: ''")),
     ("openai", [Reply(200, json.dumps(openai_reply("cut"))[:40], content_type="application/json")],
@@ -6700,7 +6726,7 @@ OPENAI_STREAM_OK = Reply(200, chunks=[openai_sse(delta_chunk(content="re"), delt
      ("server", "openai: HTTP 500: oops again")),
     ("anthropic", [Reply(529, anthropic_error("overloaded_error", "Overloaded")),
                    anthropic_reply(text_block("recovered"))], "recovered"),
-], ids=["reset-before-headers", "reset-mid-stream", "empty-body", "truncated-json", "no-end-marker",
+], ids=["reset-before-headers", "reset-mid-stream", "reset-mid-stream-twice", "empty-body", "truncated-json", "no-end-marker",
         "a-page-for-a-stream", "trickle-past-read-timeout", "429-retry-after", "500-then-success", "500-twice", "anthropic-529"])
 def test_provider_faults_end_in_a_retry_or_a_classified_error_with_the_session_kept(
         server, tmp_path, provider, faults, ending):
@@ -13641,6 +13667,18 @@ def test_one_provider_is_retried(server, lich_model, cli):
     code, out, err = cli("--no-stream", "hi")
     assert (code, out) == (0, "second time lucky\n")
     assert re.fullmatch(r"retrying in [01]\.\d s: server \(attempt 1/2\)\n" + USAGE_LINE, err), err
+    assert len(server.requests) == 2
+
+
+def test_a_piped_answer_whose_stream_broke_off_is_retried(server, lich_model, cli):
+    """Piped, nothing is shown as it streams: a stream that broke off after its first words is
+    retried (it failed the run, as if they had been on the screen)."""
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="first "), done=False), "x"],
+                        reset_after=1),
+          Reply(200, chunks=[openai_sse(delta_chunk(content="second time lucky"), delta_chunk(finish="stop"))]))
+    code, out, err = cli("hi")
+    assert (code, out) == (0, "second time lucky\n")
+    assert re.fullmatch(r"retrying in [01]\.\d s: network \(attempt 1/2\)\n", err), err
     assert len(server.requests) == 2
 
 
