@@ -5081,7 +5081,7 @@ def _walk_tree(top_fd, visit, *, limit=None, depth=0):
 
 
 def _skipped_note(skipped, what):
-    """A line saying which folders were not looked at, or None."""
+    """A line saying which folders (or files) were not looked at, or None."""
     if not skipped:
         return None
     named = ", ".join(f"{path} ({reason})" for path, reason in skipped[:_NOTED_MAX])
@@ -5623,6 +5623,34 @@ def _search_regex(pattern):
 _search_regex_lock = _ForkSafeLock()
 
 
+def _same_in_ripgrep(pattern) -> bool:
+    """Whether ripgrep reads ``pattern`` as Python does, as far as its syntax shows: not when a
+    set holds a '[' (a nested set or a POSIX class to ripgrep) or a doubled '&', '-', '~' or
+    '|' (set operations); nor with \\< \\> \\b{ \\B{ (word boundaries to ripgrep, plain
+    characters to Python), \\A or \\z (a line's ends to ripgrep, the text's to Python), or
+    verbose mode. What Python or ripgrep refuses is no question: each checks it."""
+    if re.search(r"\(\?[a-zA-Z]*x", pattern):
+        return False
+    in_set, first, i = False, 0, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escaped = pattern[i + 1:i + 3]
+            if not in_set and (escaped[:1] in ("<", ">", "A", "z") or escaped in ("b{", "B{")):
+                return False
+            i += 2
+            continue
+        if in_set:
+            if char == "[" or (char in "&-~|" and pattern[i + 1:i + 2] == char):
+                return False
+            in_set = not (char == "]" and i > first)  # a ']' first in a set is one of it
+        elif char == "[":
+            in_set = True
+            first = i + 1 + (pattern[i + 1:i + 2] == "^")
+        i += 1
+    return True
+
+
 def _search_text(regex, text, number, found):
     """``found(line number, line, column of the match)`` for each line of ``text`` (its first
     line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
@@ -5658,11 +5686,13 @@ def _search_file(regex, fd, size, found, check):
     while True:
         block = os.read(fd, want)
         offset += len(block)
+        last = not block or (len(block) < want and offset >= size)  # a short read at its size: the end
         if first:
             if block.find(b"\0", 0, _BINARY_SNIFF_BYTES) >= 0:
                 return
+            if block.startswith(codecs.BOM_UTF8):  # a mark, not text (ripgrep drops it too)
+                block = block[len(codecs.BOM_UTF8):]
             first = False
-        last = not block or (len(block) < want and offset >= size)  # a short read at its size: the end
         data = carry + block if carry else block
         cut = len(data) if last else data.rfind(b"\n") + 1
         if cut == 0 and not last:  # no line end yet
@@ -5685,7 +5715,7 @@ def _search_file(regex, fd, size, found, check):
 def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, base="",
                  recursive=True):
     """Search the folder (or file) open as ``fd``: ``emit("m", path, number, line, column)`` per
-    match and ``emit("x", path, reason)`` per folder not searched. Paths are ``prefix`` plus
+    match and ``emit("x", path, reason)`` per folder or file not searched. Paths are ``prefix`` plus
     the path from the folder; links are not followed; ``rules`` are the root's .gitignore.
     Where the folder is part of a larger search, ``base`` is its path from the searched
     folder (for ``wanted``), and ``recursive=False`` searches only its own files. Closes
@@ -5710,15 +5740,17 @@ def _search_tree(regex, fd, is_folder, prefix, wanted, rules, emit, check, *, ba
             check()
             try:
                 file_fd = os.open(entry.name, flags, dir_fd=folder_fd)
-            except OSError:
-                return False  # vanished or unreadable meanwhile
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # unreadable; one that vanished meanwhile is no loss
+                    emit("x", path, e.strerror or str(e))
+                return False
             try:
                 status = os.fstat(file_fd)
                 if stat.S_ISREG(status.st_mode):
                     _search_file(regex, file_fd, status.st_size,
                                  lambda n, line, column: emit("m", path, n, line, column), check)
-            except OSError:
-                pass  # unreadable meanwhile
+            except OSError as e:  # unreadable meanwhile
+                emit("x", path, e.strerror or str(e))
             finally:
                 os.close(file_fd)
         return False
@@ -6055,8 +6087,6 @@ def _shown_line(line, column):
     if len(line) <= _SEARCH_LINE_CHARS:
         return line
     width = _SEARCH_LINE_CHARS - 2  # room for both marks: a shown line is never cut again
-    if column >= len(line):  # the match lies past what a search process's line kept
-        column = 0
     start = max(0, min(column - width // 5, len(line) - width))
     end = start + width
     return ("…" if start else "") + line[start:end] + ("…" if end < len(line) else "")
@@ -6276,7 +6306,7 @@ class _Workspace:
         if ended == "aborted":
             raise _ToolFailure("the search was aborted")
         lines = matches.lines()
-        note = _skipped_note(matches.skipped, "searched")
+        note = _skipped_note(sorted(matches.skipped), "searched")
         if note:
             lines.append(note)
         if ended == "timeout":
@@ -6299,11 +6329,11 @@ class _Workspace:
         import shutil
 
         rg = shutil.which("rg")
-        if rg is None:
+        if rg is None or not _same_in_ripgrep(pattern):
             return None
         argv = [rg, "--no-config", "--line-number", "--column", "--with-filename", "--no-heading",
-                "--null",
-                "--color=never", "--hidden", "--no-ignore", "--no-follow", "--no-messages", "--crlf"]
+                "--null", "--color=never", "--hidden", "--no-ignore", "--no-follow",
+                "--no-ignore-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
         # ripgrep filters by the glob too (lich checks each path anyway) when it reads it as
@@ -6351,8 +6381,13 @@ class _Workspace:
                 path = prefix + rel
             else:
                 path = prefix
-            before = text[:max(0, int(column) - 1)].decode("utf-8", "replace")  # ripgrep counts bytes
-            matches.add(path, int(number), text.rstrip(b"\r").decode("utf-8", "replace"), len(before))
+            line = text.rstrip(b"\r").decode("utf-8", "replace")
+            at = int(column) - 1  # ripgrep counts bytes
+            if at < len(text):
+                matches.add(path, int(number), line, len(text[:at].decode("utf-8", "replace")))
+            else:  # past what a process's line keeps: its head, and where the match is
+                where = f" [the match is at byte {at:,} of this line]"
+                matches.add(path, int(number), line[:_SEARCH_LINE_CHARS - len(where) - 1] + "…" + where)
 
         cwd = f"/proc/self/fd/{fd}" if folder and _fd_path(fd) is not None else None
         if folder and cwd is None:
@@ -6370,6 +6405,12 @@ class _Workspace:
         if ended == "done" and code == 2 and not matches.total and ("regex" in errors
                                                                     or "glob" in errors):
             return None  # a Python pattern (or a glob) ripgrep does not take: the worker searches
+        if folder:  # what ripgrep could not read is said, as lich's own search says it
+            for unread in re.finditer(r"(?m)^rg: (.+): ([^:\n]+) \(os error (\d+)\)$", errors):
+                rel = unread.group(1).removeprefix("./")
+                if int(unread.group(3)) != errno.ENOENT and _rg_unread_is_noted(
+                        fd, rel, wanted, rules, prefix):
+                    matches.skipped.append((prefix + rel, unread.group(2)))
         return ended
 
     def _search_in_worker(self, pattern, fd, real, folder, prefix, glob, gitignore, matches,
@@ -6548,6 +6589,19 @@ class _Workspace:
 def _has_undecodable(text) -> bool:
     """Whether ``text``, decoded with surrogateescape, held bytes that are not UTF-8."""
     return re.search("[\udc80-\udcff]", text) is not None
+
+
+def _rg_unread_is_noted(fd, rel, wanted, rules, prefix):
+    """Whether lich's own search would say it did not read ``rel``, a path ripgrep could not
+    read in the folder open as ``fd``: a folder, or a file the glob wants; neither ignored."""
+    if rules and _rg_path_ignored(rules, prefix, rel):
+        return False
+    try:
+        if stat.S_ISDIR(os.stat(rel, dir_fd=fd, follow_symlinks=False).st_mode):
+            return True
+    except OSError:
+        return True
+    return wanted(rel, rel.rpartition("/")[2])
 
 
 def _rg_path_ignored(rules, prefix, rel):

@@ -8889,9 +8889,10 @@ def test_a_match_past_column_two_thousand_is_found_and_shown_cut_around_it(ws, e
     assert result == lich.ToolResult(ok=True, output="wide.txt:1: …" + "x" * 480 + " needle " + "y" * 10)
 
 
-def test_a_match_past_what_ripgreps_line_keeps_shows_the_lines_head(ws, engine):
+def test_a_match_past_what_ripgreps_line_keeps_shows_the_lines_head_and_where_it_is(ws, engine):
     (ws / "big.txt").write_text("x" * 400_000 + "needle\n")  # ripgrep's lines are kept to 256 KiB
-    shown = "x" * 498 + "…" if engine == "rg" else "…" + "x" * 492 + "needle"
+    where = " [the match is at byte 400,000 of this line]"
+    shown = "x" * (499 - len(where)) + "…" + where if engine == "rg" else "…" + "x" * 492 + "needle"
     assert run_tool(lich.coding_tools(ws), "search", pattern="needle") == lich.ToolResult(
         ok=True, output="big.txt:1: " + shown)
 
@@ -8902,6 +8903,57 @@ def test_a_pattern_python_warns_about_warns_nobody(ws, engine):
                              "sys.argv[2]).run({'id': 'c', 'name': 'search', 'arguments': json.dumps({'pattern': "
                              "'[[:digit:]]+'})}).ok)", HERE, ws).wait()
     assert (code, out, err) == (0, "True\n", "")  # ripgrep reads a POSIX class, Python a set: neither warns
+
+
+def test_a_utf8_byte_order_mark_is_no_text_to_search(ws, engine):
+    """ripgrep drops the mark; lich's own search kept it, so ``^import`` missed line 1."""
+    (ws / "bom.py").write_bytes(b"\xef\xbb\xbfimport os\nimport sys\n")
+    expected = lich.ToolResult(ok=True, output="bom.py:1: import os\nbom.py:2: import sys")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="^import") == expected
+    assert run_tool(lich.coding_tools(ws), "search", pattern="^import", path="bom.py") == expected
+
+
+@pytest.mark.parametrize("pattern, output", [
+    (r"\<div", "t.txt:2: <div x>"),  # a word's start to ripgrep
+    ("[[:digit:]]", "t.txt:4: end d]"),  # a POSIX class to ripgrep
+    ("[a[bc]]", "t.txt:5: tab]"),  # a nested set to ripgrep
+    ("[a&&b]", "t.txt:1: a divider\nt.txt:3: number 7\nt.txt:5: tab]"),  # an intersection to ripgrep
+    (r"\Ae", "no matches"),  # a line's start to ripgrep
+])
+def test_a_pattern_ripgrep_reads_otherwise_is_searched_as_python_reads_it(ws, engine, pattern, output):
+    """The tool takes a Python regular expression: ripgrep answered these in its own dialect."""
+    (ws / "t.txt").write_text("a divider\n<div x>\nnumber 7\nend d]\ntab]\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern=pattern) == lich.ToolResult(
+        ok=True, output=output)
+
+
+SEARCH_A_LOCKED_TREE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import lich
+print(lich.coding_tools(sys.argv[2]).run({"id": "c", "name": "search", "arguments": '{"pattern": "hi"}'}).output)
+"""
+
+
+def test_what_search_cannot_read_is_said_whoever_searches(ws, engine):
+    """ripgrep ran with its messages off: a folder it could not open was passed over silently;
+    neither search said which files it could not read."""
+    (ws / "ok.txt").write_text("hi\n")
+    (ws / "locked").mkdir()
+    (ws / "locked" / "in.txt").write_text("hi\n")
+    (ws / "sub").mkdir()
+    (ws / "sub" / "secret.txt").write_text("hi\n")
+    (ws / "sub" / "secret.txt").chmod(0)
+    (ws / "locked").chmod(0o311)
+    try:
+        argv = ("-c", SEARCH_A_LOCKED_TREE, HERE, ws)
+        code, out, err = Process("-c", DROP_DAC, *argv).wait() if os.geteuid() == 0 else Process(*argv).wait()
+    finally:
+        (ws / "locked").chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, out, err) == (0, "ok.txt:1: hi\n[... not searched: locked (Permission denied), "
+                                   "sub/secret.txt (Permission denied)]\n", "")
 
 
 def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
