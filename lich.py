@@ -5690,8 +5690,7 @@ def _search_file(regex, fd, size, found, check):
         if first:
             if block.find(b"\0", 0, _BINARY_SNIFF_BYTES) >= 0:
                 return
-            if block.startswith(codecs.BOM_UTF8):  # a mark, not text (ripgrep drops it too)
-                block = block[len(codecs.BOM_UTF8):]
+            block = block.removeprefix(codecs.BOM_UTF8)  # a mark, not text (ripgrep drops it too)
             first = False
         data = carry + block if carry else block
         cut = len(data) if last else data.rfind(b"\n") + 1

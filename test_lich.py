@@ -8952,8 +8952,8 @@ def test_what_search_cannot_read_is_said_whoever_searches(ws, engine):
         (ws / "locked").chmod(0o755)
     if code == 99:
         pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
-    assert (code, out, err) == (0, "ok.txt:1: hi\n[... not searched: locked (Permission denied), "
-                                   "sub/secret.txt (Permission denied)]\n", "")
+    assert (code, out, err) == (0, ("ok.txt:1: hi\n[... not searched: locked (Permission denied), "
+                                    "sub/secret.txt (Permission denied)]\n"), "")
 
 
 def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
