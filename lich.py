@@ -9598,16 +9598,21 @@ def _latest_session_in(session_dir, folder, term):
 
 
 def _recap(history) -> list:
-    """The last exchange of a history, a few lines of each side."""
+    """The last exchange of a history, a few lines of each side: the last prompt, and what
+    the model said after it (an older answer would look like this prompt's)."""
+    said = [(i, m) for i, m in enumerate(history) if m.get("role") in ("user", "assistant")
+            and isinstance(m.get("content"), str) and m["content"].strip()]
+    asked = next((i for i, m in reversed(said) if m["role"] == "user"), -1)
+    answer = next((m for i, m in reversed(said) if m["role"] == "assistant" and i > asked), None)
     lines = []
-    for role, shown in (("user", "you"), ("assistant", "lich")):
-        message = next((m for m in reversed(history) if m.get("role") == role
-                        and (m.get("content") or "").strip()), None)
-        if message is not None:
+    for shown, message in (("you", history[asked] if asked >= 0 else None), ("lich", answer)):
+        if message is None:
+            text = ["(no answer)"] if shown == "lich" and asked >= 0 else []
+        else:
             text = [line if len(line) <= _RECAP_LINE_CHARS else line[:_RECAP_LINE_CHARS - 1] + "…"
-                    for line in _lines(message["content"].strip())]
-            cut = _first_lines(text, _RECAP_LINES)
-            lines += [f"{shown}: {cut[0]}"] + [" " * (len(shown) + 2) + line for line in cut[1:]]
+                    for line in _first_lines(_lines(message["content"].strip()), _RECAP_LINES)]
+        if text:
+            lines += [f"{shown}: {text[0]}"] + [" " * (len(shown) + 2) + line for line in text[1:]]
     return lines
 
 

@@ -13642,6 +13642,18 @@ def test_a_labelled_conversation_keeps_its_label_and_is_resumed_by_it(server, li
     assert cli("--resume", "other", "x")[2] == "lich: session not found: other\n"
 
 
+def test_a_resumed_runs_recap_pairs_the_last_prompt_with_what_came_after_it(
+        server, lich_model, cli, tmp_path, workspace):
+    """The recap took the last prompt and the last answer apart: after a run stopped before
+    its answer, it showed that prompt beside the answer to the one before."""
+    queue(server, openai_reply("one"), openai_reply("", ("c1", "list_files", "{}"), finish="tool_calls"),
+          openai_reply("three"))
+    cli("--no-stream", "--root", str(workspace), "first")
+    assert cli("--no-stream", "-q", "-c", "--max-turns", "1", "--root", str(workspace), "look")[0] == 3
+    code, out, err = cli("--no-stream", "-c", "--root", str(workspace), "go on")
+    assert (code, out, err.splitlines()[1:3]) == (0, "three\n", ["you: look", "lich: (no answer)"])
+
+
 def test_continue_passes_over_a_copy_that_lich_was_stopped_in_for_the_conversation_it_copied(
         server, lich_model, cli, tmp_path, workspace):
     """-c (or --resume) begins its file with the whole history it resumes: killed while that
