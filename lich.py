@@ -3744,6 +3744,8 @@ class OpenAIChat(_HTTPChat):
 
 
 _EMPTY_USER_MESSAGE = "(empty message)"  # what a user's message of nothing says to Anthropic
+# a tool the history called, defined for a request given none (Anthropic wants it defined)
+_NOT_OFFERED_NOW = "Not offered now: do not call it. Its earlier calls are in the conversation."
 
 
 def _anthropic_tool_id(call_id):
@@ -3947,6 +3949,15 @@ class AnthropicChat(_HTTPChat):
         return self._structured(messages, response_format, options, self._asked)
 
     def _asked(self, messages, response_format, options):
+        if not options["tools"]:
+            # Anthropic refuses a history with tool calls in a request that defines no tools
+            # (a resumed run given none): the tools it called are defined, as not offered now
+            named = sorted({_wire_tool_name(call.get("name")) for m in messages
+                            if m.get("role") == "assistant" for call in m.get("tool_calls") or ()})
+            if named:
+                options = {**options, "tools": [
+                    {"name": name, "description": _NOT_OFFERED_NOW,
+                     "parameters": {"type": "object", "properties": {}}} for name in named]}
         return super().__call__(messages, response_format=response_format, **options)
 
     def _takes_schema(self, schema):

@@ -5808,6 +5808,22 @@ def test_anthropic_request_carries_every_message_kind_and_tool_specs(server):
     }
 
 
+def test_anthropic_defines_the_tools_a_history_called_when_a_request_is_given_none(server):
+    """Anthropic refuses a history with tool_use blocks in a request without tools: a run
+    resumed with none ("summarize what you did") failed at every try."""
+    server.reply(200, anthropic_reply(text_block("ok")))
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, cache=False)(HISTORY, tools=[WEATHER_SPEC, CLOCK_SPEC])
+    anthropic_at(server, cache=False)(HISTORY)
+    with_tools, without = (r["json"] for r in server.requests)
+    not_offered = {"description": "Not offered now: do not call it. Its earlier calls are in the conversation.",
+                   "input_schema": {"type": "object", "properties": {}}}
+    assert without == {**with_tools, "tools": [{"name": "clock", **not_offered}, {"name": "weather", **not_offered}]}
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, cache=False)(USER)
+    assert "tools" not in server.requests[-1]["json"]  # no call in the history: none defined
+
+
 def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
     server.reply(200, anthropic_reply(text_block("ok")))
     anthropic_at(server, max_tokens=300, cache=False)([
