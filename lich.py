@@ -3887,7 +3887,9 @@ class _AnthropicStream:
         return None
 
     def complete(self):
-        return self.done
+        # message_delta's stop reason comes once the answer is whole: a stream that ends
+        # there lost only its closing event (as OpenAI's finish chunk without [DONE])
+        return self.done or self.stop is not None
 
     def reasoning(self):
         if not self.thinking:

@@ -5964,11 +5964,13 @@ def test_an_anthropic_stream_that_says_done_before_its_stop_reason_is_an_invalid
         "invalid_response", False, "anthropic: invalid response: stream ended before message_stop")
 
 
-def test_an_anthropic_stream_that_says_done_after_its_stop_reason_is_the_whole_answer(server):
-    # gateways in front of Anthropic end a stream so, without message_stop
+@pytest.mark.parametrize("ending", ["data: [DONE]\n\n", ""], ids=["done", "nothing"])
+def test_an_anthropic_stream_that_ends_after_its_stop_reason_is_the_whole_answer(server, ending):
+    # gateways in front of Anthropic end a stream so, without message_stop; a proxy may drop
+    # that last event (the whole answer was lost, as OpenAI's finish chunk alone was not)
     body = anthropic_sse(message_start(), block_start(0, text_block("")),
                          block_delta(0, type="text_delta", text="Hi"), message_delta("end_turn", 2))
-    server.reply(200, chunks=[body + "data: [DONE]\n\n"])
+    server.reply(200, chunks=[body + ending])
     assert anthropic_at(server, stream=True)(USER) == result("Hi", usage=(25, 2), model="claude-test-1", stop="stop")
 
 
