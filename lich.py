@@ -9724,7 +9724,10 @@ def _schema_refusal(exc):
 def _describe_error(exc) -> str:
     """The one line a user sees for a failed run: the error's kind (or type) and message."""
     if isinstance(exc, ProviderError):
-        return f"error: {exc.kind}: {exc}"
+        # the wait a rate limit asked for: over a minute, lich did not wait; or the retries ran out
+        asked = (f" (the server asks to wait {exc.retry_after:.0f} s)"
+                 if exc.retryable and exc.retry_after is not None else "")
+        return f"error: {exc.kind}: {exc}{asked}"
     return f"error: {type(exc).__name__}: {exc}"
 
 

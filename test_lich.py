@@ -13764,6 +13764,13 @@ def test_a_piped_answer_whose_stream_broke_off_is_retried(server, lich_model, cl
     assert len(server.requests) == 2
 
 
+def test_a_wait_the_server_asks_for_is_said_when_lich_does_not_wait_it(server, lich_model, cli):
+    queue(server, Reply(429, openai_error("slow down"), headers={"Retry-After": "120"}))
+    assert cli("--no-stream", "hi") == (1, "", ("lich: error: rate_limit: openai: HTTP 429 (invalid_request_error): "
+                                                "slow down (the server asks to wait 120 s)\n"))
+    assert len(server.requests) == 1
+
+
 def test_interactive_chat_resume_clear_sessions_exit(server, lich_model, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
