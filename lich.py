@@ -4711,7 +4711,8 @@ def _function_tool(fn, name, description):
 
 def _plural(word, names):
     """``argument 'a'`` or ``arguments 'a', 'b'``."""
-    quoted = ", ".join(f"'{name}'" for name in names)
+    quoted = ", ".join(f"'{name[:_ECHO_MAX_CHARS]}...'" if len(name) > _ECHO_MAX_CHARS
+                       else f"'{name}'" for name in names)  # a model's long name, cut
     return f"{word} {quoted}" if len(names) == 1 else f"{word}s {quoted}"
 
 
@@ -4721,8 +4722,13 @@ def _arguments_object(name, raw) -> dict:
     if isinstance(raw, str) and raw.strip():
         try:
             raw = _strict_json(raw)  # NaN, Infinity, 1e400: no JSON, no float of them
-        except (ValueError, RecursionError) as e:
-            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({e}); "
+        except RecursionError:
+            raise _ToolFailure(f"the arguments of {name} are nested too deeply to read; "
+                               f"send one flatter JSON object") from None
+        except ValueError as e:
+            why = ("a number of more digits than Python reads" if "digits" in str(e)
+                   and "integer string conversion" in str(e) else e)
+            raise _ToolFailure(f"the arguments of {name} are not valid JSON ({why}); "
                                f"send one JSON object") from None
     elif raw is None or isinstance(raw, str):
         raw = {}
@@ -5132,6 +5138,17 @@ class _Root:
         """The real path of ``path`` (relative to the root), which must lie inside the root."""
         if "\0" in path:
             raise _ToolFailure(f"path contains a NUL character: {_shown_path(repr(path))}")
+        if path == "~" or path.startswith("~/"):  # written as it stands, a folder named ~
+            raise _ToolFailure(f"path begins with ~, which is not expanded here: give the path "
+                               f"from the workspace root (./~ names a file called ~): "
+                               f"{_shown_path(path)}")
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path):
+            raise _ToolFailure(f"path is a URL, not a path: {_shown_path(path)}")
+        try:
+            os.fsencode(path)
+        except UnicodeEncodeError:
+            raise _ToolFailure(f"path contains a lone surrogate (U+D800 to U+DFFF), which no "
+                               f"file name holds: {_shown_path(repr(path))}") from None
         try:
             real = _realpath(os.path.join(self.path, path))
         except OSError as e:
@@ -5527,6 +5544,7 @@ _SEARCH_SECONDS = 30            # a search stops after this long, saying so
 _SEARCH_BLOCK_BYTES = 16 << 20  # a file is searched in blocks of whole lines of about this size
 _SEARCH_LINE_MAX_BYTES = 64 << 20  # a longer line is searched in pieces
 _PROCESS_LINE_MAX_BYTES = 256 << 10  # of a line a search process prints (or its stderr), what is kept
+_ARGUMENT_MAX_BYTES = (128 << 10) - 1  # Linux's limit on one argument of a process
 _PROCESS_POLL_SECONDS = 0.05    # how often a tool's process is checked against signal and clock
 _SEARCH_PARTS_MAX = 4           # workers that share a folder's search, one per CPU up to this
 _SEARCH_WORKERS_KEPT = 4        # idle search workers kept for the next search
@@ -6127,6 +6145,22 @@ class _Matches:
         return lines
 
 
+def _check_argument(name, text):
+    """_ToolFailure unless ``text`` can be one argument of a process: no NUL, no lone
+    surrogate, and within the length Linux gives one argument."""
+    if "\0" in text:
+        raise _ToolFailure(f"{name} contains a NUL character, which a process argument cannot hold")
+    try:
+        size = len(os.fsencode(text))
+    except UnicodeEncodeError:
+        raise _ToolFailure(f"{name} contains a lone surrogate (U+D800 to U+DFFF), which no text "
+                           f"encodes") from None
+    if size > _ARGUMENT_MAX_BYTES:
+        raise _ToolFailure(f"{name} is {size:,} bytes, over the {_ARGUMENT_MAX_BYTES:,} a process "
+                           f"argument may hold: write long text with write_file, and keep the "
+                           f"{name} short")
+
+
 def _run_reader(argv, on_line, signal, *, cwd=None, stdin=None, seconds=_SEARCH_SECONDS):
     """Run ``argv`` in a process group of its own, ``on_line(bytes)`` per line it prints (each
     cut to _PROCESS_LINE_MAX_BYTES); returns (how it ended: "done", "timeout" or "aborted",
@@ -6343,6 +6377,11 @@ class _Workspace:
         rg = shutil.which("rg")
         if rg is None or not _same_in_ripgrep(pattern):
             return None
+        try:  # ripgrep takes them as arguments; lich's own search, from a pipe
+            _check_argument("pattern", pattern)
+            _check_argument("glob", glob or "")
+        except _ToolFailure:
+            return None
         argv = [rg, "--no-config", "--line-number", "--column", "--with-filename", "--no-heading",
                 "--null", "--color=never", "--hidden", "--no-ignore", "--no-follow",
                 "--no-ignore-messages", "--crlf"]
@@ -6530,6 +6569,7 @@ class _Workspace:
         """
         if not command.strip():
             raise _ToolFailure("command is empty")
+        _check_argument("command", command)
         self._approve(call)
         return _run_shell(command, self.root.path, self.shell_timeout, signal)
 

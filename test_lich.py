@@ -7502,7 +7502,16 @@ _MALFORMED_CALLS = [
      "the arguments of scale are not valid JSON (-Infinity is not a JSON value); send one JSON object"),
     ("1e400 for a float", "scale", '{"xs": [1e400]}',  # infinity to Python
      "the arguments of scale are not valid JSON (1e400 is too large a number); send one JSON object"),
+    ("a long unknown name", "add", json.dumps({"a": 1, "b": 2, "x" * 100_000: 3}),  # was echoed whole
+     "invalid arguments for add: unknown argument '" + "x" * 80 + "...' (add takes a, b)"),
 ]
+
+
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="Python reads integers of any length")
+def test_an_integer_of_more_digits_than_python_reads_is_said_so(sample_tools):
+    assert sample_tools.run(tool_call("add", '{"a": 1%s, "b": 2}' % ("0" * 5000))) == lich.ToolResult(
+        ok=False, error=("the arguments of add are not valid JSON (a number of more digits than Python "
+                         "reads); send one JSON object"))  # it said to call sys.set_int_max_str_digits()
 
 
 @pytest.mark.parametrize("name,arguments,error", [c[1:] for c in _MALFORMED_CALLS],
@@ -7525,9 +7534,9 @@ def test_tools_run_malformed_call_object(sample_tools, call, error):
 
 
 def test_tools_run_deeply_nested_arguments_do_not_escape(sample_tools):
-    result = sample_tools.run(tool_call("add", "[" * 100_000))
-    assert result.ok is False
-    assert result.error.startswith("the arguments of add are not valid JSON (")
+    # it said "not valid JSON (maximum recursion depth exceeded while decoding a JSON array...)"
+    assert sample_tools.run(tool_call("add", "[" * 100_000)) == lich.ToolResult(
+        ok=False, error="the arguments of add are nested too deeply to read; send one flatter JSON object")
 
 
 def test_tools_run_converts_int_to_float_only(sample_tools):
@@ -8255,8 +8264,13 @@ def test_list_files_refusals(ws, tmp_path, path, error):
     ("link.txt", "path is outside the workspace: link.txt"),
     ("sub", "path is a directory: sub"),
     ("inside.txt/x", "a part of the path is not a directory: inside.txt/x"),
+    ("~/notes.txt", ("path begins with ~, which is not expanded here: give the path from the workspace root "
+                     "(./~ names a file called ~): ~/notes.txt")),  # it wrote ./~/notes.txt and said "~/notes.txt"
+    ("file:///tmp/r.txt", "path is a URL, not a path: file:///tmp/r.txt"),  # it wrote ./file:/tmp/r.txt
+    ("a\ud800.txt", ("path contains a lone surrogate (U+D800 to U+DFFF), which no file name holds: "
+                      "'a\\ud800.txt'")),  # it said "UnicodeEncodeError: 'utf-8' codec can't encode..."
 ], ids=["../", "absolute outside", "symlinked folder outside", "symlink to a file outside",
-        "a folder", "below a file"])
+        "a folder", "below a file", "tilde", "URL", "lone surrogate"])
 def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, error):
     _make_links(ws, tmp_path)
     (ws / "sub").mkdir()
@@ -8270,6 +8284,7 @@ def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, er
     assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
     assert (outside / "secret.txt").read_text() == "top secret\n"
     assert not (tmp_path / "escape.txt").exists()
+    assert not (ws / "~").exists() and not (ws / "file:").exists()
 
 
 def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
@@ -9420,6 +9435,27 @@ def process_gone(pid, wait=2.0):
 def test_bash(ws, command, result):
     tools = lich.coding_tools(ws, allow_shell=True, shell_timeout=5)
     assert finishes(lambda: run_tool(tools, "bash", command=command)) == result
+
+
+@pytest.mark.parametrize("command, error", [
+    ("cat > f <<EOF\n" + "x" * 140_000 + "\nEOF", ("command is 140,018 bytes, over the 131,071 a process argument "
+                                                   "may hold: write long text with write_file, and keep the command short")),
+    ("echo a\0b", "command contains a NUL character, which a process argument cannot hold"),
+    ("echo \ud800", "command contains a lone surrogate (U+D800 to U+DFFF), which no text encodes"),
+], ids=["over 128 KiB", "NUL", "lone surrogate"])
+def test_a_command_no_process_can_take_is_refused_before_it_is_approved(ws, command, error):
+    """These failed with Python's OSError or ValueError, once the user had approved them."""
+    approve = Approver(True)
+    tools = lich.coding_tools(ws, allow_shell=True, approve=approve)
+    assert (run_tool(tools, "bash", command=command), approve.asked) == (lich.ToolResult(ok=False, error=error), [])
+
+
+@pytest.mark.parametrize("pattern", ["(?:" + "z" * 140_000 + ")|needle", "\0|needle", "\ud800|needle"],
+                         ids=["over 128 KiB", "NUL", "lone surrogate"])
+def test_a_pattern_no_process_can_take_is_searched_by_lich_itself(ws, engine, pattern):
+    (ws / "a.txt").write_text("a needle\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern=pattern) == lich.ToolResult(
+        ok=True, output="a.txt:1: a needle")
 
 
 def test_bash_runs_in_the_root(ws):
@@ -12747,9 +12783,8 @@ def test_streamed_compression_summary_is_not_shown_as_the_answer(server, lich_mo
 def test_deeply_nested_tool_arguments_on_the_command_line(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "read_file", DEEP)), openai_reply("ok"))
     assert cli("--no-stream", "--root", str(workspace), "go") == (
-        0, "ok\n", ("→ read_file ✗ the arguments of read_file are not valid JSON (maximum recursion "
-                    "depth exceeded while decoding a JSON array from a unicode string); send one JSON "
-                    "object\n" + "tokens: 14 in, 6 out\n"))
+        0, "ok\n", ("→ read_file ✗ the arguments of read_file are nested too deeply to read; send one "
+                    "flatter JSON object\n" + "tokens: 14 in, 6 out\n"))
 
 
 def test_api_keys_never_appear_in_any_output(server, cli, tmp_path, workspace):
