@@ -10326,8 +10326,12 @@ class _Cli:
         elif rest:
             term.error("usage: /allow, /allow revoke N, /allow revoke all")
             return
-        term.line("\n".join(self.approvals.describe()) if grants
-                  else "nothing is allowed always; each call asks")
+        if grants:
+            term.line("\n".join(self.approvals.describe()))
+        elif self.allow or self.mcp:
+            term.line("nothing is allowed always; each call asks")
+        else:  # the read tools never ask, and none other is offered
+            term.line("nothing is allowed always, and no tool here asks (--allow offers those that do)")
 
     def load_session(self, ref, *, folder):
         """The history of a session (``folder``: the latest of this --root), shown briefly."""

@@ -13158,6 +13158,18 @@ def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server
     assert term.close() == 0
 
 
+def test_allow_says_whether_any_tool_here_asks(server, lich_model, workspace, tmp_path):
+    """Without --allow it said "each call asks", though no tool offered asks."""
+    for args, said in (((), "nothing is allowed always, and no tool here asks (--allow offers those that do)"),
+                       (("--allow", "shell"), "nothing is allowed always; each call asks")):
+        term = chat_pty(*args, "--root", str(workspace), tmp_path=tmp_path)
+        term.expect(PROMPT)
+        term.send("/allow")
+        assert term.expect(PROMPT).endswith(f"{said}\n› ")
+        term.send("/exit")
+        assert term.close() == 0
+
+
 def test_what_was_typed_before_an_approval_question_does_not_answer_it(server, lich_model, workspace):
     asked = threading.Event()
     queue(server, Reply(200, tool_reply(("c1", "bash", '{"command": "touch ran"}')).body, hold=asked,
