@@ -2260,12 +2260,13 @@ class _StreamTooLong(Exception):
     """An SSE line, an event or a whole stream larger than its bound."""
 
 
-def _sse_events(chunks, check):
+def _sse_events(chunks, check, kept=None):
     """Yield (event name or None, data bytes) per Server-Sent Event read from byte chunks.
 
-    Comments, ``id:`` and ``retry:`` lines are skipped; several ``data:`` lines are joined
-    with newlines; an ``error:`` line (llama.cpp's) is an ``error`` event of its value.
-    ``check()`` runs before each chunk is parsed (it raises to stop).
+    Comments are skipped, and ``id:`` and ``retry:`` lines too, but that a dict ``kept``
+    gets the last of each (``"id"``, and ``"retry"`` in milliseconds); several ``data:``
+    lines are joined with newlines; an ``error:`` line (llama.cpp's) is an ``error`` event
+    of its value. ``check()`` runs before each chunk is parsed (it raises to stop).
     """
     pending = []  # pieces of a line whose end has not arrived
     pending_size = total = 0
@@ -2308,6 +2309,10 @@ def _sse_events(chunks, check):
                 event = line[6:].strip()
             elif line[:6] == b"error:":  # llama.cpp's own field, its error object: an error event
                 event, data = b"error", line[7:] if line[6:7] == b" " else line[6:]
+            elif kept is not None and line[:3] == b"id:" and b"\0" not in line:
+                kept["id"] = (line[4:] if line[3:4] == b" " else line[3:]).decode("utf-8", "replace")
+            elif kept is not None and line[:6] == b"retry:" and line[6:].strip().isdigit():
+                kept["retry"] = int(line[6:].strip())
     check()  # a socket cut by the signal or the clock ends the chunks as if the stream ended
     line = b"".join(pending).rstrip(b"\r")
     if line[:5] == b"data:":  # a last line without its newline
@@ -2337,6 +2342,9 @@ def _wire_json(value) -> bytes:
         return text.encode()
     except UnicodeEncodeError:
         return re.sub("[\ud800-\udfff]", "\ufffd", text).encode()
+
+
+_EXCHANGE_WAIT_STEP_SECONDS = 0.05  # how soon a wait within an exchange sees it cut
 
 
 class _Exchange:
@@ -2390,6 +2398,16 @@ class _Exchange:
         reason = self.cut or self.due()
         if reason is not None:
             raise _Cut(reason)
+
+    def wait(self, seconds):
+        """Wait ``seconds`` between two requests of the exchange; _Cut once it is cut."""
+        until = time.monotonic() + seconds
+        while True:
+            self.check()
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, _EXCHANGE_WAIT_STEP_SECONDS))
 
     def _shutdown(self):
         import socket  # loaded by requests already
@@ -6927,6 +6945,8 @@ _MCP_MAX_PAGES = 100          # tools/list pages read
 _MCP_SCHEMA_MAX_DEPTH = 100   # of a tool's input schema: deeper, a request could not be encoded
 _MCP_LISTEN_TRIES = 4         # GET streams that failed in a row before lich stops listening
 _MCP_QUIET_STREAM_SECONDS = 5.0  # a GET stream open this long served, whatever it brought
+_MCP_RESUME_MS = 1000         # the wait before an answer's stream is taken up again, unless told
+_MCP_RESUME_MIN_MS = 100      # and at least this: a server that says 0 is not asked in a storm
 
 
 def _sendable_schema(schema) -> bool:
@@ -7513,13 +7533,32 @@ class _HTTPServer:
         return _rpc_result(answer)
 
     def _post_and_read(self, message, exchange):
-        """The response to ``message`` and the answer in it; _Cut when the exchange is cut."""
+        """The response to ``message`` and the answer in it; _Cut when the exchange is cut.
+
+        A server may close an answer's SSE stream before the answer once it has given an event
+        id (MCP 2025-11-25): the stream is taken up again by a GET with ``Last-Event-ID``,
+        ``retry:`` milliseconds later (else a second; 0.1 s at least), as often as the time
+        limit allows."""
         try:
             response = self._post(message, exchange)
+            resume = {}  # the stream's last event id and retry, to take it up again by
             try:
-                return response, self._answer(response, message["id"], exchange)
+                answer = self._answer(response, message["id"], exchange, resume)
             finally:
                 response.close()
+            while answer is None and "id" in resume:
+                exchange.wait(max(resume.get("retry", _MCP_RESUME_MS), _MCP_RESUME_MIN_MS) / 1000)
+                stream = self._resumed_stream(resume["id"], exchange)
+                if stream is None:
+                    break
+                try:
+                    answer = self._answer(stream, message["id"], exchange, resume)
+                finally:
+                    stream.close()
+            if answer is None:
+                exchange.check()
+                raise _Gone(f"the MCP server {self.name} ended its answer without one")
+            return response, answer
         except _requests().RequestException as e:
             exchange.check()
             raise _Gone(f"the MCP server {self.name} broke off: "
@@ -7527,8 +7566,9 @@ class _HTTPServer:
         except _StreamTooLong as e:
             raise _Gone(f"the MCP server {self.name} answered more than lich reads: {e}") from None
 
-    def _answer(self, response, request_id, exchange):
-        """The answer to ``request_id`` from a JSON body or an SSE stream."""
+    def _answer(self, response, request_id, exchange, resume):
+        """The answer to ``request_id`` from a JSON body or an SSE stream; None when the
+        stream ended without it (``resume`` holds its last event id and retry)."""
         if response.headers.get("content-type", "").startswith("application/json"):
             body = response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True)
             messages = [_mcp_message(body)]
@@ -7537,7 +7577,8 @@ class _HTTPServer:
                             f"{_snippet(body)}")
         else:
             messages = (_mcp_message(data) for _, data in
-                        _sse_events(_arriving_chunks(response), exchange.check) if data.strip())
+                        _sse_events(_arriving_chunks(response), exchange.check, resume)
+                        if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
                 answer_id = each.get("id") if isinstance(each, dict) else None
@@ -7545,8 +7586,23 @@ class _HTTPServer:
                         and answer_id == request_id and not isinstance(answer_id, bool)):
                     return each  # true == 1, but JSON's true is no id
                 self._heard(each)
+        return None
+
+    def _resumed_stream(self, last_id, exchange):
+        """The GET that takes an answer's stream up again after ``last_id``: its response,
+        or None when the server offers none."""
+        headers = {**self._headers(), "Accept": "text/event-stream", "Last-Event-ID": last_id}
+        del headers["Content-Type"]
+        response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
+                                    stream=True, allow_redirects=False)
+        if response.status_code == 200 and response.headers.get(
+                "content-type", "").startswith("text/event-stream"):
+            return response
+        _log.debug("the MCP server %s did not take its stream up again (HTTP %d)", self.name,
+                   response.status_code)
+        response.close()
         exchange.check()
-        raise _Gone(f"the MCP server {self.name} ended its answer without one")
+        return None
 
     def _heard(self, message):
         """What the server sent that answers nothing of ours: a request, or a notification."""

@@ -10771,6 +10771,64 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
 
 
+@pytest.mark.parametrize("takes_it_up", [True, False], ids=["taken-up", "no-get-stream"])
+def test_an_answer_stream_the_server_closes_early_is_taken_up_again_after_its_last_event(server, takes_it_up):
+    """MCP 2025-11-25 lets a server close a call's SSE stream once it has given an event id
+    (the Python SDK's close_sse_stream): the call failed at once, "ended its answer without
+    one", while the tool ran on and finished."""
+    answer = {"content": [{"type": "text", "text": "done after the poll"}]}
+
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            if not takes_it_up or "last-event-id" not in request["headers"]:
+                return Reply(405, "")
+            return Reply(200, "id: e2\ndata: " + json.dumps({"jsonrpc": "2.0", "id": 2, "result": answer}) + "\n\n",
+                         content_type="text/event-stream")
+        if "id" not in body:
+            return Reply(202, "")
+        if body["method"] == "initialize":
+            reply = Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}}}})
+            reply.headers["Mcp-Session-Id"] = "s1"
+            return reply
+        return Reply(200, "id: e1\nretry: 300\ndata: \n\n", content_type="text/event-stream")  # then closed
+
+    server.responder = respond
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        started = time.monotonic()
+        result = tools.run(tool_call("poll"))
+        took = time.monotonic() - started
+    if not takes_it_up:
+        assert result == lich.ToolResult(ok=False, error=f"the MCP server {url} ended its answer without one")
+        return
+    assert result == lich.ToolResult(ok=True, output="done after the poll")
+    assert 0.3 <= took < 3  # the wait the server asked for
+    resumed = [r for r in server.requests if "last-event-id" in r["headers"]]
+    assert [(r["method"], r["headers"]["last-event-id"], r["headers"]["accept"], r["headers"]["mcp-session-id"])
+            for r in resumed] == [("GET", "e1", "text/event-stream", "s1")]
+
+
+def test_a_stream_the_server_closes_again_and_again_is_taken_up_until_the_time_limit(server):
+    def respond(request):
+        body = request["json"] or {}
+        if "id" not in body and request["method"] != "GET":
+            return Reply(202, "")
+        if body.get("method") == "initialize":
+            return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}}}})
+        return Reply(200, "id: e1\nretry: 0\ndata: \n\n", content_type="text/event-stream")  # never an answer
+
+    server.responder = respond
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url, timeout=1) as tools:
+        started = time.monotonic()
+        assert tools.run(tool_call("poll")) == lich.ToolResult(ok=False, error="timed out after 1 s")
+        assert time.monotonic() - started < 2
+    assert 5 <= sum(r["method"] == "GET" for r in server.requests) <= 11  # 0.1 s apart at least, not a storm
+
+
 @pytest.mark.parametrize("unframed", [False, True], ids=["chunked", "unframed"])
 def test_an_mcp_http_servers_get_stream_is_heard_until_close(server, unframed):
     ping = {"jsonrpc": "2.0", "id": "p1", "method": "ping"}
