@@ -1739,9 +1739,13 @@ def _clean_label(label) -> str:
 
 def _session_stems(session_dir: str, stamp: str) -> list:
     """The counters of the session names that use ``stamp``."""
-    pattern = re.compile(re.escape(stamp) + r"-(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX))
-    return [int(found.group(1)) for found in map(pattern.fullmatch, os.listdir(session_dir))
-            if found]
+    start = f"{stamp}-"  # one pattern for all stamps: a pattern per second filled re's cache
+    return [int(found.group(1)) for found in (
+        _SESSION_COUNTER.fullmatch(name, len(start)) for name in os.listdir(session_dir)
+        if name.startswith(start)) if found]
+
+
+_SESSION_COUNTER = re.compile(r"(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX))
 
 
 _session_names_lock = _ForkSafeLock()  # threads of one process never take one counter at once
@@ -2537,6 +2541,12 @@ def _session_class():
     return Session
 
 
+# what a session reads from the environment when it is made
+_CONNECTION_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy",
+                         "https_proxy", "all_proxy", "no_proxy", "REQUESTS_CA_BUNDLE",
+                         "CURL_CA_BUNDLE")
+
+
 def _new_http_session(url):
     """A requests session for ``url`` whose proxies and CA bundle are read from the
     environment now, not on every request (which costs requests ~0.25 ms a call)."""
@@ -2551,15 +2561,31 @@ def _new_http_session(url):
     return session
 
 
-def _http_session_of_this_thread(local, url):
-    """The requests session kept in ``local`` (a ``threading.local``) for ``url``, made on
-    first use and made again in a forked child: the parent's pooled connections are not
-    the child's to use (two processes on one socket read each other's answers)."""
-    session = getattr(local, "session", None)
-    if session is None or local.session_pid != os.getpid():
-        session = local.session = _new_http_session(url)
-        local.session_pid = os.getpid()
+def _http_session_of_this_thread(local, url, *, cookies=True):
+    """The requests session kept in ``local`` (a ``threading.local``) for ``url`` and the
+    proxy and CA variables as they are now, made on first use and made again in a forked
+    child: the parent's pooled connections are not the child's to use (two processes on
+    one socket read each other's answers). Without ``cookies`` it keeps none (a session
+    that many chats share)."""
+    sessions = getattr(local, "sessions", None)
+    if sessions is None or local.sessions_pid != os.getpid():
+        sessions = local.sessions = {}
+        local.sessions_pid = os.getpid()
+    key = (url, *map(os.environ.get, _CONNECTION_VARIABLES))
+    session = sessions.get(key)
+    if session is None:
+        session = sessions[key] = _new_http_session(url)
+        if not cookies:
+            import http.cookiejar
+
+            session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return session
+
+
+# The connections of every chat, per thread: a chat made per request (a web app's, for its
+# own on_delta) takes up the connection the last one left open. They keep no cookies, so
+# that no chat sends back what a server set for another (another user's key).
+_chat_connections = threading.local()
 
 
 # ============================================================================
@@ -2961,7 +2987,7 @@ class _HTTPChat:
     def _http(self):
         if self._session is not None:  # the caller's: theirs to keep apart across a fork
             return self._session
-        return _http_session_of_this_thread(self._local, self._url)
+        return _http_session_of_this_thread(_chat_connections, self._url, cookies=False)
 
     def _send(self, body, exchange):
         """POST ``body``; the response once its headers are in, or a ProviderError."""
