@@ -2164,15 +2164,25 @@ def _snippet(body):
     return text[:_SNIPPET_MAX_CHARS] + ("..." if len(text) > _SNIPPET_MAX_CHARS else "")
 
 
+def _system_error(error):
+    """urllib3's error inside ``requests``' error ``error``, and the system's error with an
+    errno in it (a reset, a refusal), or None: a server that ended its answer early (a
+    short body, a bad chunk) has none."""
+    while error.args and isinstance(error.args[0], BaseException):  # requests' wrapping
+        error = error.args[0]
+    # urllib3's ("Connection broken: ...", the error)
+    cause = error.args[1] if len(error.args) == 2 else error
+    return error, cause if isinstance(cause, OSError) and cause.errno else None
+
+
 def _unreachable_reason(error) -> str:
     """Why ``requests`` could not reach a server: its ``[Errno N] text`` when it has one (not
     urllib3's paragraph around it), secrets and URL user-info redacted."""
-    while error.args and isinstance(error.args[0], BaseException):  # requests' wrapping
+    error, system = _system_error(error)
+    if system is not None:
+        error = system
+    elif len(error.args) == 2 and isinstance(error.args[0], str):
         error = error.args[0]
-    if len(error.args) == 2 and isinstance(error.args[1], BaseException):
-        # urllib3's ("Connection broken: ...", the error): the error's errno, else the words
-        cause = error.args[1]
-        error = cause if isinstance(cause, OSError) and cause.errno else error.args[0]
     text = _redact_url(_redact_secrets(str(error)))
     found = re.search(_ERRNO_TEXT, text)
     return found.group(0) if found else _snippet(text)
@@ -2315,7 +2325,8 @@ def _sse_events(chunks, check, kept=None):
                 event, data = b"error", line[7:] if line[6:7] == b" " else line[6:]
             elif kept is not None and line[:3] == b"id:" and b"\0" not in line:
                 kept["id"] = (line[4:] if line[3:4] == b" " else line[3:]).decode("utf-8", "replace")
-            elif kept is not None and line[:6] == b"retry:" and line[6:].strip().isdigit():
+            elif kept is not None and line[:6] == b"retry:" and line[6:].strip().isdigit() \
+                    and len(line) < 16:  # milliseconds: more digits than Python reads is no wait
                 kept["retry"] = int(line[6:].strip())
     check()  # a socket cut by the signal or the clock ends the chunks as if the stream ended
     line = b"".join(pending).rstrip(b"\r")
@@ -2370,11 +2381,14 @@ class _Exchange:
     def __enter__(self):
         if self.signal is not None or self.deadline is not None:
             _watchdog.watch(self)
+        # an exchange begun within another (an MCP server's request answered mid-call) gives
+        # the thread back to the outer one when it ends
+        self._outer = getattr(_exchange_slot, "exchange", None)
         _exchange_slot.exchange = self
         return self
 
     def __exit__(self, *exc_info):
-        _exchange_slot.exchange = None
+        _exchange_slot.exchange = self._outer
         with self._lock:
             self._open = False
             self._sock = None
@@ -2415,9 +2429,12 @@ class _Exchange:
 
     def _shutdown(self):
         import socket  # loaded by requests already
-        if self._sock is not None:
+        sock = self._sock
+        while sock is not None and not isinstance(sock, socket.socket):
+            sock = getattr(sock, "socket", None)  # urllib3's TLS inside an HTTPS proxy's TLS
+        if sock is not None:
             try:  # the plain socket's shutdown: an SSL socket's own would unwrap it under a reader
-                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
             except (OSError, TypeError):
                 pass
 
@@ -2556,6 +2573,11 @@ def _new_http_session(url):
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     session.proxies = requests.utils.get_environ_proxies(url)
+    for proxy in session.proxies.values():  # its credentials, even in a URL requests refuses
+        _add_url_secrets(proxy, session)  # ('#' in a password: all before the last '@')
+        userinfo = re.match(r"(?i)[a-z][a-z0-9+.-]*://(.*)@", proxy)
+        for part in userinfo.group(1).split(":", 1) if userinfo else ():
+            _add_secret(part, session)
     session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
     session.trust_env = False
     return session
@@ -2571,10 +2593,13 @@ def _http_session_of_this_thread(local, url, *, cookies=True):
     if sessions is None or local.sessions_pid != os.getpid():
         sessions = local.sessions = {}
         local.sessions_pid = os.getpid()
-    key = (url, *map(os.environ.get, _CONNECTION_VARIABLES))
-    session = sessions.get(key)
-    if session is None:
-        session = sessions[key] = _new_http_session(url)
+    variables = tuple(map(os.environ.get, _CONNECTION_VARIABLES))
+    made, session = sessions.get(url, (None, None))
+    if made != variables:  # new, or the variables changed: the old session's sockets go
+        if session is not None:
+            session.close()
+        session = _new_http_session(url)
+        sessions[url] = variables, session
         if not cookies:
             import http.cookiejar
 
@@ -3004,6 +3029,9 @@ class _HTTPChat:
             except requests.RequestException as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=False) from e
+            except OSError as e:  # requests' own: a CA bundle that is not there
+                raise self._error(f"cannot reach {self._shown_url}: {_redact_secrets(str(e))}",
+                                  "network", retryable=False) from e
             except ValueError as e:  # a session of the caller's: as on a redirect's bad Location
                 raise self._error(f"requests raised ValueError on the answer: "
                                   f"{_redact_url(_redact_secrets(str(e)))}",
@@ -3103,12 +3131,14 @@ class _HTTPChat:
         on_delta = self.on_delta
         if on_delta is not None:
             def on_delta(text, show=self.on_delta):
-                shown.append(True)
-                show(text)
+                if show(text) is not False:  # False: it was not shown (a piped CLI's)
+                    shown.append(True)
+        broken = (requests.RequestException, urllib3.exceptions.HTTPError)
         try:
             try:
-                result = self._read_stream(_sse_events(chunks, exchange.check), on_delta, start)
-            except (requests.RequestException, urllib3.exceptions.HTTPError) as e:
+                result = self._read_stream(_sse_events(chunks, exchange.check), on_delta, start,
+                                           broken)
+            except broken as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=True) from e
             except _StreamTooLong as e:
@@ -3143,14 +3173,24 @@ class _HTTPChat:
         except Exception as e:  # cut, reset: the connection is not reused, the answer stands
             _log.debug("the end of a stream was not read: %s", e)
 
-    def _read_stream(self, events, on_delta, start):
+    def _read_stream(self, events, on_delta, start, broken):
         """Assemble a ChatResult from SSE events with the dialect's ``_Stream``; ``start``
-        is the body's start, quoted when it held no event."""
+        is the body's start, quoted when it held no event. An exception of ``broken`` (the
+        connection's) after the answer's stop reason ends it."""
         state = self._Stream(self)
         parts = []
         held = ""  # a high surrogate that ended an event: its pair's other half comes next
         heard = False
-        for event, data in events:
+        events = iter(events)
+        while True:
+            try:
+                event, data = next(events)
+            except StopIteration:
+                break
+            except broken:
+                if state.complete():  # a break after the answer's stop reason: it is whole
+                    break
+                raise
             heard = True
             if data == b"[DONE]":  # OpenAI's end; in another dialect's stream, an early one
                 # unless the answer's stop reason came: gateways end Anthropic streams so too
@@ -3261,12 +3301,39 @@ class _HTTPChat:
         if isinstance(e, (requests.Timeout, ReadTimeoutError)) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
+        if isinstance(e, requests.exceptions.ProxyError):
+            return self._proxy_error(e)
+        if isinstance(e, requests.exceptions.InvalidURL):  # a proxy variable's, say: no retry mends it
+            return self._error(f"cannot reach {self._shown_url}: {_unreachable_reason(e)}",
+                               "bad_request", retryable=False)
+        if isinstance(e, requests.exceptions.SSLError):
+            tls = re.search(r"\[SSL[^\]]*\][^'\"()]*", str(e))
+            reason = tls.group(0).strip() if tls else _unreachable_reason(e)
+            if "CERTIFICATE_VERIFY_FAILED" in reason:  # no retry makes it trusted
+                return self._error(f"cannot reach {self._shown_url}: {reason} (a private CA: "
+                                   f"set REQUESTS_CA_BUNDLE to its file)", "network",
+                                   retryable=False)
+            return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
         reason = _unreachable_reason(e)
-        if streaming:  # its connection broke (a stream the server ends early is another error)
-            return self._error(f"stream broke off before its end: {reason}", "network")
+        if streaming:  # a reset is the network's; a server that ends early, its answer's fault
+            return self._error(f"stream broke off before its end: {reason}",
+                               "network" if _system_error(e)[1] else "invalid_response")
         if reading:  # the server was reached: its answer was cut
             return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
+
+    def _proxy_error(self, e):
+        """The ProviderError of the proxy between lich and the server: a 407 (credentials it
+        wants, which no retry brings) or a proxy that cannot be reached."""
+        proxies = self._http().proxies
+        proxy = proxies.get(self._url.partition(":")[0]) or proxies.get("all") or "a proxy"
+        shown = _redact_url(_redact_secrets(proxy))
+        if re.search(r"\b407\b", str(e)):
+            return self._error(f"the proxy {shown} asks for credentials (HTTP 407 Proxy "
+                               f"Authentication Required): give them in the proxy's URL",
+                               "bad_request", status=407, retryable=False)
+        return self._error(f"cannot reach {self._shown_url} through the proxy {shown}: "
+                           f"{_unreachable_reason(e)}", "network")
 
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream: the payload's
@@ -5065,6 +5132,18 @@ def _not_a_folder(shown, real):
         raise _ToolFailure(f"path ends with '/' but is not a directory: {shown}")
 
 
+def _unencodable(text):
+    """What in ``text`` no file name or process argument can hold, in words (a NUL
+    character, or a lone surrogate that stands for no byte, as ``\\udcff`` does); or None."""
+    if "\0" in text:
+        return "a NUL character"
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate ({ascii(e.object[e.start])[1:-1]})"
+    return None
+
+
 def _shown_path(path) -> str:
     """``path`` as an error message quotes it: a name too long for the system, the model's
     mistake, is not echoed whole (it may be 50,000 characters)."""
@@ -5180,19 +5259,16 @@ class _Root:
 
     def resolve(self, path):
         """The real path of ``path`` (relative to the root), which must lie inside the root."""
-        if "\0" in path:
-            raise _ToolFailure(f"path contains a NUL character: {_shown_path(repr(path))}")
+        unheld = _unencodable(path)
+        if unheld:
+            raise _ToolFailure(f"path contains {unheld}, which no file name holds: "
+                               f"{_shown_path(repr(path))}")
         if path == "~" or path.startswith("~/"):  # written as it stands, a folder named ~
             raise _ToolFailure(f"path begins with ~, which is not expanded here: give the path "
                                f"from the workspace root (./~ names a file called ~): "
                                f"{_shown_path(path)}")
         if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path):
             raise _ToolFailure(f"path is a URL, not a path: {_shown_path(path)}")
-        try:
-            os.fsencode(path)
-        except UnicodeEncodeError:
-            raise _ToolFailure(f"path contains a lone surrogate (U+D800 to U+DFFF), which no "
-                               f"file name holds: {_shown_path(repr(path))}") from None
         try:
             real = _realpath(os.path.join(self.path, path))
         except OSError as e:
@@ -5681,17 +5757,19 @@ def _is_binary(f):
 
 def _search_regex(pattern):
     """``pattern`` compiled MULTILINE, quietly: Python's FutureWarning about a '[' in a set
-    (POSIX's ``[[:digit:]]``, which ripgrep reads as a class) would reach the terminal.
+    (POSIX's ``[[:digit:]]``, which ripgrep reads as a class), or 3.9's and 3.10's
+    DeprecationWarning about flags after the start, would reach the terminal.
 
-    The warning filters are the process's: only a pattern with a set changes them, for the
-    compile, one search at a time (searches in threads that overlapped restored each other's
-    filters, silencing the application's FutureWarnings for good)."""
-    if "[" not in pattern:
+    The warning filters are the process's: only a pattern that may warn changes them, for
+    the compile, one search at a time (searches in threads that overlapped restored each
+    other's filters, silencing the application's FutureWarnings for good)."""
+    if "[" not in pattern and "(?" not in pattern:
         return re.compile(pattern, re.MULTILINE)
     import warnings
 
     with _search_regex_lock, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         return re.compile(pattern, re.MULTILINE)
 
 
@@ -5702,9 +5780,13 @@ def _same_in_ripgrep(pattern) -> bool:
     """Whether ripgrep reads ``pattern`` as Python does, as far as its syntax shows: not when a
     set holds a '[' (a nested set or a POSIX class to ripgrep) or a doubled '&', '-', '~' or
     '|' (set operations); nor with \\< \\> \\b{ \\B{ (word boundaries to ripgrep, plain
-    characters to Python), \\A or \\z (a line's ends to ripgrep, the text's to Python), or
-    verbose mode. What Python or ripgrep refuses is no question: each checks it."""
-    if re.search(r"\(\?[a-zA-Z]*x", pattern):
+    characters to Python), \\A or \\z (a line's ends to ripgrep, the text's to Python), a
+    brace with spaces (``{ 0 }``: a count to ripgrep, text to Python), a possessive ``*+``
+    (a repeat of a repeat to ripgrep), verbose mode, or flags after the start (the whole
+    pattern's to Python 3.9 and 3.10, what follows to ripgrep). What Python or ripgrep
+    refuses is no question: each checks it."""
+    if (re.search(r"\(\?[a-zA-Z]*x|\{[\d,\s]*\s[\d,\s]*\}|[*+?}]\+", pattern)
+            or re.search(r".\(\?[a-zA-Z-]+\)", pattern)):
         return False
     in_set, first, i = False, 0, 0
     while i < len(pattern):
@@ -6190,15 +6272,12 @@ class _Matches:
 
 
 def _check_argument(name, text):
-    """_ToolFailure unless ``text`` can be one argument of a process: no NUL, no lone
-    surrogate, and within the length Linux gives one argument."""
-    if "\0" in text:
-        raise _ToolFailure(f"{name} contains a NUL character, which a process argument cannot hold")
-    try:
-        size = len(os.fsencode(text))
-    except UnicodeEncodeError:
-        raise _ToolFailure(f"{name} contains a lone surrogate (U+D800 to U+DFFF), which no text "
-                           f"encodes") from None
+    """_ToolFailure unless ``text`` can be one argument of a process: nothing
+    ``_unencodable``, and within the length Linux gives one argument."""
+    unheld = _unencodable(text)
+    if unheld:
+        raise _ToolFailure(f"{name} contains {unheld}, which a process argument cannot hold")
+    size = len(os.fsencode(text))
     if size > _ARGUMENT_MAX_BYTES:
         raise _ToolFailure(f"{name} is {size:,} bytes, over the {_ARGUMENT_MAX_BYTES:,} a process "
                            f"argument may hold: write long text with write_file, and keep the "
@@ -6248,7 +6327,7 @@ def _run_reader(argv, on_line, signal, *, cwd=None, stdin=None, seconds=_SEARCH_
         proc.stdout.close()
         proc.stderr.close()
         proc.wait()
-    return ended, proc.returncode, errors.decode("utf-8", "replace")
+    return ended, proc.returncode, os.fsdecode(bytes(errors))  # a name in it as lich names it
 
 
 def _split_lines(pending, on_line):
@@ -6477,8 +6556,8 @@ class _Workspace:
             else:
                 path = prefix
             line = text.rstrip(b"\r").decode("utf-8", "replace")
-            at = int(column) - 1  # ripgrep counts bytes
-            if at < len(text):
+            at = int(column) - 1  # ripgrep counts bytes; an empty match at a line's end is at its length
+            if at <= len(text):
                 matches.add(path, int(number), line, len(text[:at].decode("utf-8", "replace")))
             else:  # past what a process's line keeps: its head, and where the match is
                 where = f" [the match is at byte {at:,} of this line]"
@@ -6696,7 +6775,7 @@ def _rg_unread_is_noted(fd, rel, wanted, rules, prefix):
         if stat.S_ISDIR(os.stat(rel, dir_fd=fd, follow_symlinks=False).st_mode):
             return True
     except OSError:
-        return True
+        pass  # in a folder that can be listed but not entered: a file, as far as lich can say
     return wanted(rel, rel.rpartition("/")[2])
 
 
@@ -7628,6 +7707,8 @@ class _HTTPServer:
                    response.status_code)
         response.close()
         exchange.check()
+        if response.status_code == 404 and self.session_id:  # not begun again: the tool ran
+            raise _Gone(f"the MCP server {self.name} ended the session during the call")
         return None
 
     def _heard(self, message):
@@ -9371,10 +9452,11 @@ class _Progress:
         elif kind == "error":
             term.stop_spinner()
 
-    def delta(self, text):
+    def delta(self, text) -> bool:
         self.received.append(text)
         if self.term.delta(text):
             self.shown = True
+        return self.shown
 
 
 # --- approvals ---
@@ -9847,8 +9929,10 @@ def _describe_error(exc) -> str:
     """The one line a user sees for a failed run: the error's kind (or type) and message."""
     if isinstance(exc, ProviderError):
         # the wait a rate limit asked for: over a minute, lich did not wait; or the retries ran out
-        asked = (f" (the server asks to wait {exc.retry_after:.0f} s)"
-                 if exc.retryable and exc.retry_after is not None else "")
+        wait = exc.retry_after
+        asked = ("" if not exc.retryable or wait is None else
+                 f" (the server asks to wait {wait:.1f} s)" if wait < 10 else
+                 f" (the server asks to wait {wait:.0f} s)")
         return f"error: {exc.kind}: {exc}{asked}"
     return f"error: {type(exc).__name__}: {exc}"
 
@@ -9980,7 +10064,7 @@ class _Cli:
     def _chat(self, spec):
         options = {"stream": self.streaming, "on_retry": self._on_retry,
                    "on_failover": self._on_failover}
-        if self.answer_on_stdout:  # text a provider hands on counts as shown: not retried
+        if self.streaming:
             options["on_delta"] = self._delta
         if self.args.base_url:
             options["base_url"] = self.args.base_url
@@ -9993,12 +10077,14 @@ class _Cli:
 
     def _on_retry(self, error, attempt, delay):
         if self._current(threading.current_thread()):
+            self.progress.received = []  # the next try's text is the answer's, from its start
             shown = f"{delay:.1f}" if delay < 10 else f"{delay:.0f}"
             self.term.note(f"retrying in {shown} s: {error.kind} (attempt {attempt}/"
                            f"{self.chat.retries})")
 
     def _on_failover(self, error, index):
         if self._current(threading.current_thread()):
+            self.progress.received = []
             self.term.note(f"{error.kind} from {self.chat.chats[index - 1]!r}; trying "
                            f"{self.chat.chats[index]!r}")
 
@@ -10006,12 +10092,14 @@ class _Cli:
         progress = self.progress
         return progress is not None and progress.thread in (thread, None)
 
-    def _delta(self, text):
-        """Streamed text, shown when it is the answer of the current run."""
+    def _delta(self, text) -> bool:
+        """Streamed text, shown when it is the answer of the current run; whether it was
+        (not on a pipe: a stream that then breaks is retried)."""
         progress = self.progress
         if (progress is not None and progress.thread is threading.current_thread()
                 and not progress.compressing):
-            progress.delta(text)
+            return progress.delta(text)
+        return False
 
     def drop_typed_ahead(self) -> bool:
         """Throw away what was typed before a question was asked, so that no keystroke made

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import unicodedata
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -4043,6 +4044,189 @@ def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
         silent.close()
 
 
+def _proxy_answering_connect(answer):
+    """A proxy on 127.0.0.1 that answers every CONNECT with ``answer`` and closes; its URL,
+    and the list of requests it read."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    heard = []
+
+    def serve():
+        while True:
+            connection, _ = listener.accept()
+            with connection:
+                heard.append(connection.recv(65536))
+                connection.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", heard
+
+
+def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch):
+    """Through CONNECT (an https:// server), a 407 was a network error, retried, its words cut."""
+    proxy, heard = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+                                            b"Content-Length: 0\r\n\r\n")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://bob:wrong-passw0rd@{proxy}")
+    chat = lich.chat_from_spec("openai:gpt-test@https://127.0.0.1:9/v1", api_key="k", base_delay=0.001)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    assert (str(info.value), info.value.kind, info.value.status, info.value.retryable, len(heard)) == (
+        (f"openai: the proxy http://[redacted]@{proxy} asks for credentials (HTTP 407 Proxy Authentication "
+         f"Required): give them in the proxy's URL"), "bad_request", 407, False, 1)
+
+
+def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]  # closed below: nothing listens there
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1")(USER)
+    assert (str(info.value), info.value.kind) == (
+        (f"openai: cannot reach http://127.0.0.1:9/v1/chat/completions through the proxy "
+         f"http://127.0.0.1:{port}: [Errno 111] Connection refused"), "network")
+
+
+def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
+    """An unencoded '#' in the password: requests' error quoted it, and it was retried."""
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", "http://alice:Pr0xyPassw0rdZZ#/x@127.0.0.1:9")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1")(USER)
+    said = str(info.value)  # urllib3's words vary: "'alice:[redacted]' is not a valid host or port"
+    assert (said.startswith("openai: cannot reach http://127.0.0.1:9/v1/chat/completions: Failed to parse: "),
+            "[redacted]" in said, "Pr0xyPassw0rd" in said, info.value.kind, info.value.retryable) == (
+        True, True, False, "bad_request", False), said
+
+
+def test_a_ca_bundle_that_is_not_there_is_a_provider_error(monkeypatch, tmp_path):
+    """requests' OSError passed through the chat, past the Router's failover."""
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "corp-ca.pem"))
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1")(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        (f"openai: cannot reach https://127.0.0.1:9/v1/chat/completions: Could not find a suitable TLS CA "
+         f"certificate bundle, invalid path: {tmp_path / 'corp-ca.pem'}"), "network", False)
+
+
+@pytest.fixture
+def certificate(tmp_path):
+    """A self-signed certificate for 127.0.0.1 and its key: (cert path, key path)."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def _tls_server(certificate, on_connection):
+    """A TLS listener on 127.0.0.1 (``certificate``'s) that runs ``on_connection(tls socket)``
+    in a thread per connection; its port."""
+    import socket
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(*map(str, certificate))
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            connection, _ = listener.accept()
+
+            def handle(connection=connection):
+                try:
+                    with context.wrap_socket(connection, server_side=True) as tls:
+                        on_connection(tls)
+                except OSError:
+                    pass
+
+            threading.Thread(target=handle, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def test_a_certificate_the_ca_bundle_does_not_trust_is_said_and_not_retried(certificate):
+    """It was a retried network error, its reason cut off in urllib3's paragraph."""
+    port = _tls_server(certificate, lambda tls: tls.recv(65536))
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{port}/v1")(USER)
+    assert (info.value.kind, info.value.retryable) == ("network", False)
+    assert re.fullmatch(  # OpenSSL 1.1 writes "self signed"
+        re.escape(f"openai: cannot reach https://127.0.0.1:{port}/v1/chat/completions: [SSL: CERTIFICATE_VERIFY_FAILED] "
+                  f"certificate verify failed: self") + "[- ]" + re.escape(
+            "signed certificate (a private CA: set REQUESTS_CA_BUNDLE to its file)"), str(info.value)), str(info.value)
+
+
+def test_the_signal_cuts_an_https_exchange_through_an_https_proxy(certificate, monkeypatch):
+    """TLS inside the proxy's TLS: urllib3 hands over no socket but a wrapper of one, whose
+    shutdown failed unsaid; the call ran until the server answered."""
+    import socket
+
+    import urllib3
+
+    if int(urllib3.__version__.split(".")[0]) < 2:
+        pytest.skip("urllib3 1.x has no TLS inside a proxy's TLS")
+
+    asked = threading.Event()
+    server_port = _tls_server(certificate, lambda tls: (tls.recv(65536), asked.set(), time.sleep(30)))
+
+    def tunnel(tls):
+        tls.recv(65536)  # CONNECT ...
+        tls.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", server_port)) as upstream:
+            def pump(source, sink):
+                try:
+                    while True:
+                        data = source.recv(65536)
+                        if not data:
+                            return
+                        sink.sendall(data)
+                except OSError:
+                    return
+
+            threading.Thread(target=pump, args=(upstream, tls), daemon=True).start()
+            pump(tls, upstream)
+
+    proxy_port = _tls_server(certificate, tunnel)
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"https://127.0.0.1:{proxy_port}")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(certificate[0]))
+    signal = threading.Event()
+    set_after(signal, asked.is_set)
+    started = time.monotonic()
+    with pytest.raises(lich.AbortError):
+        lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{server_port}/v1", timeout=60)(USER, signal=signal)
+    assert time.monotonic() - started < 3
+
+
+def test_a_thread_keeps_one_connection_however_often_the_proxy_variables_change(server, monkeypatch):
+    """A session (and its sockets) was kept for every value the variables had: an app that
+    sets them per tenant ran out of descriptors."""
+    def sockets():
+        return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    server.reply(200, openai_reply("ok"))
+    openai_at(server)(USER)
+    before = sockets()
+    for n in range(30):
+        monkeypatch.setenv("NO_PROXY", f"127.0.0.1,tenant-{n}.example")
+        server.reply(200, openai_reply("ok"))
+        openai_at(server)(USER)
+    assert sockets() - before <= 2
+
+
 @pytest.mark.parametrize("stop", ["signal", "timeout"])
 def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
     import socket
@@ -4548,6 +4732,54 @@ def test_chats_made_per_request_share_a_connection_and_keep_no_cookies(server):
         openai_at(server, api_key=f"key-{n}")(USER)
     assert len({r["port"] for r in server.requests}) == 1
     assert [r["headers"].get("cookie") for r in server.requests] == [None] * 5
+
+
+def _ends_without_its_last_chunk(events):
+    """A chunked reply whose server closes the connection (no reset) before the last chunk."""
+    data = events.encode()
+    return Reply(200, chunks=[b"%x\r\n%s\r\n" % (len(data), data)], unframed=True,
+                 headers={"Transfer-Encoding": "chunked"}, content_type="text/event-stream")
+
+
+def test_a_stream_the_server_ends_early_is_an_invalid_response_however_it_is_framed(server):
+    """API.md: a stream that ends early is an invalid_response, not retried; a body that ends
+    before its last chunk or its length was taken for a reset (network, retried)."""
+    events = openai_sse(delta_chunk(content="Hel"), done=False)
+    server.replies.append(_ends_without_its_last_chunk(events))
+    server.reply(200, chunks=[events], headers={"Content-Length": str(len(events) + 100)}, unframed=True,
+                 content_type="text/event-stream")
+    for _ in range(2):
+        with pytest.raises(lich.ProviderError) as info:
+            openai_at(server, stream=True)(USER)
+        assert (info.value.kind, info.value.retryable) == ("invalid_response", False), str(info.value)
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_stream_that_breaks_after_its_stop_reason_is_the_whole_answer(server, provider):
+    """A proxy that dropped the end marker and then cut the connection lost an answer that
+    was whole (and shown)."""
+    if provider == "openai":
+        events, chat = openai_sse(delta_chunk(content="Hi there"), delta_chunk(finish="stop"), done=False), openai_at
+    else:
+        events = anthropic_sse(message_start(), block_start(0, text_block("")),
+                               block_delta(0, type="text_delta", text="Hi there"), message_delta("end_turn", 2))
+        chat = anthropic_at
+    for reply in (Reply(200, chunks=[events, "x"], reset_after=1, content_type="text/event-stream"),
+                  _ends_without_its_last_chunk(events)):
+        server.replies.append(reply)
+        shown = []
+        assert chat(server, stream=True, on_delta=shown.append)(USER).message == assistant("Hi there")
+        assert shown == ["Hi there"]
+
+
+def test_an_on_delta_that_returns_false_did_not_show_the_text_and_a_broken_stream_is_retried(server):
+    """The command line's, on a pipe: nothing is on a screen, so another try repeats nothing."""
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="first "), done=False), "x"], reset_after=1)
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="whole"), delta_chunk(finish="stop"))])
+    given = []
+    chat = lich.chat_from_spec("openai:gpt-test", base_url=server.url + "/v1", api_key="k", stream=True,
+                               on_delta=lambda text: given.append(text) or False, base_delay=0.001)
+    assert (chat(USER).message, given, len(server.requests)) == (assistant("whole"), ["first ", "whole"], 2)
 
 
 def test_a_stream_that_fails_after_showing_text_is_not_retried(server):
@@ -8279,10 +8511,11 @@ def test_list_files_refusals(ws, tmp_path, path, error):
     ("~/notes.txt", ("path begins with ~, which is not expanded here: give the path from the workspace root "
                      "(./~ names a file called ~): ~/notes.txt")),  # it wrote ./~/notes.txt and said "~/notes.txt"
     ("file:///tmp/r.txt", "path is a URL, not a path: file:///tmp/r.txt"),  # it wrote ./file:/tmp/r.txt
-    ("a\ud800.txt", ("path contains a lone surrogate (U+D800 to U+DFFF), which no file name holds: "
+    ("a\0b.txt", "path contains a NUL character, which no file name holds: 'a\\x00b.txt'"),
+    ("a\ud800.txt", ("path contains a lone surrogate (\\ud800), which no file name holds: "
                       "'a\\ud800.txt'")),  # it said "UnicodeEncodeError: 'utf-8' codec can't encode..."
 ], ids=["../", "absolute outside", "symlinked folder outside", "symlink to a file outside",
-        "a folder", "below a file", "tilde", "URL", "lone surrogate"])
+        "a folder", "below a file", "tilde", "URL", "NUL", "lone surrogate"])
 def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, error):
     _make_links(ws, tmp_path)
     (ws / "sub").mkdir()
@@ -8972,6 +9205,34 @@ def test_a_pattern_ripgrep_reads_otherwise_is_searched_as_python_reads_it(ws, en
         ok=True, output=output)
 
 
+@pytest.mark.parametrize("pattern, output", [
+    ("= { 0 };", "c.txt:1: int a[4] = { 0 };"),  # a space counted 0 times to ripgrep
+    ("a*+a", "no matches"),  # possessive since Python 3.11; a repeat of a repeat to ripgrep
+    ("ab(?i)c", "c.txt:3: abc\nc.txt:4: ABC"),  # the whole pattern's on Python 3.9 and 3.10 only
+])
+def test_a_pattern_ripgrep_counts_or_flags_otherwise_is_searched_as_python_reads_it(ws, engine, pattern, output):
+    (ws / "c.txt").write_text("int a[4] = { 0 };\nint b =;\nabc\nABC\n")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            re.compile(pattern)
+    except re.error as e:  # this Python refuses it: so does the tool
+        output = None
+        expected = lich.ToolResult(ok=False, error=f"invalid regular expression: {e}")
+    if output is not None:
+        expected = lich.ToolResult(ok=True, output=output)
+    assert run_tool(lich.coding_tools(ws), "search", pattern=pattern) == expected
+
+
+def test_an_empty_match_at_a_lines_end_is_shown_as_its_line(ws, engine):
+    """ripgrep puts it one past the line's last byte: it was taken for a match past what
+    ripgrep's line keeps, and shown with "[the match is at byte 0 of this line]"."""
+    (ws / "a.py").write_text("def f():\n\n    pass\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern="^$") == lich.ToolResult(ok=True, output="a.py:2: ")
+    assert run_tool(tools, "search", pattern=r":\s*$") == lich.ToolResult(ok=True, output="a.py:1: def f():")
+
+
 SEARCH_A_LOCKED_TREE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -9453,7 +9714,7 @@ def test_bash(ws, command, result):
     ("cat > f <<EOF\n" + "x" * 140_000 + "\nEOF", ("command is 140,018 bytes, over the 131,071 a process argument "
                                                    "may hold: write long text with write_file, and keep the command short")),
     ("echo a\0b", "command contains a NUL character, which a process argument cannot hold"),
-    ("echo \ud800", "command contains a lone surrogate (U+D800 to U+DFFF), which no text encodes"),
+    ("echo \ud800", "command contains a lone surrogate (\\ud800), which a process argument cannot hold"),
 ], ids=["over 128 KiB", "NUL", "lone surrogate"])
 def test_a_command_no_process_can_take_is_refused_before_it_is_approved(ws, command, error):
     """These failed with Python's OSError or ValueError, once the user had approved them."""
@@ -10783,7 +11044,7 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
 
 
-@pytest.mark.parametrize("takes_it_up", [True, False], ids=["taken-up", "no-get-stream"])
+@pytest.mark.parametrize("takes_it_up", [True, False, None], ids=["taken-up", "no-get-stream", "session-ended"])
 def test_an_answer_stream_the_server_closes_early_is_taken_up_again_after_its_last_event(server, takes_it_up):
     """MCP 2025-11-25 lets a server close a call's SSE stream once it has given an event id
     (the Python SDK's close_sse_stream): the call failed at once, "ended its answer without
@@ -10793,6 +11054,8 @@ def test_an_answer_stream_the_server_closes_early_is_taken_up_again_after_its_la
     def respond(request):
         body = request["json"] or {}
         if request["method"] == "GET":
+            if takes_it_up is None and "last-event-id" in request["headers"]:
+                return Reply(404, "no such session")
             if not takes_it_up or "last-event-id" not in request["headers"]:
                 return Reply(405, "")
             return Reply(200, "id: e2\ndata: " + json.dumps({"jsonrpc": "2.0", "id": 2, "result": answer}) + "\n\n",
@@ -10812,6 +11075,9 @@ def test_an_answer_stream_the_server_closes_early_is_taken_up_again_after_its_la
         started = time.monotonic()
         result = tools.run(tool_call("poll"))
         took = time.monotonic() - started
+    if takes_it_up is None:  # not begun again: the call is not sent twice
+        assert result == lich.ToolResult(ok=False, error=f"the MCP server {url} ended the session during the call")
+        return
     if not takes_it_up:
         assert result == lich.ToolResult(ok=False, error=f"the MCP server {url} ended its answer without one")
         return
@@ -10820,6 +11086,56 @@ def test_an_answer_stream_the_server_closes_early_is_taken_up_again_after_its_la
     resumed = [r for r in server.requests if "last-event-id" in r["headers"]]
     assert [(r["method"], r["headers"]["last-event-id"], r["headers"]["accept"], r["headers"]["mcp-session-id"])
             for r in resumed] == [("GET", "e1", "text/event-stream", "s1")]
+
+
+def test_a_taken_up_stream_keeps_the_calls_time_limit_after_the_server_asked_something(server):
+    """Answering the server's ping (a POST of its own exchange) left the thread with no
+    exchange: the GET that took the stream up again escaped the time limit, for as long as
+    the server held it."""
+    held = threading.Event()
+
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            if "last-event-id" not in request["headers"]:
+                return Reply(405, "")
+            return Reply(200, chunks=[": held\n\n", ""], hold=held, content_type="text/event-stream")
+        if "id" not in body or "method" not in body:  # a notification, or lich's answer to the ping
+            return Reply(202, "")
+        if body["method"] == "initialize":
+            return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}}}})
+        ping = json.dumps({"jsonrpc": "2.0", "id": "p1", "method": "ping"})
+        return Reply(200, f"id: e1\nretry: 100\ndata: {ping}\n\n", content_type="text/event-stream")
+
+    server.responder = respond
+    url = server.url + "/mcp"
+    try:
+        with lich.mcp_tools(url, timeout=1) as tools:
+            started = time.monotonic()
+            assert tools.run(tool_call("poll")) == lich.ToolResult(ok=False, error="timed out after 1 s")
+            assert time.monotonic() - started < 2
+    finally:
+        held.set()
+    assert {"jsonrpc": "2.0", "id": "p1", "result": {}} in [r["json"] for r in server.requests]
+
+
+def test_a_retry_of_more_digits_than_python_reads_is_no_wait(server):
+    """It raised ValueError out of the call (Python reads 4,300 digits at most)."""
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET" or "id" not in body:
+            return Reply(405 if request["method"] == "GET" else 202, "")
+        if body.get("method") == "initialize":
+            return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}}}})
+        return Reply(200, f"id: e1\nretry: {'9' * 5000}\ndata: \n\n", content_type="text/event-stream")
+
+    server.responder = respond
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("poll")) == lich.ToolResult(
+            ok=False, error=f"the MCP server {url} ended its answer without one")
 
 
 def test_a_stream_the_server_closes_again_and_again_is_taken_up_until_the_time_limit(server):
@@ -13886,6 +14202,10 @@ def test_a_wait_the_server_asks_for_is_said_when_lich_does_not_wait_it(server, l
     assert cli("--no-stream", "hi") == (1, "", ("lich: error: rate_limit: openai: HTTP 429 (invalid_request_error): "
                                                 "slow down (the server asks to wait 120 s)\n"))
     assert len(server.requests) == 1
+    queue(server, *[Reply(429, openai_error("slow down"), headers={"retry-after-ms": "250"})] * 3)
+    code, _, err = cli("--no-stream", "hi")  # waited out, twice: then said, not as "0 s"
+    assert (code, err.splitlines()[-1]) == (1, ("lich: error: rate_limit: openai: HTTP 429 (invalid_request_error): "
+                                                "slow down (the server asks to wait 0.2 s)"))
 
 
 def test_interactive_chat_resume_clear_sessions_exit(server, lich_model, tmp_path):
@@ -14779,6 +15099,23 @@ def test_ctrl_c_exits_130_and_keeps_the_request_for_continue(server, lich_model,
     assert err == (f"resumed {path.stem}: 3 messages\nyou: slow question\nlich: {note['content'].splitlines()[0]}\n"
                    + ("      \n      [interrupted by the user]\n" if stream else "")
                    + "tokens: 7 in, 3 out\n")
+
+
+def test_ctrl_c_of_a_piped_streaming_run_keeps_what_the_model_said(server, lich_model, tmp_path):
+    """Piped, the streamed words are not shown, but the session keeps them with the note."""
+    import signal as signals
+
+    server.replies.append(Reply(200, chunks=[openai_sse(delta_chunk(content="partial "), done=False),
+                                             *[": keepalive\n\n"] * 60, openai_sse(delta_chunk(finish="stop"))],
+                                delay=0.1, content_type="text/event-stream"))
+    child = Process(*LICH, "slow question")
+    wait_for_request(server)
+    time.sleep(1)  # the first words are in (0.1 s after the request)
+    child.popen.send_signal(signals.SIGINT)
+    code, out, err = child.wait(timeout=10)
+    assert (code, out) == (130, ""), err
+    [path] = sessions_in(tmp_path)
+    assert lich.read_session_messages(path)[-1] == assistant("partial\n\n[interrupted by the user]")
 
 
 def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspace):
