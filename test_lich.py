@@ -9262,6 +9262,33 @@ def test_what_search_cannot_read_is_said_whoever_searches(ws, engine):
                                     "sub/secret.txt (Permission denied)]\n"), "")
 
 
+SEARCH_WITH_A_GLOB = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+arguments = json.dumps({"pattern": "hi", "glob": sys.argv[3]})
+print(json.dumps(lich.coding_tools(sys.argv[2]).run({"id": "c", "name": "search", "arguments": arguments}).output))
+"""
+
+
+def test_what_search_cannot_read_is_noted_as_the_glob_wants(ws, engine):
+    """ripgrep's note named a file the glob leaves out, in a folder it could list but not
+    enter. (A name that is not UTF-8 it writes with U+FFFD, where lich writes \\udcff.)"""
+    (ws / "ok.txt").write_text("hi\n")
+    (ws / "listed").mkdir()
+    (ws / "listed" / "x.log").write_text("hi\n")
+    (ws / "listed" / "y.txt").write_text("hi\n")
+    (ws / "listed").chmod(0o444)  # its names can be read, its files not reached
+    try:
+        argv = ("-c", SEARCH_WITH_A_GLOB, HERE, ws, "*.txt")
+        code, out, err = Process("-c", DROP_DAC, *argv).wait() if os.geteuid() == 0 else Process(*argv).wait()
+    finally:
+        (ws / "listed").chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, json.loads(out), err) == (0, "ok.txt:1: hi\n[... not searched: listed/y.txt (Permission denied)]", "")
+
+
 def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
     (ws / "nl\nname.txt").write_text("needle in nl\n")
     (ws / "name.txt").write_text("no match here\n")
