@@ -2608,8 +2608,9 @@ def _http_session_of_this_thread(local, url, *, cookies=True):
 
 
 # The connections of every chat, per thread: a chat made per request (a web app's, for its
-# own on_delta) takes up the connection the last one left open. They keep no cookies, so
-# that no chat sends back what a server set for another (another user's key).
+# own on_delta) takes up the connection the last one left open. They keep no cookies (each
+# chat keeps its own), so that no chat sends back what a server set for another (another
+# user's key).
 _chat_connections = threading.local()
 
 
@@ -2891,7 +2892,8 @@ class _HTTPChat:
             _add_secret(self._api_key, self)
         _add_url_secrets(self.base_url, self)
         self._key_unsendable = self._api_key is not None and not re.match(_HEADER_TOKEN, self._api_key)
-        self._local = threading.local()  # per thread: an HTTP session, the last request's encoding
+        self._local = threading.local()  # per thread: the last request's encoding
+        self._cookies = None  # what servers set for this chat (a load balancer's affinity)
         base, question, query = self.base_url.partition("?")  # Azure's ?api-version=...
         self._url = base.rstrip("/") + self._path + question + query
         self._shown_url = _redact_url(self._url)
@@ -3014,6 +3016,15 @@ class _HTTPChat:
             return self._session
         return _http_session_of_this_thread(_chat_connections, self._url, cookies=False)
 
+    def _cookie_jar(self):
+        """This chat's cookies, which go with its requests only (the session it shares with
+        the other chats of its thread keeps none); None with a session of the caller's."""
+        if self._session is not None:
+            return None
+        if self._cookies is None:
+            self._cookies = _requests().cookies.RequestsCookieJar()
+        return self._cookies
+
     def _send(self, body, exchange):
         """POST ``body``; the response once its headers are in, or a ProviderError."""
         requests = _requests()
@@ -3023,9 +3034,12 @@ class _HTTPChat:
         for _ in range(_MAX_REDIRECTS + 1):
             try:
                 # stream=True even for a whole answer: control returns after the headers
+                jar = self._cookie_jar()
                 response = self._http().post(url, data=body, headers=self._headers,
                                              timeout=self._timeouts, stream=True,
-                                             allow_redirects=False)
+                                             allow_redirects=False, cookies=jar)
+                if jar is not None:
+                    requests.cookies.extract_cookies_to_jar(jar, response.request, response.raw)
             except requests.RequestException as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=False) from e

@@ -4722,16 +4722,21 @@ def test_llama_cpps_error_line_in_a_stream_is_an_error_of_its_code(server, provi
         f"{provider}: error event in stream (400): {LLAMA_CPP_SAID}", "overflow", False)
 
 
-def test_chats_made_per_request_share_a_connection_and_keep_no_cookies(server):
+def test_chats_made_per_request_share_a_connection_and_each_keeps_its_own_cookies(server):
     """A web app makes a chat per request (for its on_delta): each chat opened a connection
     of its own (a TLS handshake per request against a provider), though the README said
-    connections are kept per thread. Shared, they keep no cookie a server set for another
+    connections are kept per thread. Shared, they send no cookie a server set for another
     chat (another user's key)."""
     for n in range(5):
         server.reply(200, openai_reply("ok"), headers={"Set-Cookie": f"affinity=user-{n}; Path=/"})
         openai_at(server, api_key=f"key-{n}")(USER)
     assert len({r["port"] for r in server.requests}) == 1
     assert [r["headers"].get("cookie") for r in server.requests] == [None] * 5
+    chat = openai_at(server)  # a chat's own go back with it (a load balancer's affinity)
+    for _ in range(2):
+        server.reply(200, openai_reply("ok"), headers={"Set-Cookie": "affinity=replica-2; Path=/"})
+        chat(USER)
+    assert [r["headers"].get("cookie") for r in server.requests[-2:]] == [None, "affinity=replica-2"]
 
 
 def _ends_without_its_last_chunk(events):
