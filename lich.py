@@ -3202,7 +3202,7 @@ class _HTTPChat:
             except StopIteration:
                 break
             except broken:
-                if state.complete():  # a break after the answer's stop reason: it is whole
+                if _stream_whole(state):  # a break after the answer's stop reason: it is whole
                     break
                 raise
             heard = True
@@ -3235,7 +3235,7 @@ class _HTTPChat:
             parts.append(held)
             if on_delta is not None:
                 on_delta(held)
-        if not state.complete():
+        if not _stream_whole(state):
             if not heard and start.strip():
                 raise self._invalid("the body is no event stream", start)
             raise self._error(f"invalid response: stream ended before {state.end_marker}",
@@ -3376,6 +3376,13 @@ def _json_of(data: bytes):
         return json.loads(data)
     except UnicodeDecodeError:
         return json.loads(data.decode("utf-8", "replace"))
+
+
+def _stream_whole(state) -> bool:
+    """Whether a dialect's stream state holds a whole answer: its end marker came, or the
+    answer's stop reason (OpenAI's finish chunk, Anthropic's message_delta), after which
+    some servers and proxies end the stream without the marker."""
+    return state.done or state.stop is not None
 
 
 def _paired_surrogates(text):
@@ -3607,10 +3614,6 @@ class _OpenAIStream:
         if isinstance(usage, dict):
             self.usage = _openai_usage(usage)
         return text
-
-    def complete(self):
-        # Some servers end with the finish chunk and no [DONE]; an answer without either broke off.
-        return self.done or self.stop is not None
 
     def _add_calls(self, calls):
         for call in calls:
@@ -4010,11 +4013,6 @@ class _AnthropicStream:
             raise self.chat._body_error(payload, "event in stream")
         # ping, content_block_stop and unknown events carry nothing we need
         return None
-
-    def complete(self):
-        # message_delta's stop reason comes once the answer is whole: a stream that ends
-        # there lost only its closing event (as OpenAI's finish chunk without [DONE])
-        return self.done or self.stop is not None
 
     def reasoning(self):
         if not self.thinking:
@@ -7710,20 +7708,27 @@ class _HTTPServer:
     def _resumed_stream(self, last_id, exchange):
         """The GET that takes an answer's stream up again after ``last_id``: its response,
         or None when the server offers none."""
-        headers = {**self._headers(), "Accept": "text/event-stream", "Last-Event-ID": last_id}
+        response, status = self._get_stream({"Last-Event-ID": last_id})
+        if response is None:
+            _log.debug("the MCP server %s did not take its stream up again (HTTP %d)",
+                       self.name, status)
+            exchange.check()
+            if status == 404 and self.session_id:  # not begun again: the tool may have run
+                raise _Gone(f"the MCP server {self.name} ended the session during the call")
+        return response
+
+    def _get_stream(self, headers):
+        """(the response, its status) of a GET for an SSE stream with ``headers`` added; the
+        response None (closed) when the server answers anything else."""
+        headers = {**self._headers(), "Accept": "text/event-stream", **headers}
         del headers["Content-Type"]
         response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
                                     stream=True, allow_redirects=False)
         if response.status_code == 200 and response.headers.get(
                 "content-type", "").startswith("text/event-stream"):
-            return response
-        _log.debug("the MCP server %s did not take its stream up again (HTTP %d)", self.name,
-                   response.status_code)
+            return response, 200
         response.close()
-        exchange.check()
-        if response.status_code == 404 and self.session_id:  # not begun again: the tool ran
-            raise _Gone(f"the MCP server {self.name} ended the session during the call")
-        return None
+        return None, response.status_code
 
     def _heard(self, message):
         """What the server sent that answers nothing of ours: a request, or a notification."""
@@ -7778,16 +7783,11 @@ class _HTTPServer:
     def _read_stream(self, exchange):
         """Read one GET stream to its end: how many messages it brought, or None when the
         server offers none."""
-        headers = {**self._headers(), "Accept": "text/event-stream"}
-        del headers["Content-Type"]
-        response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
-                                    stream=True, allow_redirects=False)
+        response, status = self._get_stream({})
+        if response is None:
+            _log.debug("the MCP server %s offers no GET stream (HTTP %d)", self.name, status)
+            return None
         try:
-            if response.status_code != 200 or not response.headers.get(
-                    "content-type", "").startswith("text/event-stream"):
-                _log.debug("the MCP server %s offers no GET stream (HTTP %d)", self.name,
-                           response.status_code)
-                return None
             heard = 0
             for _, data in _sse_events(_arriving_chunks(response), exchange.check):
                 message = _mcp_message(data) if data.strip() else None
