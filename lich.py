@@ -2170,9 +2170,27 @@ def _system_error(error):
     short body, a bad chunk) has none."""
     while error.args and isinstance(error.args[0], BaseException):  # requests' wrapping
         error = error.args[0]
+    if isinstance(error, OSError) and error.errno:  # a reset, a TLS record that failed
+        return error, error
     # urllib3's ("Connection broken: ...", the error)
     cause = error.args[1] if len(error.args) == 2 else error
     return error, cause if isinstance(cause, OSError) and cause.errno else None
+
+
+def _tls_failure(error):
+    """The ``ssl.SSLError`` inside ``requests``' error ``error`` (in its arguments, or
+    urllib3's ``reason``), or None."""
+    import ssl
+
+    seen = 0
+    while error is not None and seen < 8:  # a few wrappings deep; never a loop
+        if isinstance(error, ssl.SSLError):
+            return error
+        inner = getattr(error, "reason", None)
+        if not isinstance(inner, BaseException):
+            inner = next((a for a in error.args if isinstance(a, BaseException)), None)
+        error, seen = inner, seen + 1
+    return None
 
 
 def _unreachable_reason(error) -> str:
@@ -2573,11 +2591,10 @@ def _new_http_session(url):
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     session.proxies = requests.utils.get_environ_proxies(url)
-    for proxy in session.proxies.values():  # its credentials, even in a URL requests refuses
-        _add_url_secrets(proxy, session)  # ('#' in a password: all before the last '@')
-        userinfo = re.match(r"(?i)[a-z][a-z0-9+.-]*://(.*)@", proxy)
-        for part in userinfo.group(1).split(":", 1) if userinfo else ():
-            _add_secret(part, session)
+    for proxy in session.proxies.values():  # its password, even in a URL requests refuses
+        userinfo = re.match(r"(?i)[a-z][a-z0-9+.-]*://(.*)@", proxy)  # ('#' in it: to the last '@')
+        if userinfo:  # not the user's name: a word tool results may hold ("administrator")
+            _add_secret(userinfo.group(1).partition(":")[2], session)
     session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
     session.trust_env = False
     return session
@@ -3082,6 +3099,8 @@ class _HTTPChat:
                 response.close()
             message, kind, retryable, retry_after = _classify_http_error(
                 status, content, response.headers)
+            if status == 407:  # a proxy's, for an http:// server (an https:// one's: CONNECT's)
+                message += " (the proxy asks for credentials: give them in its URL)"
             if (status == 404 and "model" not in message.lower()  # a route, not a model, unfound
                     and self.base_url.partition("?")[0].endswith("/v1") != self._base_has_v1):
                 message += (" (an OpenAI-compatible base URL most often ends in /v1)"
@@ -3315,19 +3334,10 @@ class _HTTPChat:
         if isinstance(e, (requests.Timeout, ReadTimeoutError)) or isinstance(cause, ReadTimeoutError):
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
-        if isinstance(e, requests.exceptions.ProxyError):
-            return self._proxy_error(e)
-        if isinstance(e, requests.exceptions.InvalidURL):  # a proxy variable's, say: no retry mends it
-            return self._error(f"cannot reach {self._shown_url}: {_unreachable_reason(e)}",
-                               "bad_request", retryable=False)
-        if isinstance(e, requests.exceptions.SSLError):
-            tls = re.search(r"\[SSL[^\]]*\][^'\"()]*", str(e))
-            reason = tls.group(0).strip() if tls else _unreachable_reason(e)
-            if "CERTIFICATE_VERIFY_FAILED" in reason:  # no retry makes it trusted
-                return self._error(f"cannot reach {self._shown_url}: {reason} (a private CA: "
-                                   f"set REQUESTS_CA_BUNDLE to its file)", "network",
-                                   retryable=False)
-            return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
+        if not (streaming or reading):  # the server, or the proxy, was not reached
+            refused = self._unreached_error(e)
+            if refused is not None:
+                return refused
         reason = _unreachable_reason(e)
         if streaming:  # a reset is the network's; a server that ends early, its answer's fault
             return self._error(f"stream broke off before its end: {reason}",
@@ -3336,18 +3346,39 @@ class _HTTPChat:
             return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
 
-    def _proxy_error(self, e):
-        """The ProviderError of the proxy between lich and the server: a 407 (credentials it
-        wants, which no retry brings) or a proxy that cannot be reached."""
-        proxies = self._http().proxies
-        proxy = proxies.get(self._url.partition(":")[0]) or proxies.get("all") or "a proxy"
-        shown = _redact_url(_redact_secrets(proxy))
-        if re.search(r"\b407\b", str(e)):
-            return self._error(f"the proxy {shown} asks for credentials (HTTP 407 Proxy "
-                               f"Authentication Required): give them in the proxy's URL",
-                               "bad_request", status=407, retryable=False)
-        return self._error(f"cannot reach {self._shown_url} through the proxy {shown}: "
-                           f"{_unreachable_reason(e)}", "network")
+    def _unreached_error(self, e):
+        """The ProviderError of what no retry mends, or of a proxy, before the server was
+        reached: a certificate not trusted, a proxy's 407, a proxy URL requests cannot read,
+        an unreachable proxy (named); None for the rest."""
+        requests = _requests()
+        proxies = {} if self._session is not None else self._http().proxies
+        proxy = proxies.get(self._url.partition(":")[0]) or proxies.get("all")
+        shown = f"the proxy {_redact_url(_redact_secrets(proxy))}" if proxy else "its proxy"
+        tls = _tls_failure(e)
+        if tls is not None and tls.reason == "CERTIFICATE_VERIFY_FAILED":  # no retry trusts it
+            words = getattr(tls, "verify_message", None) or tls.strerror or str(tls)
+            hint = (" (a private CA: set REQUESTS_CA_BUNDLE to its file)"
+                    if re.search(r"issuer|self.signed", words) else "")
+            where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
+            return self._error(f"cannot reach {self._shown_url}{where}: certificate verify "
+                               f"failed: {_redact_secrets(words)}{hint}", "network",
+                               retryable=False)
+        if isinstance(e, requests.exceptions.ProxyError):
+            if re.search(r"Tunnel connection failed: 407|\b407 Proxy Authentication", str(e)):
+                return self._error(f"{shown} asks for credentials (HTTP 407 "
+                                   f"Proxy Authentication Required): give them in its URL",
+                                   "bad_request", status=407, retryable=False)
+            return self._error(f"cannot reach {self._shown_url} through {shown}: "
+                               f"{_unreachable_reason(e)}", "network")
+        if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema)):
+            # A proxy variable's URL (an unencoded '#' in a password): requests' words may
+            # quote the password, which is not shown. A SOCKS proxy without PySocks.
+            why = ("the URL of its proxy cannot be read (a '#', '@' or '/' in a password must "
+                   "be %-encoded)" if proxy and isinstance(e, requests.exceptions.InvalidURL)
+                   else _unreachable_reason(e))
+            return self._error(f"cannot reach {self._shown_url}: {why}", "bad_request",
+                               retryable=False)
+        return None
 
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream: the payload's
@@ -6783,12 +6814,24 @@ def _rg_unread_is_noted(fd, rel, wanted, rules, prefix):
     read in the folder open as ``fd``: a folder, or a file the glob wants; neither ignored."""
     if rules and _rg_path_ignored(rules, prefix, rel):
         return False
+    parent, _, name = rel.rpartition("/")
     try:
         if stat.S_ISDIR(os.stat(rel, dir_fd=fd, follow_symlinks=False).st_mode):
             return True
-    except OSError:
-        pass  # in a folder that can be listed but not entered: a file, as far as lich can say
-    return wanted(rel, rel.rpartition("/")[2])
+    except OSError:  # in a folder that can be listed but not entered: its listing says
+        try:
+            parent_fd = os.open(parent or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0),
+                                dir_fd=fd)
+            try:
+                with os.scandir(parent_fd) as entries:
+                    if any(entry.name == name and entry.is_dir(follow_symlinks=False)
+                           for entry in entries):
+                        return True
+            finally:
+                os.close(parent_fd)
+        except OSError:
+            pass
+    return wanted(rel, name)
 
 
 def _rg_path_ignored(rules, prefix, rel):
@@ -7571,10 +7614,24 @@ class _HTTPServer:
         self._closed = False  # close() was called: calls fail, as over stdio
         self._closing = threading.Event()  # set with _closed: the GET stream's waits end
         self._exchanges = set()  # the calls under way (and the GET stream), which close() cuts
+        self._cookies = None  # what the server set
         self._streams = set()  # the GET streams' exchanges, which a new session's cuts
 
     def _http(self):
-        return _http_session_of_this_thread(self._local, self.url)
+        return _http_session_of_this_thread(self._local, self.url, cookies=False)
+
+    def _sent(self, method, headers, **options):
+        """``method`` (post, get, delete) sent with ``headers`` and the server's cookies, kept
+        for every thread (a load balancer's affinity: the CLI starts a server in one thread
+        and calls it from another)."""
+        requests = _requests()
+        with self._lock:
+            if self._cookies is None:
+                self._cookies = requests.cookies.RequestsCookieJar()
+        response = getattr(self._http(), method)(self.url, headers=headers, cookies=self._cookies,
+                                                 allow_redirects=False, **options)
+        requests.cookies.extract_cookies_to_jar(self._cookies, response.request, response.raw)
+        return response
 
     def _headers(self):
         headers = {"Accept": "application/json, text/event-stream",
@@ -7593,9 +7650,8 @@ class _HTTPServer:
         for _ in range(_MAX_REDIRECTS + 1):
             url = self.url
             try:
-                response = self._http().post(url, data=_wire_json(message), headers=self._headers(),
-                                             timeout=(_CONNECT_TIMEOUT, None), stream=True,
-                                             allow_redirects=False)
+                response = self._sent("post", self._headers(), data=_wire_json(message),
+                                      timeout=(_CONNECT_TIMEOUT, None), stream=True)
             except requests.RequestException as e:
                 exchange.check()
                 raise _Gone(f"cannot reach the MCP server {self.name}: {_unreachable_reason(e)}") from None
@@ -7722,8 +7778,7 @@ class _HTTPServer:
         response None (closed) when the server answers anything else."""
         headers = {**self._headers(), "Accept": "text/event-stream", **headers}
         del headers["Content-Type"]
-        response = self._http().get(self.url, headers=headers, timeout=(_CONNECT_TIMEOUT, None),
-                                    stream=True, allow_redirects=False)
+        response = self._sent("get", headers, timeout=(_CONNECT_TIMEOUT, None), stream=True)
         if response.status_code == 200 and response.headers.get(
                 "content-type", "").startswith("text/event-stream"):
             return response, 200
@@ -7823,7 +7878,7 @@ class _HTTPServer:
             exchange.cut_now("closed")
         if self.session_id:
             try:
-                self._http().delete(self.url, headers=self._headers(), timeout=_MCP_CLOSE_SECONDS)
+                self._sent("delete", self._headers(), timeout=_MCP_CLOSE_SECONDS)
             except _requests().RequestException:
                 pass
 

@@ -4074,7 +4074,7 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
         chat(USER)
     assert (str(info.value), info.value.kind, info.value.status, info.value.retryable, len(heard)) == (
         (f"openai: the proxy http://[redacted]@{proxy} asks for credentials (HTTP 407 Proxy Authentication "
-         f"Required): give them in the proxy's URL"), "bad_request", 407, False, 1)
+         f"Required): give them in its URL"), "bad_request", 407, False, 1)
 
 
 def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
@@ -4084,11 +4084,11 @@ def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
         port = taken.getsockname()[1]  # closed below: nothing listens there
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
-    with pytest.raises(lich.ProviderError) as info:
-        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1")(USER)
-    assert (str(info.value), info.value.kind) == (
-        (f"openai: cannot reach http://127.0.0.1:9/v1/chat/completions through the proxy "
-         f"http://127.0.0.1:{port}: [Errno 111] Connection refused"), "network")
+    with pytest.raises(lich.ProviderError) as info:  # a 407 in the path is no proxy's 407
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/tenant/407/v1")(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        (f"openai: cannot reach http://127.0.0.1:9/tenant/407/v1/chat/completions through the proxy "
+         f"http://127.0.0.1:{port}: [Errno 111] Connection refused"), "network", True)
 
 
 def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
@@ -4097,10 +4097,24 @@ def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://alice:Pr0xyPassw0rdZZ#/x@127.0.0.1:9")
     with pytest.raises(lich.ProviderError) as info:
         lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1")(USER)
-    said = str(info.value)  # urllib3's words vary: "'alice:[redacted]' is not a valid host or port"
-    assert (said.startswith("openai: cannot reach http://127.0.0.1:9/v1/chat/completions: Failed to parse: "),
-            "[redacted]" in said, "Pr0xyPassw0rd" in said, info.value.kind, info.value.retryable) == (
-        True, True, False, "bad_request", False), said
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        ("openai: cannot reach http://127.0.0.1:9/v1/chat/completions: the URL of its proxy cannot be read (a '#', "
+         "'@' or '/' in a password must be %-encoded)"), "bad_request", False)  # requests' words quote it
+
+
+def test_a_proxys_user_name_is_no_secret_but_its_password_is(monkeypatch):
+    """The name was redacted too: "log in as administrator" reached the model as "log in as
+    [redacted]", for as long as the thread's session lived."""
+    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://administrator:s3cret-Passw0rd@{proxy}")
+    with pytest.raises(lich.ProviderError):
+        lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1")(USER)
+    tools = lich.Tools()
+    tools.register(lambda: "log in as administrator with s3cret-Passw0rd", name="hint")
+    history = []
+    lich.run_tool_calls(tools, [tool_call("hint")], history, turn=1)  # what the model reads
+    assert history[-1]["content"] == "log in as administrator with [redacted]"
 
 
 def test_a_ca_bundle_that_is_not_there_is_a_provider_error(monkeypatch, tmp_path):
@@ -4127,7 +4141,7 @@ def certificate(tmp_path):
     return cert, key
 
 
-def _tls_server(certificate, on_connection):
+def _tls_server(certificate, on_connection, *, tls12=False):
     """A TLS listener on 127.0.0.1 (``certificate``'s) that runs ``on_connection(tls socket)``
     in a thread per connection; its port."""
     import socket
@@ -4135,6 +4149,8 @@ def _tls_server(certificate, on_connection):
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(*map(str, certificate))
+    if tls12:
+        context.maximum_version = ssl.TLSVersion.TLSv1_2
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
@@ -4161,9 +4177,37 @@ def test_a_certificate_the_ca_bundle_does_not_trust_is_said_and_not_retried(cert
         lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{port}/v1")(USER)
     assert (info.value.kind, info.value.retryable) == ("network", False)
     assert re.fullmatch(  # OpenSSL 1.1 writes "self signed"
-        re.escape(f"openai: cannot reach https://127.0.0.1:{port}/v1/chat/completions: [SSL: CERTIFICATE_VERIFY_FAILED] "
+        re.escape(f"openai: cannot reach https://127.0.0.1:{port}/v1/chat/completions: "
                   f"certificate verify failed: self") + "[- ]" + re.escape(
             "signed certificate (a private CA: set REQUESTS_CA_BUNDLE to its file)"), str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+def test_a_tls_record_that_fails_mid_stream_is_a_network_error_however_the_body_is_framed(
+        certificate, monkeypatch, framing):
+    """A middlebox that corrupts a record: urllib3 raised ssl.SSLError, whose errno lich did
+    not look for (an invalid_response, not retried), or requests' SSLError, said as "cannot
+    reach" in the middle of an answer."""
+    import socket
+
+    def serve(tls):
+        tls.recv(65536)
+        body = openai_sse(delta_chunk(content="Hel"), done=False).encode()
+        framed = (b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(body), body) if framing == "chunked"
+                  else b"Content-Length: 5000\r\n\r\n" + body)
+        tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + framed)
+        time.sleep(0.2)
+        with socket.socket(fileno=os.dup(tls.fileno())) as raw:
+            raw.sendall(b"\x17\x03\x03\x00\x30" + os.urandom(0x30))  # application data that does not decrypt
+            time.sleep(0.5)
+
+    port = _tls_server(certificate, serve, tls12=True)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(certificate[0]))
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{port}/v1", stream=True)(USER)
+    prefix = "openai: stream broke off before its end: [SSL: "
+    assert (info.value.kind, info.value.retryable, str(info.value)[:len(prefix)]) == ("network", True, prefix), \
+        str(info.value)
 
 
 def test_the_signal_cuts_an_https_exchange_through_an_https_proxy(certificate, monkeypatch):
@@ -9283,6 +9327,7 @@ def test_what_search_cannot_read_is_noted_as_the_glob_wants(ws, engine):
     (ws / "listed").mkdir()
     (ws / "listed" / "x.log").write_text("hi\n")
     (ws / "listed" / "y.txt").write_text("hi\n")
+    (ws / "listed" / "deep").mkdir()  # a folder, though it cannot be looked at: named whatever the glob
     (ws / "listed").chmod(0o444)  # its names can be read, its files not reached
     try:
         argv = ("-c", SEARCH_WITH_A_GLOB, HERE, ws, "**/*.txt")  # with a slash: lich alone reads it
@@ -9291,7 +9336,8 @@ def test_what_search_cannot_read_is_noted_as_the_glob_wants(ws, engine):
         (ws / "listed").chmod(0o755)
     if code == 99:
         pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
-    assert (code, json.loads(out), err) == (0, "ok.txt:1: hi\n[... not searched: listed/y.txt (Permission denied)]", "")
+    assert (code, json.loads(out), err) == (
+        0, "ok.txt:1: hi\n[... not searched: listed/deep (Permission denied), listed/y.txt (Permission denied)]", "")
 
 
 def test_a_file_name_with_a_newline_is_found_under_its_own_name(ws, engine):
@@ -11150,6 +11196,31 @@ def test_a_taken_up_stream_keeps_the_calls_time_limit_after_the_server_asked_som
     finally:
         held.set()
     assert {"jsonrpc": "2.0", "id": "p1", "result": {}} in [r["json"] for r in server.requests]
+
+
+def test_an_mcp_servers_cookies_go_with_the_calls_of_every_thread(server):
+    """A load balancer's affinity cookie, set at the handshake, went only with the calls of
+    the thread that made it (the CLI starts servers in one thread and calls in another)."""
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] in ("GET", "DELETE") or "id" not in body:
+            return Reply(405 if request["method"] == "GET" else 202, "")
+        if body["method"] == "initialize":
+            reply = Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}}}})
+            reply.headers["Set-Cookie"] = "AWSALB=replica-3; Path=/"
+            return reply
+        return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {"content": [{"type": "text", "text": "ok"}]}})
+
+    server.responder = respond
+    with lich.mcp_tools(server.url + "/mcp") as tools:
+        results = []
+        worker = threading.Thread(target=lambda: results.append(tools.run(tool_call("echo"))))
+        worker.start()
+        worker.join()
+        assert results == [lich.ToolResult(ok=True, output="ok")]
+    called = [r for r in server.requests if (r["json"] or {}).get("method") == "tools/call"]
+    assert [r["headers"].get("cookie") for r in called] == ["AWSALB=replica-3"]
 
 
 def test_a_retry_of_more_digits_than_python_reads_is_no_wait(server):
