@@ -2600,12 +2600,12 @@ def _new_http_session(url):
     return session
 
 
-def _http_session_of_this_thread(local, url, *, cookies=True):
+def _http_session_of_this_thread(local, url):
     """The requests session kept in ``local`` (a ``threading.local``) for ``url`` and the
     proxy and CA variables as they are now, made on first use and made again in a forked
     child: the parent's pooled connections are not the child's to use (two processes on
-    one socket read each other's answers). Without ``cookies`` it keeps none (a session
-    that many chats share)."""
+    one socket read each other's answers). It keeps no cookies: its users keep their own
+    (a session many chats share must not send one chat's to another)."""
     sessions = getattr(local, "sessions", None)
     if sessions is None or local.sessions_pid != os.getpid():
         sessions = local.sessions = {}
@@ -2617,10 +2617,9 @@ def _http_session_of_this_thread(local, url, *, cookies=True):
             session.close()
         session = _new_http_session(url)
         sessions[url] = variables, session
-        if not cookies:
-            import http.cookiejar
+        import http.cookiejar
 
-            session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+        session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return session
 
 
@@ -3031,7 +3030,7 @@ class _HTTPChat:
     def _http(self):
         if self._session is not None:  # the caller's: theirs to keep apart across a fork
             return self._session
-        return _http_session_of_this_thread(_chat_connections, self._url, cookies=False)
+        return _http_session_of_this_thread(_chat_connections, self._url)
 
     def _cookie_jar(self):
         """This chat's cookies, which go with its requests only (the session it shares with
@@ -7618,7 +7617,7 @@ class _HTTPServer:
         self._streams = set()  # the GET streams' exchanges, which a new session's cuts
 
     def _http(self):
-        return _http_session_of_this_thread(self._local, self.url, cookies=False)
+        return _http_session_of_this_thread(self._local, self.url)
 
     def _sent(self, method, headers, **options):
         """``method`` (post, get, delete) sent with ``headers`` and the server's cookies, kept
