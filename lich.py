@@ -2193,6 +2193,17 @@ def _tls_failure(error):
     return None
 
 
+def _readable_url(url) -> bool:
+    """Whether urllib3 can read ``url`` (a proxy's: an unencoded '#' in a password cannot)."""
+    from urllib3.util import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:  # urllib3's LocationParseError
+        return False
+    return True
+
+
 def _unreachable_reason(error) -> str:
     """Why ``requests`` could not reach a server: its ``[Errno N] text`` when it has one (not
     urllib3's paragraph around it), secrets and URL user-info redacted."""
@@ -2594,7 +2605,11 @@ def _new_http_session(url):
     for proxy in session.proxies.values():  # its password, even in a URL requests refuses
         userinfo = re.match(r"(?i)[a-z][a-z0-9+.-]*://(.*)@", proxy)  # ('#' in it: to the last '@')
         if userinfo:  # not the user's name: a word tool results may hold ("administrator")
-            _add_secret(userinfo.group(1).partition(":")[2], session)
+            from urllib.parse import unquote
+
+            password = userinfo.group(1).partition(":")[2]
+            for spelled in {password, unquote(password)}:  # as written, and as sent
+                _add_secret(spelled, session)
     session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
     session.trust_env = False
     return session
@@ -3350,18 +3365,25 @@ class _HTTPChat:
         reached: a certificate not trusted, a proxy's 407, a proxy URL requests cannot read,
         an unreachable proxy (named); None for the rest."""
         requests = _requests()
-        proxies = {} if self._session is not None else self._http().proxies
+        session = self._http()  # a caller's may read the variables as it sends
+        proxies = session.proxies or (requests.utils.get_environ_proxies(self._url)
+                                      if session.trust_env else {})
         proxy = proxies.get(self._url.partition(":")[0]) or proxies.get("all")
         shown = f"the proxy {_redact_url(_redact_secrets(proxy))}" if proxy else "its proxy"
         tls = _tls_failure(e)
-        if tls is not None and tls.reason == "CERTIFICATE_VERIFY_FAILED":  # no retry trusts it
-            words = getattr(tls, "verify_message", None) or tls.strerror or str(tls)
-            hint = (" (a private CA: set REQUESTS_CA_BUNDLE to its file)"
-                    if re.search(r"issuer|self.signed", words) else "")
-            where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
-            return self._error(f"cannot reach {self._shown_url}{where}: certificate verify "
-                               f"failed: {_redact_secrets(words)}{hint}", "network",
-                               retryable=False)
+        where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
+        if tls is not None:
+            import ssl
+
+            words = (getattr(tls, "verify_message", None) or getattr(tls, "strerror", None)
+                     or str(tls))  # urllib3 1.x's own name check has only its str
+            words = _redact_secrets(re.sub(r" \(_ssl\.c:\d+\)$", "", words))
+            if isinstance(tls, ssl.SSLCertVerificationError):  # no retry makes it trusted
+                hint = (" (a private CA: set REQUESTS_CA_BUNDLE to its file)"
+                        if re.search(r"issuer|self.signed", words) else "")
+                return self._error(f"cannot reach {self._shown_url}{where}: certificate verify "
+                                   f"failed: {words}{hint}", "network", retryable=False)
+            return self._error(f"cannot reach {self._shown_url}{where}: {words}", "network")
         if isinstance(e, requests.exceptions.ProxyError):
             if re.search(r"Tunnel connection failed: 407|\b407 Proxy Authentication", str(e)):
                 return self._error(f"{shown} asks for credentials (HTTP 407 "
@@ -3370,11 +3392,14 @@ class _HTTPChat:
             return self._error(f"cannot reach {self._shown_url} through {shown}: "
                                f"{_unreachable_reason(e)}", "network")
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema)):
-            # A proxy variable's URL (an unencoded '#' in a password): requests' words may
-            # quote the password, which is not shown. A SOCKS proxy without PySocks.
-            why = ("the URL of its proxy cannot be read (a '#', '@' or '/' in a password must "
-                   "be %-encoded)" if proxy and isinstance(e, requests.exceptions.InvalidURL)
-                   else _unreachable_reason(e))
+            # A proxy variable's URL (an unencoded '#' in a password), whose words may quote
+            # the password; a SOCKS proxy without PySocks; a base URL requests cannot read
+            why = _unreachable_reason(e)
+            if proxy and not _readable_url(proxy):
+                why = ("the URL of its proxy cannot be read (a '#', '@' or '/' in a password "
+                       "must be %-encoded)")
+            elif "@" in why:  # a URL with credentials that lich cannot tell apart: not shown
+                why = "a URL requests cannot read (the server's, or its proxy's)"
             return self._error(f"cannot reach {self._shown_url}: {why}", "bad_request",
                                retryable=False)
         return None

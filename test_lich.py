@@ -4117,6 +4117,65 @@ def test_a_proxys_user_name_is_no_secret_but_its_password_is(monkeypatch):
     assert history[-1]["content"] == "log in as administrator with [redacted]"
 
 
+def test_a_proxy_for_an_http_server_that_wants_credentials_says_so(monkeypatch):
+    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1")(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        "openai: HTTP 407: (empty body) (the proxy asks for credentials: give them in its URL)", "bad_request", False)
+
+
+def test_a_base_url_requests_cannot_read_is_not_blamed_on_a_good_proxy(monkeypatch):
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:99999/v1")(USER)
+    assert (info.value.kind, info.value.retryable, "proxy" in str(info.value)) == ("bad_request", False, False), \
+        str(info.value)
+
+
+def test_a_proxy_url_read_by_a_session_of_your_own_shows_no_password(monkeypatch):
+    """A session of the caller's reads the proxy variables itself: lich had not seen them."""
+    requests = pytest.importorskip("requests")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", "http://alice:Pr0xyPassw0rdZZ#/x@127.0.0.1:9")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", session=requests.Session())(USER)
+    assert (info.value.kind, "Pr0xy" in str(info.value)) == ("bad_request", False), str(info.value)
+
+
+def test_a_percent_encoded_proxy_password_is_hidden_as_it_is_sent(monkeypatch):
+    """Only the encoded spelling was a secret: a tool that printed the password showed it."""
+    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://alice:Zq7%23Wm4%40Lp2%2Fxy@{proxy}")
+    with pytest.raises(lich.ProviderError):
+        lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1")(USER)
+    tools = lich.Tools()
+    tools.register(lambda: "proxy password: Zq7#Wm4@Lp2/xy", name="leak")
+    history = []
+    lich.run_tool_calls(tools, [tool_call("leak")], history, turn=1)
+    assert history[-1]["content"] == "proxy password: [redacted]"
+
+
+def test_a_socks_proxy_without_pysocks_is_said_and_not_retried(monkeypatch):
+    try:
+        import socks  # noqa: F401
+        pytest.skip("PySocks is installed")
+    except ImportError:
+        pass
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", "socks5://127.0.0.1:9")
+    chat = lich.chat_from_spec("openai:gpt-test@http://127.0.0.1:9/v1", api_key="k", base_delay=0.001)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable) == (
+        "openai: cannot reach http://127.0.0.1:9/v1/chat/completions: Missing dependencies for SOCKS support.",
+        "bad_request", False)
+
+
 def test_a_ca_bundle_that_is_not_there_is_a_provider_error(monkeypatch, tmp_path):
     """requests' OSError passed through the chat, past the Router's failover."""
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(tmp_path / "corp-ca.pem"))
@@ -4208,6 +4267,35 @@ def test_a_tls_record_that_fails_mid_stream_is_a_network_error_however_the_body_
     prefix = "openai: stream broke off before its end: [SSL: "
     assert (info.value.kind, info.value.retryable, str(info.value)[:len(prefix)]) == ("network", True, prefix), \
         str(info.value)
+
+
+def test_a_certificate_for_another_name_is_said_without_the_ca_hint(tmp_path, monkeypatch):
+    """On urllib3 1.x the name check raised AttributeError out of the chat (its error has no
+    reason); the hint to set REQUESTS_CA_BUNDLE is for an unknown issuer only."""
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    port = _tls_server((cert, key), lambda tls: tls.recv(65536))
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{port}/v1")(USER)
+    said = str(info.value)
+    assert (info.value.kind, info.value.retryable, "REQUESTS_CA_BUNDLE" in said, "127.0.0.1" in said.split(": ", 2)[2]) \
+        == ("network", False, False, True), said
+
+
+def test_https_to_a_plain_http_server_says_the_tls_reason(server):
+    """It said urllib3's paragraph around it."""
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=server.url.replace("http:", "https:") + "/v1")(USER)
+    prefix = f"openai: cannot reach {server.url.replace('http:', 'https:')}/v1/chat/completions: [SSL: "
+    assert (info.value.kind, info.value.retryable, str(info.value)[:len(prefix)], "Pool" in str(info.value)) == (
+        "network", True, prefix, False), str(info.value)
 
 
 def test_the_signal_cuts_an_https_exchange_through_an_https_proxy(certificate, monkeypatch):
