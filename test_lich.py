@@ -871,11 +871,11 @@ class Process:
 _SELECT_CALLS = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(os.uname().machine, set())
 
 
-def _waits_in_select(pid):
-    """Whether a thread of process ``pid`` is blocked in a call of _SELECT_CALLS (Linux's
-    /proc/PID/task/TID/syscall; False where that cannot be read)."""
+def _waits_in_select(pid, *, main):
+    """Whether a thread of process ``pid`` (``main``: its main thread) is blocked in a call of
+    _SELECT_CALLS (Linux's /proc/PID/task/TID/syscall; False where that cannot be read)."""
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
+        for tid in [str(pid)] if main else os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/syscall") as f:
                 if f.read().split(" ", 1)[0] in _SELECT_CALLS:
                     return True
@@ -942,14 +942,15 @@ class Pty:
     def send(self, line):
         os.write(self.master, line.encode() + (b"" if line.endswith("\x04") else b"\n"))
 
-    def signal_at_prompt(self, number):
+    def signal_at_prompt(self, number, *, approval=False):
         """Send signal ``number`` to lich waiting at a prompt. CPython's readline shows the
         prompt a moment before it waits: a signal in between is seen only at the next key,
-        a window no hand hits but a test does; so wait until a thread of it waits for a key
-        (in select: readline at a chat's prompt, a poll at an approval's), or 0.3 s where
-        that cannot be seen."""
+        a window no hand hits but a test does; so wait until it waits for a key (in select:
+        readline in the main thread at a chat's prompt, a poll in the run's thread at an
+        ``approval``'s), or 0.3 s where that cannot be seen. (Any thread in select was taken
+        for readline: one still reading a finished answer's connection fooled it.)"""
         deadline = time.monotonic() + 0.3
-        while time.monotonic() < deadline and not _waits_in_select(self.proc.pid):
+        while time.monotonic() < deadline and not _waits_in_select(self.proc.pid, main=not approval):
             time.sleep(0.005)
         self.proc.send_signal(number)
 
@@ -13644,7 +13645,7 @@ def test_ctrl_c_at_an_approval_declines_and_stops_the_run(server, lich_model, wo
     queue(server, tool_reply(("c1", "bash", '{"command": "touch later"}')), openai_reply("never asked"))
     term = Pty("--allow", "shell", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
     term.expect("[t] always bash: ")
-    term.signal_at_prompt(signals.SIGINT)
+    term.signal_at_prompt(signals.SIGINT, approval=True)
     assert term.close() == 130
     assert term.rest.replace("\r\n", "\n").startswith("\ninterrupted; stopping")  # on a line of its own
     assert "\n→ bash touch later ✗ interrupted before the user answered" in term.rest.replace("\r\n", "\n")
@@ -13676,7 +13677,7 @@ def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_
     assert term.expect("[t] always first: ").endswith(
         '→ first\n  {"x": 1}\n  allow? [y]es / [N]o / [a]lways this call / [t] always first: ')
     if key == "ctrl-c":
-        term.signal_at_prompt(signals.SIGINT)
+        term.signal_at_prompt(signals.SIGINT, approval=True)
         assert term.close() == 130
         assert term.rest == ("\ninterrupted; stopping (Ctrl-C again to quit)\n"
                              "→ first ✗ interrupted before the user answered\nlich: stopped: interrupted\n")
