@@ -4103,19 +4103,23 @@ def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
          "'@' or '/' in a password must be %-encoded)"), "bad_request", False)  # requests' words quote it
 
 
-def test_a_proxys_user_name_is_no_secret_but_its_password_is(monkeypatch):
-    """The name was redacted too: "log in as administrator" reached the model as "log in as
-    [redacted]", for as long as the thread's session lived."""
+@pytest.mark.parametrize("credentials, printed, read", [
+    ("administrator:s3cret-Passw0rd", "log in as administrator with s3cret-Passw0rd",
+     "log in as administrator with [redacted]"),  # the name was redacted too, for the thread's life
+    ("alice:Zq7%23Wm4%40Lp2%2Fxy", "proxy password: Zq7#Wm4@Lp2/xy",
+     "proxy password: [redacted]"),  # only the encoded spelling was a secret
+], ids=["a user's name", "a %-encoded password"])
+def test_a_proxys_password_is_a_secret_as_it_is_sent_and_its_user_name_is_not(monkeypatch, credentials, printed, read):
     proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
     monkeypatch.delenv("NO_PROXY")
-    monkeypatch.setenv("HTTPS_PROXY", f"http://administrator:s3cret-Passw0rd@{proxy}")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://{credentials}@{proxy}")
     with pytest.raises(lich.ProviderError):
         lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1")(USER)
     tools = lich.Tools()
-    tools.register(lambda: "log in as administrator with s3cret-Passw0rd", name="hint")
+    tools.register(lambda: printed, name="hint")
     history = []
     lich.run_tool_calls(tools, [tool_call("hint")], history, turn=1)  # what the model reads
-    assert history[-1]["content"] == "log in as administrator with [redacted]"
+    assert history[-1]["content"] == read
 
 
 def test_a_proxy_for_an_http_server_that_wants_credentials_says_so(monkeypatch):
@@ -4147,20 +4151,6 @@ def test_a_proxy_url_read_by_a_session_of_your_own_shows_no_password(monkeypatch
     assert (info.value.kind, "Pr0xy" in str(info.value)) == ("bad_request", False), str(info.value)
 
 
-def test_a_percent_encoded_proxy_password_is_hidden_as_it_is_sent(monkeypatch):
-    """Only the encoded spelling was a secret: a tool that printed the password showed it."""
-    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
-    monkeypatch.delenv("NO_PROXY")
-    monkeypatch.setenv("HTTPS_PROXY", f"http://alice:Zq7%23Wm4%40Lp2%2Fxy@{proxy}")
-    with pytest.raises(lich.ProviderError):
-        lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1")(USER)
-    tools = lich.Tools()
-    tools.register(lambda: "proxy password: Zq7#Wm4@Lp2/xy", name="leak")
-    history = []
-    lich.run_tool_calls(tools, [tool_call("leak")], history, turn=1)
-    assert history[-1]["content"] == "proxy password: [redacted]"
-
-
 def test_a_socks_proxy_without_pysocks_is_said_and_not_retried(monkeypatch):
     try:
         import socks  # noqa: F401
@@ -4187,18 +4177,24 @@ def test_a_ca_bundle_that_is_not_there_is_a_provider_error(monkeypatch, tmp_path
          f"certificate bundle, invalid path: {tmp_path / 'corp-ca.pem'}"), "network", False)
 
 
-@pytest.fixture
-def certificate(tmp_path):
-    """A self-signed certificate for 127.0.0.1 and its key: (cert path, key path)."""
+def _self_signed(folder, name="IP:127.0.0.1"):
+    """A self-signed certificate for ``name`` (a subjectAltName) and its key, made in
+    ``folder`` by openssl: (cert path, key path)."""
     import shutil
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+                    str(cert), "-days", "1", "-subj", f"/CN={name.partition(':')[2]}", "-addext",
+                    f"subjectAltName={name}"], check=True, capture_output=True)
     return cert, key
+
+
+@pytest.fixture
+def certificate(tmp_path):
+    """A self-signed certificate for 127.0.0.1 and its key: (cert path, key path)."""
+    return _self_signed(tmp_path)
 
 
 def _tls_server(certificate, on_connection, *, tls12=False):
@@ -4273,14 +4269,7 @@ def test_a_tls_record_that_fails_mid_stream_is_a_network_error_however_the_body_
 def test_a_certificate_for_another_name_is_said_without_the_ca_hint(tmp_path, monkeypatch):
     """On urllib3 1.x the name check raised AttributeError out of the chat (its error has no
     reason); the hint to set REQUESTS_CA_BUNDLE is for an unknown issuer only."""
-    import shutil
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make a certificate")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    cert, key = _self_signed(tmp_path, "DNS:localhost")
     port = _tls_server((cert, key), lambda tls: tls.recv(65536))
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
     with pytest.raises(lich.ProviderError) as info:
