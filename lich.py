@@ -4438,10 +4438,8 @@ class Limiter:
     At most ``max_concurrent`` calls in flight; requests and estimated input tokens
     (``estimate_messages_tokens``) per rolling minute held under ``requests_per_minute``
     and ``tokens_per_minute`` by waiting. A ``rate_limit`` or ``overloaded`` error with a
-    ``retry_after`` pauses every call to the same server (the chat's ``base_url``; every
-    chat without one, together) until then, and is re-raised: a Router's next provider
-    goes on. Every wait ends with AbortError when the call's signal is set. ``wrap(chat)``
-    gives the limited ChatFn.
+    ``retry_after`` pauses every caller until then (and is re-raised). Every wait ends
+    with AbortError when the call's signal is set. ``wrap(chat)`` gives the limited ChatFn.
     """
 
     _WINDOW = 60.0
@@ -4476,7 +4474,7 @@ class Limiter:
         self._waiting = deque()  # the calls waiting, first come first served
         self._starts = deque()  # (start time, estimated tokens) within the window
         self._tokens = 0
-        self._paused_until = {}  # a server (its base URL, or None) -> until when it asked to wait
+        self._paused_until = 0.0
 
     def __reduce__(self):
         # Every copy sent to one process is that process's one limiter: tasks pickled
@@ -4499,6 +4497,8 @@ class Limiter:
         """Seconds to wait before a call of ``tokens`` may start (0 to start now)."""
         while self._starts and self._starts[0][0] <= now - self._WINDOW:
             self._tokens -= self._starts.popleft()[1]
+        if self._paused_until > now:
+            return self._paused_until - now
         if self.max_concurrent is not None and len(self._in_flight) >= self.max_concurrent:
             return _WATCH_SECONDS  # until a call ends (notified) or the signal is looked at
         if (self.requests_per_minute is not None and len(self._starts) >= self.requests_per_minute
@@ -4532,29 +4532,13 @@ class Limiter:
                     pass
                 self._cond.notify_all()
 
-    def _wait_out_pause(self, server, signal):
-        """Wait while ``server`` asked to: out of the line, so that the calls to other servers
-        (a Router's next provider) go on meanwhile."""
-        with self._lock:
-            while True:
-                if signal is not None and signal.is_set():
-                    raise AbortError("aborted while waiting for the limiter")
-                left = self._paused_until.get(server, 0.0) - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(min(left, _WATCH_SECONDS))
-
-    def _release(self, error, server):
-        """After a call to ``server``, given back already: the first waiting may start, or
-        the calls to that server wait out a pause."""
+    def _release(self, error):
+        """After a call, given back already: the first waiting may start, or all wait out
+        a pause."""
         with self._lock:
             if (isinstance(error, ProviderError) and error.kind in ("rate_limit", "overloaded")
                     and error.retry_after):
-                now = time.monotonic()
-                self._paused_until = {key: until for key, until in self._paused_until.items()
-                                      if until > now}
-                self._paused_until[server] = max(self._paused_until.get(server, 0.0),
-                                                 now + error.retry_after)
+                self._paused_until = max(self._paused_until, time.monotonic() + error.retry_after)
             self._cond.notify_all()  # the first in line is one of them
 
 
@@ -4576,9 +4560,7 @@ class _LimitedChat:
                  **extras):
         tokens = estimate_messages_tokens(messages) if self.limiter.tokens_per_minute else 0
         call, error = object(), None
-        server = getattr(self.chat, "base_url", None)
         try:
-            self.limiter._wait_out_pause(server, signal)
             self.limiter._acquire(call, tokens, signal)
             return self.chat(messages, tools=tools, temperature=temperature,
                              max_tokens=max_tokens, signal=signal, **extras)
@@ -4587,7 +4569,7 @@ class _LimitedChat:
             raise
         finally:
             self.limiter._in_flight.discard(call)  # nothing when a Ctrl-C came before it was counted
-            self.limiter._release(error, server)
+            self.limiter._release(error)
 
 
 _CHAT_OPTIONS = ("api_key", "base_url", "timeout", "stream", "on_delta", "extra_body")

@@ -7383,24 +7383,6 @@ def test_a_rate_limit_with_retry_after_pauses_every_caller_of_the_limiter():
     assert calls[1] - calls[0] >= 0.38
 
 
-def test_a_pause_one_server_asked_for_holds_no_call_to_another(server):
-    """A Router over two providers with one Limiter: the first answered 429 with an hour's
-    Retry-After, and the Router moved on at once, but the limiter held the second provider's
-    call for that hour (every caller was paused)."""
-    server.reply(429, openai_error("slow down"), headers={"Retry-After": "3600"})
-    server.reply(200, openai_reply("from the second"))
-    limiter = lich.Limiter(max_concurrent=4)
-    chat = lich.chat_from_spec(f"openai:a@{server.url}/a/v1,openai:b@{server.url}/b/v1", api_key="k",
-                               limiter=limiter)
-    signal = threading.Event()
-    threading.Timer(5, signal.set).start()  # a failure, not a hang, if it waits
-    started = time.monotonic()
-    assert chat(USER, signal=signal).message == assistant("from the second")
-    assert time.monotonic() - started < 2
-    assert [r["path"] for r in server.requests] == ["/a/v1/chat/completions", "/b/v1/chat/completions"]
-    signal.set()
-
-
 @pytest.mark.parametrize("spec, cls, model, base_url", [
     pytest.param("openai:gpt-4.1-mini", lich.OpenAIChat, "gpt-4.1-mini",
                  "https://api.openai.com/v1", id="openai"),
