@@ -2612,7 +2612,19 @@ def _new_http_session(url):
                 _add_secret(spelled, session)
     session.verify = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or True
     session.trust_env = False
+    import http.cookiejar  # its users keep their own: one chat's must not go with another's
+
+    session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return session
+
+
+def _sent_with_cookies(send, url, jar, **options):
+    """``send(url, ...)`` (a session's post, get or delete) with the cookies of ``jar``, and
+    those the answer sets kept there; the response. ``jar`` None: no cookies of lich's."""
+    response = send(url, cookies=jar, **options)
+    if jar is not None:
+        _requests().cookies.extract_cookies_to_jar(jar, response.request, response.raw)
+    return response
 
 
 def _http_session_of_this_thread(local, url):
@@ -2632,9 +2644,6 @@ def _http_session_of_this_thread(local, url):
             session.close()
         session = _new_http_session(url)
         sessions[url] = variables, session
-        import http.cookiejar
-
-        session.cookies.set_policy(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
     return session
 
 
@@ -3065,12 +3074,10 @@ class _HTTPChat:
         for _ in range(_MAX_REDIRECTS + 1):
             try:
                 # stream=True even for a whole answer: control returns after the headers
-                jar = self._cookie_jar()
-                response = self._http().post(url, data=body, headers=self._headers,
-                                             timeout=self._timeouts, stream=True,
-                                             allow_redirects=False, cookies=jar)
-                if jar is not None:
-                    requests.cookies.extract_cookies_to_jar(jar, response.request, response.raw)
+                response = _sent_with_cookies(self._http().post, url, self._cookie_jar(),
+                                              data=body, headers=self._headers,
+                                              timeout=self._timeouts, stream=True,
+                                              allow_redirects=False)
             except requests.RequestException as e:
                 exchange.check()
                 raise self._transport_error(e, streaming=False) from e
@@ -3368,7 +3375,7 @@ class _HTTPChat:
         session = self._http()  # a caller's may read the variables as it sends
         proxies = session.proxies or (requests.utils.get_environ_proxies(self._url)
                                       if session.trust_env else {})
-        proxy = proxies.get(self._url.partition(":")[0]) or proxies.get("all")
+        proxy = requests.utils.select_proxy(self._url, proxies)
         shown = f"the proxy {_redact_url(_redact_secrets(proxy))}" if proxy else "its proxy"
         tls = _tls_failure(e)
         where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
@@ -7648,14 +7655,11 @@ class _HTTPServer:
         """``method`` (post, get, delete) sent with ``headers`` and the server's cookies, kept
         for every thread (a load balancer's affinity: the CLI starts a server in one thread
         and calls it from another)."""
-        requests = _requests()
         with self._lock:
             if self._cookies is None:
-                self._cookies = requests.cookies.RequestsCookieJar()
-        response = getattr(self._http(), method)(self.url, headers=headers, cookies=self._cookies,
-                                                 allow_redirects=False, **options)
-        requests.cookies.extract_cookies_to_jar(self._cookies, response.request, response.raw)
-        return response
+                self._cookies = _requests().cookies.RequestsCookieJar()
+        return _sent_with_cookies(getattr(self._http(), method), self.url, self._cookies,
+                                  headers=headers, allow_redirects=False, **options)
 
     def _headers(self):
         headers = {"Accept": "application/json, text/event-stream",
@@ -10018,14 +10022,18 @@ def _schema_refusal(exc):
     return None
 
 
+def _seconds(seconds) -> str:
+    """A wait as the terminal says it: one decimal under 10 s."""
+    return f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
+
+
 def _describe_error(exc) -> str:
     """The one line a user sees for a failed run: the error's kind (or type) and message."""
     if isinstance(exc, ProviderError):
         # the wait a rate limit asked for: over a minute, lich did not wait; or the retries ran out
         wait = exc.retry_after
         asked = ("" if not exc.retryable or wait is None else
-                 f" (the server asks to wait {wait:.1f} s)" if wait < 10 else
-                 f" (the server asks to wait {wait:.0f} s)")
+                 f" (the server asks to wait {_seconds(wait)} s)")
         return f"error: {exc.kind}: {exc}{asked}"
     return f"error: {type(exc).__name__}: {exc}"
 
@@ -10171,8 +10179,7 @@ class _Cli:
     def _on_retry(self, error, attempt, delay):
         if self._current(threading.current_thread()):
             self.progress.received = []  # the next try's text is the answer's, from its start
-            shown = f"{delay:.1f}" if delay < 10 else f"{delay:.0f}"
-            self.term.note(f"retrying in {shown} s: {error.kind} (attempt {attempt}/"
+            self.term.note(f"retrying in {_seconds(delay)} s: {error.kind} (attempt {attempt}/"
                            f"{self.chat.retries})")
 
     def _on_failover(self, error, index):
