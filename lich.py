@@ -153,6 +153,17 @@ class MCPError(Exception):
     """An MCP server could not be started or did not answer its handshake."""
 
 
+def _exception_text(exc) -> str:
+    """``Type: message`` of an exception, ``Type`` alone when it has no message; also when
+    its ``__str__`` raises (a tool's own exception class may be broken)."""
+    name = type(exc).__name__
+    try:
+        message = str(exc)
+    except Exception:
+        return f"{name} (its message cannot be shown)"
+    return f"{name}: {message}" if message else name
+
+
 class _ForkSafeLock:
     """A lock of the module that a forked child gets free: a thread of its parent may have
     held it at the fork, and nothing in the child would ever release it."""
@@ -1382,10 +1393,12 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     if tools is None:
         return ToolResult(ok=False, error=_NO_TOOLS_ERROR)
     try:
-        result = tools.run(call, signal)
+        # A copy: the call is the history's own, and a tool that changes what it is handed
+        # (a lich.ToolCall parameter) must not change the history or its session.
+        result = tools.run(dict(call), signal)
     except Exception as exc:
         _log.debug("tool runner raised on %r", call.get("name"), exc_info=True)
-        return ToolResult(ok=False, error=f"{type(exc).__name__}: {exc}")
+        return ToolResult(ok=False, error=_exception_text(exc))
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error="TypeError: " + (
             _of_another_copy("tool runner", result) if type(result).__name__ == "ToolResult"
@@ -1428,7 +1441,11 @@ def run_tool_calls(tools, calls, history, *, turn, signal=None, emitter=None) ->
             _skip_tool_call(call, history, turn=turn, error="aborted", emitter=emitter)
             continue
         _emit(emitter, {"type": "tool_call_start", "turn": turn, "call": call})
-        result = _run_one_tool(tools, call, signal)
+        try:
+            result = _run_one_tool(tools, call, signal)
+        except BaseException as exc:  # Ctrl-C in a tool: as in a chat call, a tracer's spans end
+            _emit(emitter, {"type": "error", "error": exc})
+            raise
         history.append(tool_message_from_result(call, result))
         _emit(emitter, {"type": "tool_call_end", "turn": turn, "call": call, "result": result,
                         "cancelled": False})
@@ -1942,7 +1959,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
             outcome = run_conversation(chat, tools, seeded, emitter=run_emitter, **loop_params)
         except BaseException as exc:
             recorder.meta({"event": "run_error",
-                           "error": _redact_secrets(f"{type(exc).__name__}: {exc}")})
+                           "error": _redact_secrets(_exception_text(exc))})
             raise
         recorder.meta({"event": "run_end", "stopped_reason": outcome.stopped_reason,
                        "usage": recorder.usage})
@@ -1990,18 +2007,30 @@ def _interrupted_tool_message(call: dict) -> dict:
 
 
 def _repair_history(messages) -> list:
-    """Pair every tool call with exactly one tool message and drop trailing user messages.
+    """Pair every tool call with exactly one tool message and drop the user messages a run
+    left without an answer.
 
     A tool message is kept only when it follows (with only tool messages between) the
     assistant message that asked for it; a call left unanswered gets an "interrupted"
     tool message after the answers that were recorded. A call id that is empty or used
-    before is renamed (see ``_unique_call_ids``), in its tool message too.
+    before is renamed (see ``_unique_call_ids``), in its tool message too. ``messages``
+    holds ``_RUN_START`` where a run starts, in a file that several runs went to: the
+    user messages before it had no answer (that run failed before one) and go, as trailing
+    ones do at the end; a system message right after it is the prompt that run set, new or
+    changed, and stands first, in place of any before it, as the run had it.
     """
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
     used, counters = set(), {}
+    run_started = False
     for message in messages:
+        if message is _RUN_START:
+            while repaired and repaired[-1]["role"] == "user":
+                repaired.pop()
+            run_started = True
+            continue
+        seeded_system, run_started = run_started and message["role"] == "system", False
         role = message["role"]
         if role == "tool":
             entries = waiting.get(message["tool_call_id"])
@@ -2026,6 +2055,12 @@ def _repair_history(messages) -> list:
                 entry = [call, False]
                 pending.append(entry)
                 waiting.setdefault(old["id"], deque()).append(entry)
+        if seeded_system and repaired:
+            if repaired[0]["role"] == "system":
+                repaired[0] = message
+            else:
+                repaired.insert(0, message)
+            continue
         repaired.append(message)
     repaired.extend(_interrupted_tool_message(call) for call, answered in pending if not answered)
     while repaired and repaired[-1]["role"] == "user":
@@ -2037,10 +2072,11 @@ def read_session_messages(path) -> list:
     """The conversation recorded in a session file, as a history a provider accepts.
 
     Lenient: lines that are not JSON, records of other kinds and messages of unknown
-    roles or shapes are skipped. Trailing user messages (a run that failed before its
-    answer) are dropped and interrupted tool calls are closed (see ``_repair_history``),
-    so reading a file written from the result gives the same list. A missing file
-    raises FileNotFoundError.
+    roles or shapes are skipped. User messages that a run left without an answer (it
+    failed before one), at the end or before the next run's ``run_start``, are dropped, a
+    system prompt that a later run of the file set stands first, and interrupted tool
+    calls are closed (see ``_repair_history``), so reading a file written from the result
+    gives the same list. A missing file raises FileNotFoundError.
     """
     # Text lines ending at "\n" only, decoded once by the file (json.loads of bytes would
     # sniff each line's encoding): a third faster on a 30 MB session. A byte order mark
@@ -2070,9 +2106,13 @@ def _session_lines(lines):
         yield "".join(pieces) if pieces is not None else line  # its start: said not JSON
 
 
+_RUN_START = object()  # where a run starts among a file's messages
+
+
 def _recorded_messages(lines, path):
-    """The messages of the message records among ``lines``, in order; other lines skipped,
-    each said on the ``lich`` logger at DEBUG (a hand edit that broke one is found so)."""
+    """The messages of the message records among ``lines``, in order, and ``_RUN_START``
+    for each ``run_start`` meta record; other lines skipped, each said on the ``lich``
+    logger at DEBUG (a hand edit that broke one is found so)."""
     for number, line in enumerate(lines, 1):
         try:
             record = _decode_json(line)
@@ -2080,12 +2120,18 @@ def _recorded_messages(lines, path):
             if line.strip():
                 _log.debug("%s: line %d skipped: it is not JSON", path, number)
             continue
-        if type(record) is dict and record.get("kind") == "message":
+        if type(record) is not dict:
+            continue
+        kind = record.get("kind")
+        if kind == "message":
             message = _clean_message(record.get("message"))
             if message is not None:
                 yield message
             else:
                 _log.debug("%s: line %d skipped: a message of no known role or shape", path, number)
+        elif kind == "meta" and type(record.get("meta")) is dict \
+                and record["meta"].get("event") == "run_start":
+            yield _RUN_START
 
 
 def list_sessions(session_dir) -> list:
@@ -4740,7 +4786,10 @@ def _parse_docstring(doc):
             if paragraph:
                 break
             continue
-        if stripped.lower() in _DOC_SECTIONS:
+        if stripped.lower() in _DOC_SECTIONS or stripped.startswith(":"):  # reST's :param x:
+            break
+        if len(stripped) >= 3 and set(stripped) == {"-"}:  # NumPy's underlined section name
+            del paragraph[-1:]
             break
         paragraph.append(stripped)
     described = {}
@@ -4767,14 +4816,30 @@ def _parse_docstring(doc):
     return " ".join(paragraph), {name: " ".join(words) for name, words in described.items()}
 
 
+def _tool_function(fn):
+    """What a tool calls in the end: the function of a ``functools.partial`` (however deep)
+    or of a ``staticmethod``; ``fn`` itself otherwise."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, staticmethod):
+            fn = fn.__func__
+        else:
+            return fn
+
+
+def _called_code(fn):
+    """The function whose code a call of ``fn`` runs: a class's ``__init__``, an object's
+    ``__call__``, a function or method itself."""
+    fn = _tool_function(fn)
+    if inspect.isroutine(fn):
+        return fn
+    return fn.__init__ if inspect.isclass(fn) else type(fn).__call__
+
+
 def _type_hints(fn, fn_name):
     """The resolved type hints of ``fn``; a hint that cannot be resolved is a TypeError."""
-    if inspect.isfunction(fn) or inspect.ismethod(fn):
-        target = fn
-    elif inspect.isclass(fn):
-        target = fn.__init__
-    else:
-        target = type(fn).__call__
+    target = _called_code(fn)
     try:
         return typing.get_type_hints(target)
     except NameError as e:
@@ -4789,12 +4854,12 @@ def _type_hints(fn, fn_name):
                 pass
         raise TypeError(f"cannot register {fn_name}: a type hint cannot be resolved: {e}") from e
     except TypeError as e:
-        if target is fn and inspect.isfunction(fn):  # a hint Python cannot evaluate here
+        if target is _tool_function(fn) and inspect.isfunction(target):  # one Python cannot evaluate here
             hint = (" (X | Y needs Python 3.10; write Optional[X] or Union[X, Y])"
                     if sys.version_info < (3, 10) else "")
             raise TypeError(f"cannot register {fn_name}: a type hint cannot be evaluated: "
                             f"{e}{hint}") from e
-        return {}  # not a plain function (a functools.partial...): the signature's hints stand
+        return {}  # not a plain function (a built-in...): the signature's hints stand
 
 
 def _json_ready(value):
@@ -4838,17 +4903,38 @@ def _function_tool(fn, name, description):
         raise TypeError(f"a tool must be callable, not {fn!r}")
     if name is None:
         name = getattr(fn, "__name__", None)
+        if name is None:
+            raise ValueError(f"{fn!r} has no __name__: give the tool a name (name=...)")
     if not isinstance(name, str) or not re.match(_TOOL_NAME_RE, name):
         raise ValueError(f"invalid tool name {name!r}: use 1 to 64 letters, digits, '_' or '-'")
+    if description is not None and not isinstance(description, str):
+        raise TypeError(f"cannot register {name}: its description must be a str, "
+                        f"not {type(description).__name__}")
+    code = _called_code(fn)
+    if inspect.iscoroutinefunction(code) or inspect.isasyncgenfunction(code):
+        raise TypeError(f"cannot register {name}: it is an async function, and lich calls "
+                        f"tools synchronously; register a function that runs it "
+                        f"(asyncio.run(...)) and returns its result")
+    if inspect.isgeneratorfunction(code):
+        raise TypeError(f"cannot register {name}: it is a generator function; a tool returns "
+                        f"its result (a str, or a list of what it yields)")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise TypeError(f"cannot register {name}: {e}") from e
+    first = next(iter(signature.parameters.values()), None)
+    if (inspect.isfunction(fn) and first is not None and first.name in ("self", "cls")
+            and first.annotation is first.empty
+            and fn.__qualname__.rpartition(".")[0].rpartition(".")[2] not in ("", "<locals>")):
+        raise TypeError(f"cannot register {name}: it is a method of a class, taken unbound "
+                        f"(its first parameter is {first.name!r}); register it bound, "
+                        f"from an instance (tools.register(obj.{fn.__name__}))")
     hints = _type_hints(fn, name)
-    wrapped = fn
-    while isinstance(wrapped, functools.partial):  # its docstring is partial's own
-        wrapped = wrapped.func
-    doc_description, arg_docs = _parse_docstring(_docstring(wrapped))
+    described = _tool_function(fn)  # a partial's docstring is partial's own
+    if (code is not described and not inspect.isclass(described)
+            and _docstring(code) is not None):
+        described = code  # an object's __call__ says what it does, else the object's class
+    doc_description, arg_docs = _parse_docstring(_docstring(described))
     properties, required = {}, []
     signal_param = call_param = None
     for param in signature.parameters.values():
@@ -4858,11 +4944,17 @@ def _function_tool(fn, name, description):
         hint = hints.get(param.name, param.annotation)
         if hint is param.empty:
             hint = _NO_HINT
-        if _is_hint_of(hint, threading.Event):
-            signal_param = param.name
-            continue
-        if _is_hint_of(hint, ToolCall):
-            call_param = param.name
+        special = ("the loop's signal" if _is_hint_of(hint, threading.Event) else
+                   "the call" if _is_hint_of(hint, ToolCall) else None)
+        if special is not None:
+            given = signal_param if special == "the loop's signal" else call_param
+            if given is not None:
+                raise TypeError(f"cannot register {name}: parameters {given!r} and "
+                                f"{param.name!r} both ask for {special}; one may")
+            if special == "the loop's signal":
+                signal_param = param.name
+            else:
+                call_param = param.name
             continue
         schema = _hint_schema(hint)
         if schema is None:
@@ -5057,7 +5149,7 @@ class Tools:
             if isinstance(e, SystemExit) and _raised_by_a_signal_handler(e):
                 raise
             _log.debug("tool call %r raised", call, exc_info=True)
-            return ToolResult(ok=False, error=self._limit(f"{type(e).__name__}: {e}"))
+            return ToolResult(ok=False, error=self._limit(_exception_text(e)))
 
     def _result(self, value):
         """A function's return value as a ToolResult, its texts cut to ``max_output_chars``."""
@@ -5070,10 +5162,20 @@ class Tools:
             return ToolResult(ok=value.ok,
                               output=self._limit(output) if isinstance(output, str) else output,
                               error=self._limit(error) if isinstance(error, str) else error)
+        if inspect.iscoroutine(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
+            value.close()  # never run: said, not passed off as a result
+            return ToolResult(ok=False, error=f"TypeError: the tool returned a "
+                                              f"{type(value).__name__} object, which lich does "
+                                              f"not run; a tool returns its result")
         try:
             text = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError):
-            text = repr(value)
+            try:
+                text = repr(value)
+            except Exception as e:  # the tool ran: its failure to print is not the tool's
+                return ToolResult(ok=False, error=self._limit(
+                    f"the tool ran, but its result (a {type(value).__name__}) cannot be "
+                    f"shown: {_exception_text(e)}"))
         return ToolResult(ok=True, output=self._limit(text))
 
     def _unknown(self, name):
@@ -8084,7 +8186,7 @@ class MCPTools:
             return ToolResult(ok=False, error=str(e))
         except Exception as e:  # run never raises
             _log.debug("MCP call %r failed", call, exc_info=True)
-            return ToolResult(ok=False, error=f"{type(e).__name__}: {e}")
+            return ToolResult(ok=False, error=_exception_text(e))
         if result.get("isError"):
             return ToolResult(ok=False, error=_writable(text) or "the tool reported an error")
         return ToolResult(ok=True, output=text)
@@ -8339,8 +8441,9 @@ def _batch_tasks(tasks) -> list:
 
 
 def _error_text(exc) -> str:
-    kind = exc.kind if isinstance(exc, ProviderError) else type(exc).__name__
-    return _redact_secrets(f"{kind}: {exc}")
+    if isinstance(exc, ProviderError):
+        return _redact_secrets(f"{exc.kind}: {exc}")
+    return _redact_secrets(_exception_text(exc))
 
 
 _batch_chats = threading.local()  # per worker thread: spec -> ChatFn, one connection pool each
@@ -10035,7 +10138,7 @@ def _describe_error(exc) -> str:
         asked = ("" if not exc.retryable or wait is None else
                  f" (the server asks to wait {_seconds(wait)} s)")
         return f"error: {exc.kind}: {exc}{asked}"
-    return f"error: {type(exc).__name__}: {exc}"
+    return f"error: {_exception_text(exc)}"
 
 
 class _Cli:

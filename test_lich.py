@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import functools
+import gc
 import io
 import json
 import os
@@ -1693,6 +1694,53 @@ def test_a_raising_tool_runner_becomes_a_failed_result():
         "c1", '{"ok": false, "output": "", "error": "RuntimeError: runner broke"}', name="boom",
         is_error=True)
     assert outcome.stopped_reason == "final"
+
+
+class _UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("no message today")
+
+
+def test_an_exception_that_cannot_say_its_message_is_still_a_failed_result():
+    class Broken(EchoTools):
+        def run(self, call, signal=None):
+            raise _UnprintableError("x")
+
+    outcome, events, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("ok"), tools=Broken())
+    assert events[4]["result"] == lich.ToolResult(ok=False, error="_UnprintableError (its message cannot be shown)")
+    assert outcome.messages[2] == tool_msg(
+        "c1", failed("_UnprintableError (its message cannot be shown)"), is_error=True)
+    assert outcome.stopped_reason == "final"
+
+
+def test_a_tool_that_changes_the_call_it_is_given_changes_no_history(tmp_path):
+    tools = lich.Tools()
+
+    @tools.tool
+    def audit(x: int, call: lich.ToolCall) -> str:
+        """Log the call."""
+        call["arguments"] = json.loads(call["arguments"])  # what a tool author might do
+        call.pop("id")
+        return "logged"
+
+    run = lich.run_agent("go", chat=ScriptedChat(assistant("", ("c1", "audit", '{"x": 1}')), assistant("done")),
+                         tools=tools, max_turns=3, session_dir=tmp_path)
+    expected = [user("go"), assistant("", ("c1", "audit", '{"x": 1}')), tool_msg("c1", "logged", name="audit"),
+                assistant("done")]
+    assert run.messages == expected
+    assert lich.read_session_messages(run.session_path) == expected
+
+
+def test_ctrl_c_in_a_tool_ends_the_events_with_an_error():
+    class Interrupted(EchoTools):
+        def run(self, call, signal=None):
+            raise KeyboardInterrupt
+
+    chat, (emitter, events) = ScriptedChat(assistant("", ("c1", "echo", "{}"))), recorder_emitter()
+    with pytest.raises(KeyboardInterrupt) as info:
+        lich.run_conversation(chat, Interrupted(), [user("go")], max_turns=3, emitter=emitter)
+    assert [e["type"] for e in events] == ["turn_start", "llm_start", "llm_end", "tool_call_start", "error"]
+    assert events[-1]["error"] is info.value
 
 
 def test_tool_failures_are_data_for_the_model():
@@ -3569,6 +3617,41 @@ def test_read_session_messages_repairs_before_the_next_message_and_drops_orphans
                        tool_msg("e1", INTERRUPTED, is_error=True)]
     again = write_records(tmp_path / "again.jsonl", *[msg(m) for m in history])
     assert lich.read_session_messages(again) == history
+
+
+def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(tmp_path):
+    """One handle for a conversation: a run that failed, one stopped before its first answer,
+    then one with a new system prompt, each given the last good run's messages."""
+    session = lich.open_session(tmp_path)
+    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
+                           system_prompt="SYS-A")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       history=first.messages, max_turns=2, system_prompt="SYS-A")
+    stop = threading.Event()
+    stop.set()
+    lich.run_agent("three", chat=ScriptedChat(), session=session, history=first.messages, max_turns=2,
+                   system_prompt="SYS-A", signal=stop)
+    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
+                          max_turns=2, system_prompt="SYS-B")
+    session.close()
+    system = {"role": "system", "content": "SYS-B"}
+    assert last.messages == [system, user("one"), answer("r1"), user("four"), answer("r4")]
+    assert lich.read_session_messages(session.path) == last.messages
+    recorded = [json.loads(line) for line in Path(session.path).read_text().splitlines()]
+    assert [r["message"]["content"] for r in recorded if r["kind"] == "message"] == [
+        "SYS-A", "one", "r1", "two", "three", "SYS-B", "four", "r4"]  # nothing asked is lost from the file
+
+
+def test_a_system_prompt_a_later_run_set_stands_first_and_others_stay_in_place(tmp_path):
+    note = {"role": "system", "content": "a note in the history"}
+    path = write_records(tmp_path / "s.jsonl", meta(event="run_start"), msg(user("one")), msg(answer("r1")),
+                         msg(note), msg(user("two")), msg(answer("r2")),
+                         meta(event="run_start"), msg({"role": "system", "content": "SYS"}), msg(user("three")),
+                         msg(answer("r3")), meta(event="run_end"), msg(user("four")))
+    assert lich.read_session_messages(path) == [
+        {"role": "system", "content": "SYS"}, user("one"), answer("r1"), note, user("two"), answer("r2"),
+        user("three"), answer("r3")]
 
 
 def test_list_sessions_newest_first_by_modification_time(tmp_path):
@@ -7722,6 +7805,22 @@ def _doc_optional(limit: Optional[int] = 20, mode: Literal["fast", 1] = "fast"):
     """
 
 
+def _doc_numpy(path: str):
+    """Read a file.
+    Parameters
+    ----------
+    path : str
+        The file.
+    """
+
+
+def _doc_rest(path: str):
+    """Read a file.
+    :param path: The file.
+    :return: Its text.
+    """
+
+
 _DOC_CASES = [
     ("no docstring", _doc_none, {}, "", obj_schema({"path": {"type": "string"}}, ["path"])),
     ("one line", _doc_one_line, {}, "Read a file.",
@@ -7734,6 +7833,9 @@ _DOC_CASES = [
         "offset": {"type": "integer", "description": "First line.", "default": 1},
         "limit": {"type": "integer", "description": "How many lines.", "default": 10},
         "verbose": {"type": "boolean", "default": False}}, ["path"])),
+    # sections of other styles end the description, also without a blank line before them
+    ("NumPy section", _doc_numpy, {}, "Read a file.", obj_schema({"path": {"type": "string"}}, ["path"])),
+    ("reST fields", _doc_rest, {}, "Read a file.", obj_schema({"path": {"type": "string"}}, ["path"])),
     ("Args only", _doc_args_only, {}, "", obj_schema({
         "a": {"type": "integer", "description": "The first."},
         "b": {"type": "integer", "description": "The second."}}, ["a", "b"])),
@@ -7768,6 +7870,36 @@ def test_a_partial_tool_is_described_by_its_functions_docstring():
         "offset": {"type": "integer", "description": "First line.", "default": 1},
         "limit": {"type": "integer", "description": "How many lines.", "default": 5},
         "verbose": {"type": "boolean", "default": True}}, ["path"])}]
+
+
+_POSTPONED = {}
+exec(compile(  # a module of the user's with postponed annotations: its hints are strings
+    "from __future__ import annotations\n"
+    "def search(index: str, query: str, limit: int = 10):\n"
+    "    \"\"\"Search.\n\n    Args:\n        query: What to look for.\n    \"\"\"\n"
+    "class Helpers:\n"
+    "    def twice(x: int):\n"
+    "        \"\"\"Twice.\"\"\"\n"
+    "        return 2 * x\n"
+    "    twice = staticmethod(twice)\n", "postponed", "exec"), _POSTPONED)
+
+
+def test_a_partial_with_postponed_annotations_has_its_functions_schema():
+    tools = lich.Tools()
+    tools.register(functools.partial(_POSTPONED["search"], "docs"), name="search_docs")
+    assert tools.specs() == [
+        {"name": "search_docs", "description": "Search.", "parameters": obj_schema({
+            "query": {"type": "string", "description": "What to look for."},
+            "limit": {"type": "integer", "default": 10}}, ["query"])}]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="a staticmethod object is callable from Python 3.10")
+def test_a_staticmethod_with_postponed_annotations_has_its_functions_schema():
+    tools = lich.Tools()
+    tools.register(_POSTPONED["Helpers"].__dict__["twice"])  # @tools.tool over @staticmethod
+    assert tools.specs() == [
+        {"name": "twice", "description": "Twice.", "parameters": obj_schema({"x": {"type": "integer"}}, ["x"])}]
+    assert tools.run(tool_call("twice", {"x": 4})) == lich.ToolResult(ok=True, output="8")
 
 
 def _bad_set(x: set): pass
@@ -8146,6 +8278,148 @@ def test_tools_registration_refusals():
     with pytest.raises(TypeError):
         lich.Tools(max_output_chars="10")
     assert [s["name"] for s in tools.specs()] == ["same"]
+
+
+async def _async_tool(url: str):
+    return url
+
+
+async def _async_generator_tool(n: int):
+    yield n
+
+
+def _generator_tool(n: int):
+    yield n
+
+
+class _AsyncCall:
+    async def __call__(self, url: str):
+        return url
+
+
+class _WithMethods:
+    def method(self, n: int):
+        return n
+
+
+def _two_signals(a: threading.Event, b: threading.Event): pass
+def _two_calls(a: lich.ToolCall, b: Optional[lich.ToolCall] = None): pass
+
+
+@pytest.mark.parametrize("fn, options, error, message", [
+    (_async_tool, {}, TypeError, "cannot register _async_tool: it is an async function, and lich calls tools "
+                                 "synchronously; register a function that runs it (asyncio.run(...)) and returns its result"),
+    (_async_generator_tool, {}, TypeError, "cannot register _async_generator_tool: it is an async function, and lich "
+                                           "calls tools synchronously; register a function that runs it "
+                                           "(asyncio.run(...)) and returns its result"),
+    (_AsyncCall(), {"name": "fetch"}, TypeError, "cannot register fetch: it is an async function, and lich calls "
+                                                 "tools synchronously; register a function that runs it "
+                                                 "(asyncio.run(...)) and returns its result"),
+    (_generator_tool, {}, TypeError, "cannot register _generator_tool: it is a generator function; a tool returns "
+                                     "its result (a str, or a list of what it yields)"),
+    (_WithMethods.method, {}, TypeError, "cannot register method: it is a method of a class, taken unbound (its "
+                                         "first parameter is 'self'); register it bound, from an instance "
+                                         "(tools.register(obj.method))"),
+    (_two_signals, {}, TypeError, "cannot register _two_signals: parameters 'a' and 'b' both ask for the loop's "
+                                  "signal; one may"),
+    (_two_calls, {}, TypeError, "cannot register _two_calls: parameters 'a' and 'b' both ask for the call; one may"),
+    (_f_str, {"description": 5}, TypeError, "cannot register _f_str: its description must be a str, not int"),
+    (functools.partial(_f_str), {}, ValueError, None),
+], ids=["async", "async generator", "async __call__", "generator", "unbound method", "two signals", "two calls",
+        "description not str", "no name"])
+def test_tools_refuse_at_registration_what_they_could_not_run_as_meant(fn, options, error, message):
+    tools = lich.Tools()
+    with pytest.raises(error) as info:
+        tools.register(fn, **options)
+    assert str(info.value) == (message or f"{fn!r} has no __name__: give the tool a name (name=...)")
+    assert tools.specs() == []
+
+
+def test_a_callable_objects_tool_is_described_by_its_calls_docstring():
+    class Index:
+        """A helper holding an index (an internal detail)."""
+
+        def __call__(self, q: str) -> str:
+            """Search the index.
+
+            Args:
+                q: The query.
+            """
+            return q
+
+    class Plain:
+        """Say hello."""
+
+        def __call__(self, name: str) -> str:
+            return name
+
+    tools = lich.Tools()
+    tools.register(Index(), name="search")
+    tools.register(Plain(), name="hello")
+    assert tools.specs() == [
+        {"name": "search", "description": "Search the index.",
+         "parameters": obj_schema({"q": {"type": "string", "description": "The query."}}, ["q"])},
+        {"name": "hello", "description": "Say hello.", "parameters": obj_schema({"name": {"type": "string"}}, ["name"])}]
+
+
+class _ReprFails:
+    def __repr__(self):
+        raise RuntimeError("repr needs a database session")
+
+
+def test_tools_results_that_cannot_be_shown_say_so():
+    ran = []
+    tools = lich.Tools()
+
+    @tools.tool
+    def returns_a_coroutine() -> object:
+        ran.append("coroutine")
+        return _async_tool("x")  # made, never awaited
+
+    @tools.tool
+    def returns_a_generator() -> object:
+        ran.append("generator")
+        return _generator_tool(1)
+
+    @tools.tool
+    def returns_an_unprintable() -> object:
+        ran.append("unprintable")
+        return _ReprFails()
+
+    @tools.tool
+    def returns_a_huge_number() -> object:
+        ran.append("number")
+        return {"n": 10 ** 5000}
+
+    @tools.tool
+    def raises_an_unprintable():
+        raise _UnprintableError()
+
+    @tools.tool
+    def raises_without_a_message():
+        raise LookupError()
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        results = [tools.run(tool_call(spec["name"])) for spec in tools.specs()]
+        gc.collect()
+    assert [str(w.message) for w in warned] == []  # no "coroutine ... was never awaited"
+    huge = results.pop(3)
+    assert results == [
+        lich.ToolResult(ok=False, error="TypeError: the tool returned a coroutine object, which lich does not run; "
+                                        "a tool returns its result"),
+        lich.ToolResult(ok=False, error="TypeError: the tool returned a generator object, which lich does not run; "
+                                        "a tool returns its result"),
+        lich.ToolResult(ok=False, error="the tool ran, but its result (a _ReprFails) cannot be shown: "
+                                        "RuntimeError: repr needs a database session"),
+        lich.ToolResult(ok=False, error="_UnprintableError (its message cannot be shown)"),
+        lich.ToolResult(ok=False, error="LookupError")]
+    if hasattr(sys, "set_int_max_str_digits"):  # Python's cap on an int's digits in text
+        assert huge.ok is False and huge.error.startswith(
+            "the tool ran, but its result (a dict) cannot be shown: ValueError: Exceeds the limit (4300")
+    else:
+        assert huge == lich.ToolResult(ok=True, output=json.dumps({"n": 10 ** 5000}))
+    assert ran == ["coroutine", "generator", "unprintable", "number"]
 
 
 def test_tools_run_with_no_tools_registered():
@@ -11617,16 +11891,26 @@ def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans
         def run(self, call, signal=None):
             raise KeyboardInterrupt  # Ctrl-C while a tool runs
 
-    with pytest.raises(KeyboardInterrupt):
+    def ctrl_c_in_the_loop(event):  # Ctrl-C landing between a chat call and its tools
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C while a tool runs: ended at once
         lich.run_conversation(ScriptedChat(assistant("", ("c1", "echo", "{}"))), Interrupted(), [user("go")],
                               max_turns=3, emitter=emitter)
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C while the model answers: ended at once
         lich.run_conversation(ScriptedChat(KeyboardInterrupt()), None, [user("go")], max_turns=3, emitter=emitter)
+    unsubscribe = emitter.on("llm_end", ctrl_c_in_the_loop)
+    with pytest.raises(KeyboardInterrupt):
+        lich.run_conversation(ScriptedChat(assistant("", ("c1", "echo", "{}"))), EchoTools(), [user("go")],
+                              max_turns=3, emitter=emitter)
+    unsubscribe()
     lich.run_conversation(ScriptedChat(assistant("done")), None, [user("go")], max_turns=3, emitter=emitter)
     assert [(s[0], s[3].get("error.type"), s[4]) for s in finished()] == [
         ("chat m-1", None, "UNSET"),
-        ("execute_tool echo", "interrupted", "ERROR"), ("invoke_agent", "interrupted", "ERROR"),  # at the next run
+        ("execute_tool echo", "KeyboardInterrupt", "ERROR"), ("invoke_agent", "KeyboardInterrupt", "ERROR"),
         ("chat m-1", "KeyboardInterrupt", "ERROR"), ("invoke_agent", "KeyboardInterrupt", "ERROR"),
+        ("chat m-1", None, "UNSET"),
+        ("invoke_agent", "interrupted", "ERROR"),  # at the next run
         ("chat m-1", None, "UNSET"), ("invoke_agent", None, "UNSET")]
 
 
