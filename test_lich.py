@@ -7872,21 +7872,29 @@ def test_a_partial_tool_is_described_by_its_functions_docstring():
         "verbose": {"type": "boolean", "default": True}}, ["path"])}]
 
 
-_POSTPONED = {}
-exec(compile(  # a module of the user's with postponed annotations: its hints are strings
-    "from __future__ import annotations\n"
-    "def search(index: str, query: str, limit: int = 10):\n"
-    "    \"\"\"Search.\n\n    Args:\n        query: What to look for.\n    \"\"\"\n"
-    "class Helpers:\n"
-    "    def twice(x: int):\n"
-    "        \"\"\"Twice.\"\"\"\n"
-    "        return 2 * x\n"
-    "    twice = staticmethod(twice)\n", "postponed", "exec"), _POSTPONED)
+@pytest.fixture
+def postponed(tmp_path):
+    """A module of the user's with postponed annotations: its hints are strings."""
+    import importlib.util
+
+    path = tmp_path / "postponed.py"
+    path.write_text('from __future__ import annotations\n'
+                    'def search(index: str, query: str, limit: int = 10):\n'
+                    '    """Search.\n\n    Args:\n        query: What to look for.\n    """\n'
+                    'class Helpers:\n'
+                    '    def twice(x: int):\n'
+                    '        """Twice."""\n'
+                    '        return 2 * x\n'
+                    '    twice = staticmethod(twice)\n')
+    spec = importlib.util.spec_from_file_location("postponed", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_a_partial_with_postponed_annotations_has_its_functions_schema():
+def test_a_partial_with_postponed_annotations_has_its_functions_schema(postponed):
     tools = lich.Tools()
-    tools.register(functools.partial(_POSTPONED["search"], "docs"), name="search_docs")
+    tools.register(functools.partial(postponed.search, "docs"), name="search_docs")
     assert tools.specs() == [
         {"name": "search_docs", "description": "Search.", "parameters": obj_schema({
             "query": {"type": "string", "description": "What to look for."},
@@ -7894,9 +7902,9 @@ def test_a_partial_with_postponed_annotations_has_its_functions_schema():
 
 
 @pytest.mark.skipif(sys.version_info < (3, 10), reason="a staticmethod object is callable from Python 3.10")
-def test_a_staticmethod_with_postponed_annotations_has_its_functions_schema():
+def test_a_staticmethod_with_postponed_annotations_has_its_functions_schema(postponed):
     tools = lich.Tools()
-    tools.register(_POSTPONED["Helpers"].__dict__["twice"])  # @tools.tool over @staticmethod
+    tools.register(postponed.Helpers.__dict__["twice"])  # @tools.tool over @staticmethod
     assert tools.specs() == [
         {"name": "twice", "description": "Twice.", "parameters": obj_schema({"x": {"type": "integer"}}, ["x"])}]
     assert tools.run(tool_call("twice", {"x": 4})) == lich.ToolResult(ok=True, output="8")
@@ -8306,22 +8314,21 @@ def _two_signals(a: threading.Event, b: threading.Event): pass
 def _two_calls(a: lich.ToolCall, b: Optional[lich.ToolCall] = None): pass
 
 
+_ASYNC_REFUSED = ("cannot register {}: it is an async function, and lich calls tools synchronously; "
+                  "register a function that runs it (asyncio.run(...)) and returns its result")
+
+
 @pytest.mark.parametrize("fn, options, error, message", [
-    (_async_tool, {}, TypeError, "cannot register _async_tool: it is an async function, and lich calls tools "
-                                 "synchronously; register a function that runs it (asyncio.run(...)) and returns its result"),
-    (_async_generator_tool, {}, TypeError, "cannot register _async_generator_tool: it is an async function, and lich "
-                                           "calls tools synchronously; register a function that runs it "
-                                           "(asyncio.run(...)) and returns its result"),
-    (_AsyncCall(), {"name": "fetch"}, TypeError, "cannot register fetch: it is an async function, and lich calls "
-                                                 "tools synchronously; register a function that runs it "
-                                                 "(asyncio.run(...)) and returns its result"),
-    (_generator_tool, {}, TypeError, "cannot register _generator_tool: it is a generator function; a tool returns "
-                                     "its result (a str, or a list of what it yields)"),
-    (_WithMethods.method, {}, TypeError, "cannot register method: it is a method of a class, taken unbound (its "
-                                         "first parameter is 'self'); register it bound, from an instance "
-                                         "(tools.register(obj.method))"),
-    (_two_signals, {}, TypeError, "cannot register _two_signals: parameters 'a' and 'b' both ask for the loop's "
-                                  "signal; one may"),
+    (_async_tool, {}, TypeError, _ASYNC_REFUSED.format("_async_tool")),
+    (_async_generator_tool, {}, TypeError, _ASYNC_REFUSED.format("_async_generator_tool")),
+    (_AsyncCall(), {"name": "fetch"}, TypeError, _ASYNC_REFUSED.format("fetch")),
+    (_generator_tool, {}, TypeError, ("cannot register _generator_tool: it is a generator function; a tool returns "
+                                      "its result (a str, or a list of what it yields)")),
+    (_WithMethods.method, {}, TypeError, ("cannot register method: it is a method of a class, taken unbound (its "
+                                          "first parameter is 'self'); register it bound, from an instance "
+                                          "(tools.register(obj.method))")),
+    (_two_signals, {}, TypeError, ("cannot register _two_signals: parameters 'a' and 'b' both ask for the loop's "
+                                   "signal; one may")),
     (_two_calls, {}, TypeError, "cannot register _two_calls: parameters 'a' and 'b' both ask for the call; one may"),
     (_f_str, {"description": 5}, TypeError, "cannot register _f_str: its description must be a str, not int"),
     (functools.partial(_f_str), {}, ValueError, None),
