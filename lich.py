@@ -8744,6 +8744,7 @@ _TOOL_ELAPSED_SECONDS = 1.0     # a tool running longer shows its elapsed time
 _INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into the system prompt
 _HISTORY_LINES = 1000           # chat input lines kept between chats
 _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
+_ANSWER_BYTES = 4096            # an approval's answer: a line, read at most this long at once
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
 _STDIN_QUIET_SECONDS = 2.0      # a piped stdin silent this long is said to be waited for
 _MCP_QUIET_SECONDS = 2.0        # an --mcp server not started after this long is said to be waited for
@@ -9402,7 +9403,8 @@ class _Terminal:
         spinner, self._spinner = self._spinner, None
         if spinner is not None:
             spinner[0].set()
-            if spinner[1] is not threading.current_thread():
+            # not yet started (stopped from another thread at once): it ends as it starts
+            if spinner[1] is not threading.current_thread() and spinner[1].ident is not None:
                 spinner[1].join()
 
     def _fit(self, text, room=0):
@@ -10043,6 +10045,24 @@ class _Interrupts:
         self.last = None
         self.exit_code = _EXIT_INTERRUPTED  # 128 + the signal for SIGTERM and SIGHUP
         self.terminating = False  # SIGTERM or SIGHUP came: stop what runs, then leave
+        # While the main thread waits on a run, a signal is noted, not raised: raised inside
+        # a lock's wait, a second one at once can break the lock (a hang, or an error).
+        self.noting = False
+        self.noted = deque()
+
+    def arrived(self):
+        """A signal came (its handler's work, in the main thread): KeyboardInterrupt, or
+        noted while ``noting``."""
+        if not self.noting:
+            raise KeyboardInterrupt
+        self.noted.append(True)
+
+    def take(self) -> bool:
+        """Whether a noted signal was left to handle (it is handled now)."""
+        try:
+            return self.noted.popleft()
+        except IndexError:
+            return False
 
     def forget(self):
         """A new turn began: a Ctrl-C now is a first one, however soon after the last."""
@@ -10076,6 +10096,17 @@ def _hold_interrupts():
     return give_back
 
 
+def _hung_up(fd) -> bool:
+    """Whether the terminal of ``fd`` is gone (its window closed), not at a Ctrl-D."""
+    import select
+
+    if not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return any(events & (select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+
 def _run_interruptibly(work, signal, cli):
     """``work()`` in a worker thread; Ctrl-C sets ``signal`` (the run stops at its next
     boundary, an HTTP exchange at once), a second Ctrl-C soon after quits. Returns work's
@@ -10091,28 +10122,38 @@ def _run_interruptibly(work, signal, cli):
         finally:
             done.set()
 
-    threading.Thread(target=target, name="lich-run", daemon=True).start()
-    while not done.is_set():
+    interrupts = cli.interrupts
+
+    def interrupted():
         try:
-            done.wait(_POLL_SECONDS)
-        except KeyboardInterrupt:
-            try:
-                cli.interrupts.pressed()
-            except _Quit as leaving:  # the signal, set by the first, has most often stopped
-                signal.set()  # it by now: its session gets its last records and its spans
-                try:  # end, or it is left as it is
-                    done.wait(_QUIT_GRACE_SECONDS)
-                except KeyboardInterrupt:  # a third Ctrl-C, or SIGTERM: its code is the exit's
-                    leaving.args = (cli.interrupts.exit_code,)
-                leaving.run_ended = done.is_set()
-                raise
-            if not signal.is_set():
-                signal.set()
-                cli.term.stop_spinner()
-                if cli.interrupts.terminating:  # SIGTERM or SIGHUP: lich leaves once it stops
-                    cli.term.note(f"told to end (signal {cli.interrupts.exit_code - 128}); stopping")
-                else:
-                    cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
+            interrupts.pressed()
+        except _Quit as leaving:  # the signal, set by the first, has most often stopped
+            signal.set()  # it by now: its session gets its last records and its spans
+            done.wait(_QUIT_GRACE_SECONDS)  # end, or it is left as it is
+            if interrupts.take():  # a third Ctrl-C, or SIGTERM: its code is the exit's
+                leaving.args = (interrupts.exit_code,)
+            leaving.run_ended = done.is_set()
+            raise
+        if not signal.is_set():
+            signal.set()
+            cli.term.stop_spinner()
+            if interrupts.terminating:  # SIGTERM or SIGHUP: lich leaves once it stops
+                cli.term.note(f"told to end (signal {interrupts.exit_code - 128}); stopping")
+            else:
+                cli.term.note("interrupted; stopping (Ctrl-C again to quit)")
+
+    threading.Thread(target=target, name="lich-run", daemon=True).start()
+    interrupts.noting = True
+    try:
+        finished = False
+        while not finished:
+            finished = done.wait(_POLL_SECONDS)
+            while interrupts.take():
+                interrupted()
+    finally:
+        interrupts.noting = False
+    while interrupts.take():  # one that came as the run ended
+        interrupted()
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
@@ -10318,13 +10359,30 @@ class _Cli:
         return pending
 
     def read_answer(self):
-        """A line typed at an approval question, or None when the run was interrupted."""
+        """A line typed at an approval question ("" for Ctrl-D), or None when the run was
+        interrupted: by Ctrl-C, or by the terminal closing (no answer can come then, and the
+        run stops as for Ctrl-C before SIGHUP comes)."""
         import select
 
         signal = self.signal
+        fd = sys.stdin.fileno()
         while not signal.is_set():
-            if select.select([sys.stdin], [], [], _POLL_SECONDS)[0]:
-                return sys.stdin.readline()
+            if not select.select([fd], [], [], _POLL_SECONDS)[0]:
+                continue
+            # Not a blocking read: a Ctrl-C just after select empties the terminal's line
+            # (it flushes what was typed), and such a read would wait for another line.
+            blocking = os.get_blocking(fd)
+            os.set_blocking(fd, False)
+            try:
+                typed = os.read(fd, _ANSWER_BYTES)
+            except BlockingIOError:
+                continue
+            finally:
+                os.set_blocking(fd, blocking)
+            if not typed and _hung_up(fd):
+                signal.set()
+                return None
+            return typed.decode(sys.stdin.encoding or "utf-8", "replace")
         return None
 
     def open_session(self):
@@ -10989,11 +11047,17 @@ def _main(argv, main_thread) -> int:
                 return
             interrupts.exit_code = 128 + signum
             interrupts.terminating = True
-            raise KeyboardInterrupt
+            interrupts.arrived()
 
+        def interrupted(signum, frame):
+            interrupts.arrived()
+
+        if signals.getsignal(signals.SIGINT) is signals.default_int_handler:  # not a SIG_IGN
+            handlers[signals.SIGINT] = signals.signal(signals.SIGINT, interrupted)
         for name in ("SIGTERM", "SIGHUP"):
             number = getattr(signals, name, None)
-            if number is not None:
+            # one ignored stays so (nohup, a shell's trap '' HUP): its user asked for that
+            if number is not None and signals.getsignal(number) is not signals.SIG_IGN:
                 handlers[number] = signals.signal(number, terminated)
     undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
     # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.

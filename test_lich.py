@@ -13946,6 +13946,24 @@ def test_ctrl_d_at_an_approval_declines_on_a_line_of_its_own(server, lich_model,
     assert not (workspace / "later").exists()
 
 
+def test_a_terminal_closed_at_an_approval_declines_nothing_and_stops_the_run(server, lich_model, workspace, tmp_path):
+    """The window closed at the question: the end of input is no answer "no" (said to the
+    model, which was asked again before SIGHUP came), but the run's end."""
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch later"}')), openai_reply("Not then."))
+    sessions = tmp_path / "sessions"
+    term = Pty("--allow", "shell", "--root", str(workspace), "--session-dir", str(sessions), "go",
+               env={"NO_COLOR": "1"})
+    term.expect("[t] always bash: ")
+    eventually(lambda: _waits_in_select(term.proc.pid, main=False), 5)  # the question waits for its answer
+    os.close(term.master)  # this lich's terminal is not its controlling one: no SIGHUP, only the hang-up
+    assert term.proc.wait(timeout=10) == 130
+    [path] = sessions.iterdir()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["message"]["content"] for r in records if r["kind"] == "message"][-2:] == [
+        failed("interrupted before the user answered"), "[interrupted by the user]"]
+    assert len(server.requests) == 1 and not (workspace / "later").exists()
+
+
 @pytest.mark.parametrize("key", ["ctrl-c", "ctrl-d"])
 def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_so(server, lich_model, workspace,
                                                                                    fake_mcp, key):
@@ -14969,6 +14987,43 @@ def test_sigterm_while_a_quick_second_ctrl_c_waits_for_the_run_exits_128_plus_it
     monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
     code, out, _ = cli("-m", "openai:x", "--no-session", "--no-stream", "hi")
     assert (code, out) == (128 + signals.SIGTERM, "")
+
+
+def test_sighup_ignored_as_nohup_leaves_it_stays_ignored(server, lich_model):
+    import signal as signals
+
+    held = threading.Event()
+    queue(server, Reply(200, openai_reply("still here"), hold=held))
+    child = subprocess.Popen(["sh", "-c", 'trap "" HUP; exec "$@"', "sh",  # as nohup starts it
+                              sys.executable, *LICH, "--no-session", "--no-stream", "hi"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_request(server, 1)
+        child.send_signal(signals.SIGHUP)  # the terminal closed: nohup's user asked to go on
+        time.sleep(0.3)
+    finally:
+        held.set()
+    out, err = child.communicate(timeout=30)
+    assert (child.returncode, out, err) == (0, "still here\n", USAGE_LINE)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_sigterm_and_ctrl_c_at_once_end_lich_with_128_plus_its_number(cli, monkeypatch, attempt):
+    """Two signals together (a closing terminal's SIGHUP and a Ctrl-C, SIGTERM and a Ctrl-C):
+    raised as they came, inside the wait on the run, the second broke that wait's lock (a
+    RuntimeError and exit 1, or a hang), and the run's session lost its last records."""
+    import signal as signals
+
+    def chat(messages, *, signal=None, **options):
+        eventually(lambda: frames_of(threading.main_thread(), "_run_interruptibly")[-1:] == ["wait"], 5)
+        os.kill(os.getpid(), signals.SIGTERM)
+        os.kill(os.getpid(), signals.SIGINT)  # both pending at once: handled one after the other
+        assert signal.wait(5)
+        return lich.ChatResult({"role": "assistant", "content": "stopped anyway"})
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
+    assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (
+        128 + signals.SIGTERM, "", "told to end (signal 15); stopping\nlich: stopped: interrupted\n")
 
 
 def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
