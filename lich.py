@@ -164,6 +164,33 @@ def _exception_text(exc) -> str:
     return f"{name}: {message}" if message else name
 
 
+def _raised_by_a_signal_handler(exc) -> bool:
+    """Whether ``exc`` came out of a Python signal handler installed now, not out of the code
+    it interrupted: a server stopping its worker (gunicorn's timeout, Celery's revoke and
+    cold shutdown raise SystemExit from one), which no tool call may take for its failure."""
+    import signal as signals
+
+    handlers = []
+    for number in signals.valid_signals():
+        try:
+            handler = signals.getsignal(number)
+        except (OSError, ValueError):
+            continue
+        while isinstance(handler, functools.partial):
+            handler = handler.func
+        if callable(handler):
+            handler = getattr(handler, "__func__", handler)  # a bound method: its function
+            handlers.append(getattr(handler, "__code__", None)  # else an object's __call__
+                            or getattr(getattr(type(handler).__call__, "__func__",
+                                               type(handler).__call__), "__code__", None))
+    frames = exc.__traceback__
+    while frames is not None:
+        if any(frames.tb_frame.f_code is code for code in handlers):
+            return True
+        frames = frames.tb_next
+    return False
+
+
 class _ForkSafeLock:
     """A lock of the module that a forked child gets free: a thread of its parent may have
     held it at the fork, and nothing in the child would ever release it."""
@@ -1014,7 +1041,9 @@ class AgentEmitter:
             if wanted is None or wanted == event_type:
                 try:
                     handler(event)
-                except Exception:
+                except (Exception, SystemExit) as e:  # but for a server stopping its worker
+                    if isinstance(e, SystemExit) and _raised_by_a_signal_handler(e):
+                        raise
                     _log.exception("event handler %r failed on %r event", handler, event_type)
 
     def __getstate__(self):
@@ -1885,6 +1914,7 @@ class _SessionMarks:
 
 _sessions_holding_history = _SessionMarks()  # run_agent wrote a whole history there
 _sessions_with_a_gap = _SessionMarks()  # a record of a run failed to go there: no more go
+_recording_in_this_thread = threading.local()  # .sessions: those its runs record into now
 
 
 def _seeding_additions(previous: list, seeded: list) -> list:
@@ -1938,6 +1968,18 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
                      "written, and what follows would not make a whole history",
                      getattr(session, "id", "?"))
         session = None
+    recording_here = getattr(_recording_in_this_thread, "sessions", None)
+    if recording_here is None:
+        recording_here = _recording_in_this_thread.sessions = []
+    if session is not None and any(held is session for held in recording_here):
+        # a run started inside a run (a tool's sub-agent): its records would fall between
+        # the outer run's call and its result, and the file would not read back
+        _log.warning("session recording is off: %s records the run that started this one; "
+                     "give this run a session of its own", getattr(session, "id", "?"))
+        session = None
+    recording = session is not None
+    if recording:
+        recording_here.append(session)
     recorder = _Recorder(session)
     try:
         if session is not None:
@@ -1964,6 +2006,8 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
         recorder.meta({"event": "run_end", "stopped_reason": outcome.stopped_reason,
                        "usage": recorder.usage})
     finally:
+        if recording:
+            del recording_here[next(i for i, held in enumerate(recording_here) if held is session)]
         if owned:
             session.close()
     return AgentRunResult(outcome.messages, outcome.final, outcome.result, outcome.turns_used,
@@ -4569,6 +4613,14 @@ class Limiter:
                 while True:
                     if signal is not None and signal.is_set():
                         raise AbortError("aborted while waiting for the limiter")
+                    if (self.max_concurrent is not None and self._in_flight
+                            and len(self._in_flight) >= self.max_concurrent
+                            and all(held[0] == call[0] for held in self._in_flight)):
+                        raise RuntimeError(
+                            f"a call through this Limiter (max_concurrent={self.max_concurrent}) "
+                            f"from inside its own calls in one thread would wait for ever: that "
+                            f"thread holds every slot (a chat or on_delta that runs an agent on "
+                            f"a chat of the same limiter); give the inner chat a Limiter of its own")
                     now = time.monotonic()
                     wait = self._wait_needed(tokens, now) if self._waiting[0] is call else _WATCH_SECONDS
                     if wait <= 0:
@@ -4612,7 +4664,7 @@ class _LimitedChat:
     def __call__(self, messages, *, tools=None, temperature=None, max_tokens=None, signal=None,
                  **extras):
         tokens = estimate_messages_tokens(messages) if self.limiter.tokens_per_minute else 0
-        call, error = object(), None
+        call, error = (threading.get_ident(), object()), None  # its thread, and itself
         try:
             self.limiter._acquire(call, tokens, signal)
             return self.chat(messages, tools=tools, temperature=temperature,
@@ -5057,33 +5109,6 @@ class _Tool:
         self.spec = spec
         self.signal_param = signal_param
         self.call_param = call_param
-
-
-def _raised_by_a_signal_handler(exc) -> bool:
-    """Whether ``exc`` came out of a Python signal handler installed now, not out of the code
-    it interrupted: a server stopping its worker (gunicorn's timeout, Celery's revoke and
-    cold shutdown raise SystemExit from one), which no tool call may take for its failure."""
-    import signal as signals
-
-    handlers = []
-    for number in signals.valid_signals():
-        try:
-            handler = signals.getsignal(number)
-        except (OSError, ValueError):
-            continue
-        while isinstance(handler, functools.partial):
-            handler = handler.func
-        if callable(handler):
-            handler = getattr(handler, "__func__", handler)  # a bound method: its function
-            handlers.append(getattr(handler, "__code__", None)  # else an object's __call__
-                            or getattr(getattr(type(handler).__call__, "__func__",
-                                               type(handler).__call__), "__code__", None))
-    frames = exc.__traceback__
-    while frames is not None:
-        if any(frames.tb_frame.f_code is code for code in handlers):
-            return True
-        frames = frames.tb_next
-    return False
 
 
 class Tools:
@@ -8285,43 +8310,67 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
     kinds = trace.SpanKind
     common = {"gen_ai.provider.name": provider, "gen_ai.request.model": model}
     common = {k: v for k, v in common.items() if v is not None}
-    runs = {}  # thread id -> the spans of the run in that thread: runs in threads stay apart
+    # thread id -> the runs under way in that thread, outermost first: runs in threads stay
+    # apart, and a run started by a tool of another (a sub-agent) is traced inside it
+    runs = {}
 
     def fail(span, exc_or_type, description=None):
         kind = exc_or_type if isinstance(exc_or_type, str) else (
             exc_or_type.kind if isinstance(exc_or_type, ProviderError) else type(exc_or_type).__name__)
+        if description is None:
+            try:
+                description = str(exc_or_type)
+            except Exception:  # an exception class whose __str__ raises
+                description = _exception_text(exc_or_type)
         span.set_attribute("error.type", kind)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, _redact_secrets(
-            description if description is not None else str(exc_or_type)) or None))
+        span.set_status(trace.Status(trace.StatusCode.ERROR, _redact_secrets(description) or None))
+
+    def end_tool(state, key):
+        """The tool span of ``key``, no longer current (None if it was not open)."""
+        token = state["current"].pop(key, None)
+        if token is not None:
+            otel_context.detach(token)
+        return state["tools"].pop(key, None)
 
     def end_run(state, error=None):
+        for key in reversed(list(state["tools"])):
+            span = end_tool(state, key)
+            if error is not None:
+                fail(span, error)
+            span.end()
+        if state["chat"] is not None:
+            if error is not None:
+                fail(state["chat"], error)
+            state["chat"].end()
         agent = state["agent"]
-        if agent is None:
-            return
-        for span in [state["chat"], *state["tools"].values()]:
-            if span is not None:
-                if error is not None:
-                    fail(span, error)
-                span.end()
         agent.set_attribute("gen_ai.usage.input_tokens", state["usage"]["input_tokens"])
         agent.set_attribute("gen_ai.usage.output_tokens", state["usage"]["output_tokens"])
         if error is not None:
             fail(agent, error)
         agent.end()
-        runs.pop(threading.get_ident(), None)
+        stack = runs.get(threading.get_ident(), [])
+        if state in stack:
+            stack.remove(state)
+        if not stack:
+            runs.pop(threading.get_ident(), None)
 
     def on_event(event):
         kind = event["type"]
-        state = runs.get(threading.get_ident())
-        if kind == "turn_start" and event.get("turn") == 1 and state is not None:
-            end_run(state, "interrupted")  # this thread's run before ended without its last events (Ctrl-C)
+        stack = runs.get(threading.get_ident())
+        state = stack[-1] if stack else None
+        if kind == "turn_start" and event.get("turn") == 1 and state is not None and not state["tools"]:
+            # this thread's run before ended without its last events (Ctrl-C): not one whose
+            # tool runs this one
+            for stale in reversed(stack):
+                end_run(stale, "interrupted")
             state = None
-        if kind == "turn_start" and state is None:
-            state = runs[threading.get_ident()] = {"chat": None, "tools": {}, "usage": _zero_usage()}
-            state["agent"] = tracer.start_span(
+        if kind == "turn_start" and event.get("turn") == 1 or kind == "turn_start" and state is None:
+            agent = tracer.start_span(
                 "invoke_agent", context=otel_context.get_current(), kind=kinds.INTERNAL,
                 attributes={"gen_ai.operation.name": "invoke_agent", **common})
-            state["context"] = trace.set_span_in_context(state["agent"])
+            state = {"agent": agent, "context": trace.set_span_in_context(agent), "chat": None,
+                     "tools": {}, "current": {}, "usage": _zero_usage()}
+            runs.setdefault(threading.get_ident(), []).append(state)
         elif state is None:
             return
         elif kind == "llm_start":
@@ -8351,11 +8400,13 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
             if capture_content:
                 attributes["gen_ai.tool.call.arguments"] = _redact_secrets(
                     str(call.get("arguments") or ""))
-            state["tools"][id(call)] = tracer.start_span(
+            span = state["tools"][id(call)] = tracer.start_span(
                 f"execute_tool {call.get('name')}", context=state["context"], kind=kinds.INTERNAL,
                 attributes=attributes)
+            # current while the tool runs: what it traces (a sub-agent's run) nests under it
+            state["current"][id(call)] = otel_context.attach(trace.set_span_in_context(span))
         elif kind == "tool_call_end" and not event.get("cancelled"):
-            span = state["tools"].pop(id(event["call"]), None)
+            span = end_tool(state, id(event["call"]))
             if span is not None:
                 result = event["result"]
                 if capture_content:

@@ -1233,6 +1233,15 @@ def test_emitter_iterates_a_snapshot():
     assert seen == ["first", "second"]
 
 
+def test_a_handler_that_calls_sys_exit_is_logged_and_the_run_goes_on(caplog):
+    emitter = lich.AgentEmitter()
+    emitter.on("llm_end", lambda event: sys.exit(3))
+    with caplog.at_level("ERROR", logger="lich"):
+        run = lich.run_agent("go", chat=ScriptedChat(answer("done")), emitter=emitter, max_turns=2)
+    assert (run.stopped_reason, run.final) == ("final", answer("done"))
+    assert [(r.levelname, r.exc_info[0]) for r in caplog.records] == [("ERROR", SystemExit)]
+
+
 def test_emitter_logs_and_swallows_a_raising_handler(caplog):
     emitter, seen = lich.AgentEmitter(), []
 
@@ -2923,7 +2932,31 @@ def test_a_reused_handle_records_only_what_seeding_added(tmp_path):
         run_start(5, 5),
         msg({"role": "system", "content": "new sys"}), msg(user("three")), msg(assistant("3")), end]
     assert first.session_path == second.session_path == third.session_path == handle.path
-    assert lich.read_session_messages(handle.path)[-2:] == [user("three"), assistant("3")]
+    assert lich.read_session_messages(handle.path) == [
+        {"role": "system", "content": "new sys"}, user("one"), assistant("1"), user("two"), assistant("2"),
+        user("three"), assistant("3")]  # the system prompt as the last run had it
+
+
+def test_a_run_started_inside_a_run_records_nothing_into_the_handle_the_outer_one_records_into(tmp_path, caplog):
+    handle = lich.open_session(tmp_path)
+    tools = lich.Tools()
+
+    @tools.tool
+    def delegate(q: str) -> str:
+        """Ask a sub-agent."""
+        return lich.run_agent(q, chat=ScriptedChat(answer("inner")), session=handle, max_turns=2).final["content"]
+
+    with caplog.at_level("WARNING", logger="lich"):
+        run = lich.run_agent("go", chat=ScriptedChat(assistant("", ("c1", "delegate", '{"q": "x"}')), answer("done")),
+                             tools=tools, session=handle, max_turns=3)
+        again = lich.run_agent("more", chat=ScriptedChat(answer("again")), session=handle, history=run.messages,
+                               max_turns=2)  # the outer run ended: the handle records again
+    handle.close()
+    assert lich.read_session_messages(handle.path) == again.messages == [
+        user("go"), assistant("", ("c1", "delegate", '{"q": "x"}')), tool_msg("c1", "inner", name="delegate"),
+        answer("done"), user("more"), answer("again")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"session recording is off: {handle.id} records the run that started this one; give this run a session of its own"]
 
 
 def test_a_handle_new_to_run_agent_gets_the_whole_history(tmp_path):
@@ -7362,6 +7395,28 @@ def _limited_calls(limiter, n, work=0.05, signal=None, starts=None):
 def test_limiter_caps_calls_in_flight_across_threads():
     most, starts, errors = _limited_calls(lich.Limiter(max_concurrent=3), 12)
     assert (most, len(starts), errors) == (3, 12, [])
+
+
+def test_a_limited_chat_called_from_inside_its_own_call_fails_rather_than_waiting_for_ever():
+    limiter = lich.Limiter(max_concurrent=1)
+    inner = limiter.wrap(ScriptedChat(answer("inner")))
+
+    def guarded(messages, **options):  # a chat that asks another model first, on the same limiter
+        inner([user("is this fine?")])
+        return lich.ChatResult(answer("outer"))
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        limiter.wrap(guarded)([user("go")])
+    assert time.monotonic() - started < 1
+    assert str(info.value) == (
+        "a call through this Limiter (max_concurrent=1) from inside its own calls in one thread would wait for "
+        "ever: that thread holds every slot (a chat or on_delta that runs an agent on a chat of the same limiter); "
+        "give the inner chat a Limiter of its own")
+    roomier = lich.Limiter(max_concurrent=2)
+    inner = roomier.wrap(ScriptedChat(answer("inner")))
+    assert roomier.wrap(guarded)([user("go")]).message == answer("outer")  # a slot was free
+    assert inner.chat.calls[0]["messages"] == [user("is this fine?")]
 
 
 def test_limiter_serves_calls_in_the_order_they_came():
@@ -11919,6 +11974,33 @@ def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans
         ("chat m-1", None, "UNSET"),
         ("invoke_agent", "interrupted", "ERROR"),  # at the next run
         ("chat m-1", None, "UNSET"), ("invoke_agent", None, "UNSET")]
+
+
+@pytest.mark.parametrize("emitters", ["its own", "the outer run's"])
+def test_a_sub_agent_run_by_a_tool_is_traced_inside_that_tools_span(spans, emitters):
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()
+    lich.trace_otel(emitter, tracer=tracer, model="m-1")
+    tools = lich.Tools()
+
+    @tools.tool
+    def delegate(q: str) -> str:
+        """Ask a sub-agent."""
+        inner = emitter
+        if emitters == "its own":
+            inner = lich.AgentEmitter()
+            lich.trace_otel(inner, tracer=tracer, model="m-2")
+        return lich.run_agent(q, chat=ScriptedChat(answer("inner answer")), emitter=inner, max_turns=2).final["content"]
+
+    run = lich.run_agent("go", chat=ScriptedChat(assistant("", ("c1", "delegate", '{"q": "look"}')), answer("done")),
+                         tools=tools, emitter=emitter, max_turns=3)
+    assert run.messages[2] == tool_msg("c1", "inner answer", name="delegate")
+    inner_chat = "chat m-2" if emitters == "its own" else "chat m-1"
+    assert [(s[0], s[2], s[4]) for s in finished()] == [
+        ("chat m-1", "invoke_agent", "UNSET"),
+        (inner_chat, "invoke_agent", "UNSET"), ("invoke_agent", "execute_tool delegate", "UNSET"),
+        ("execute_tool delegate", "invoke_agent", "UNSET"),
+        ("chat m-1", "invoke_agent", "UNSET"), ("invoke_agent", None, "UNSET")]
 
 
 def test_runs_in_two_threads_on_one_emitter_are_traced_apart(spans):
