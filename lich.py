@@ -136,6 +136,11 @@ class ProviderError(Exception):
         self.status = status
         self.provider = provider
         self.retryable = kind in self.RETRYABLE_KINDS if retryable is None else retryable
+        if retry_after is not None and not isinstance(retry_after, (int, float)):
+            try:  # a header's text, passed on as it came ("2"): its seconds
+                retry_after = float(retry_after)
+            except (TypeError, ValueError):
+                retry_after = None  # no wait that can be read
         self.retry_after = retry_after
         self.after_output = False
 
@@ -1351,6 +1356,8 @@ def _check_chat_result(result):
     if not isinstance(result, ChatResult) or not isinstance(result.message, dict):
         if type(result).__name__ == ChatResult.__name__:  # a vendored copy's, say
             raise TypeError(_of_another_copy("chat", result))
+        if inspect.iscoroutine(result):  # an async def ChatFn: never run, said once, not twice
+            result.close()
         raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                         f"holding a message dict")
     role, content = result.message.get("role"), result.message.get("content")
@@ -1358,6 +1365,9 @@ def _check_chat_result(result):
         raise TypeError(f"the chat's message has the role {role!r}, not 'assistant'")
     if content is not None and not isinstance(content, str):
         raise TypeError(f"the chat's message content is a {type(content).__name__}, not a string")
+    if result.usage is not None and not isinstance(result.usage, dict):  # an SDK's own object
+        raise TypeError(f"the chat's usage is a {type(result.usage).__name__}, not a dict of "
+                        f"token counts")
     calls = result.message.get("tool_calls")
     if calls is None:
         return
@@ -1385,7 +1395,9 @@ def _call_chat(chat, history, used_ids, id_counters, *, turn, tools, temperature
     """``call_chat`` with the history's call ids already known; ``used_ids`` grows by the answer's."""
     _emit(emitter, {"type": "llm_start", "turn": turn})
     try:
-        result = chat(history, tools=tools, temperature=temperature, max_tokens=max_tokens,
+        # A copy of the list: a ChatFn that takes the system prompt out (messages.pop(0)) or
+        # adds to it changes no history; it grows after the call, not in the chat's hands.
+        result = chat(list(history), tools=tools, temperature=temperature, max_tokens=max_tokens,
                       signal=signal, **_chat_extras(response_format))
         _check_chat_result(result)
     except BaseException as exc:  # Ctrl-C in a notebook too: a tracer's spans end
@@ -1432,6 +1444,9 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
         return ToolResult(ok=False, error="TypeError: " + (
             _of_another_copy("tool runner", result) if type(result).__name__ == "ToolResult"
             else f"the tool runner returned {type(result).__name__}, not a ToolResult"))
+    if result.ok not in (True, False):  # "false" would be taken for a success
+        return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult whose "
+                                          f"ok is {type(result.ok).__name__}, not bool")
     output = "" if result.output is None else result.output
     for value in (output, result.error):
         if value is not None and not isinstance(value, str):  # no session or provider takes it
@@ -1587,7 +1602,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     """
     _check_run_options(max_turns, output_schema)
     history = seed_system_prompt(messages, system_prompt)
-    specs = (tools.specs() or None) if tools is not None else None
+    specs = (list(tools.specs() or ()) or None) if tools is not None else None  # a generator too
     response_format = (None if output_schema is None
                        else {"name": _OUTPUT_FORMAT_NAME, "schema": output_schema})
     # Kept as the history grows, so a turn costs the same at turn 10 and at turn 1,000.

@@ -1982,6 +1982,70 @@ def test_a_chat_that_returns_no_chat_result_is_a_clear_type_error():
     assert types(events) == ["turn_start", "llm_start", "error"]
 
 
+def test_an_async_chat_is_a_type_error_and_no_coroutine_left_unawaited():
+    async def chat(messages, **options):
+        return lich.ChatResult(answer("never"))
+
+    message = None
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            lich.run_conversation(chat, None, [user("x")], max_turns=1)
+        except TypeError as e:
+            message = str(e)
+        gc.collect()  # the error and its frames gone: a coroutine never closed says so now
+    assert message == "the chat returned coroutine, not a ChatResult holding a message dict"
+    assert [str(w.message) for w in warned] == []
+
+
+def test_a_chat_that_passes_on_its_sdks_usage_object_is_a_type_error_not_a_session_without_answers(tmp_path):
+    class Usage:  # an SDK's
+        input_tokens, output_tokens = 3, 1
+
+    with pytest.raises(TypeError, match="^the chat's usage is a Usage, not a dict of token counts$"):
+        lich.run_agent("x", chat=lambda messages, **options: lich.ChatResult(answer("hi"), usage=Usage()),
+                       max_turns=1, session_dir=tmp_path)
+    [path] = tmp_path.iterdir()
+    assert [r.get("meta", {}).get("event") or r["message"]["role"] for r in records(path)] == [
+        "run_start", "user", "run_error"]
+
+
+def test_a_chat_that_changes_the_list_it_is_given_changes_no_history():
+    seen = []
+
+    def chat(messages, **options):  # an adapter that takes the system prompt out, as its SDK wants
+        system = messages.pop(0)
+        seen.append((system["content"], len(messages)))
+        messages.append(user("added by the adapter"))
+        return lich.ChatResult(assistant("", ("c1", "echo", "{}")) if len(seen) == 1 else answer("done"))
+
+    history = [{"role": "system", "content": "Answer in French."}, user("go")]
+    outcome = lich.run_conversation(chat, EchoTools(), history, max_turns=3)
+    assert seen == [("Answer in French.", 1), ("Answer in French.", 3)]
+    assert outcome.messages == history[:2] + [assistant("", ("c1", "echo", "{}")), tool_msg("c1", "echo:{}"),
+                                               answer("done")]
+    assert history == [{"role": "system", "content": "Answer in French."}, user("go")]
+
+
+def test_tools_whose_specs_come_as_a_generator_are_offered_on_every_turn():
+    class OneShotSpecs(EchoTools):
+        def specs(self):
+            return (spec for spec in super().specs())
+
+    _, _, chat = run_loop(assistant("", ("c1", "echo", "{}")), assistant("done"), tools=OneShotSpecs())
+    assert [c["tools"] for c in chat.calls] == [EchoTools().specs()] * 2
+
+
+def test_a_tool_result_whose_ok_is_no_bool_is_a_failed_result():
+    class Sloppy(EchoTools):
+        def run(self, call, signal=None):
+            return lich.ToolResult("false", "", "permission denied")
+
+    outcome, _, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("done"), tools=Sloppy())
+    assert outcome.messages[2] == tool_msg(
+        "c1", failed("TypeError: the tool runner returned a ToolResult whose ok is str, not bool"), is_error=True)
+
+
 def another_copy_of_lich():
     """lich.py loaded again under a plug-in's name, beside the lich these tests import."""
     import importlib.util
@@ -7033,6 +7097,20 @@ def test_backoff_is_exponential_with_jitter_and_capped():
     for row in rows:
         assert all(cap / 2 <= wait <= cap for wait, cap in zip(row, caps)), row
     assert len({row[0] for row in rows}) > 1  # jittered
+
+
+@pytest.mark.parametrize("given, seconds", [(2, 2), (1.5, 1.5), ("2", 2.0), (" 7.5 ", 7.5), ("soon", None),
+                                             (b"3", 3.0), (None, None)])
+def test_a_retry_after_given_as_text_is_read_as_seconds(given, seconds):
+    error = lich.ProviderError("slow down", "rate_limit", retry_after=given)
+    assert error.retry_after == seconds and type(error.retry_after) is type(seconds)
+
+
+def test_a_retry_after_given_as_text_is_waited_out_by_the_router_and_the_limiter():
+    limiter = lich.Limiter()
+    chat = lich.Router([limiter.wrap(ScriptedChat(lich.ProviderError("slow down", "rate_limit", retry_after="0.05"),
+                                                  answer("done")))], retries=1, base_delay=0.01)
+    assert chat([user("go")]).message == answer("done")
 
 
 def test_backoff_never_waits_less_than_retry_after():
