@@ -159,14 +159,13 @@ class MCPError(Exception):
 
 
 def _exception_text(exc) -> str:
-    """``Type: message`` of an exception, ``Type`` alone when it has no message; also when
-    its ``__str__`` raises (a tool's own exception class may be broken)."""
-    name = type(exc).__name__
+    """``Type: message`` of an exception (API.md's form), also when its ``__str__`` raises
+    (a tool's own exception class may be broken): then as Python's tracebacks say it."""
     try:
         message = str(exc)
     except Exception:
-        return f"{name} (its message cannot be shown)"
-    return f"{name}: {message}" if message else name
+        message = "<exception str() failed>"
+    return f"{type(exc).__name__}: {message}"
 
 
 def _raised_by_a_signal_handler(exc) -> bool:
@@ -1484,15 +1483,15 @@ def run_tool_calls(tools, calls, history, *, turn, signal=None, emitter=None) ->
         if signal is not None and signal.is_set():
             _skip_tool_call(call, history, turn=turn, error="aborted", emitter=emitter)
             continue
-        _emit(emitter, {"type": "tool_call_start", "turn": turn, "call": call})
         try:
+            _emit(emitter, {"type": "tool_call_start", "turn": turn, "call": call})
             result = _run_one_tool(tools, call, signal)
-        except BaseException as exc:  # Ctrl-C in a tool: as in a chat call, a tracer's spans end
-            _emit(emitter, {"type": "error", "error": exc})
+            history.append(tool_message_from_result(call, result))
+            _emit(emitter, {"type": "tool_call_end", "turn": turn, "call": call, "result": result,
+                            "cancelled": False})
+        except BaseException as exc:  # Ctrl-C in a tool (or a handler): as in a chat call,
+            _emit(emitter, {"type": "error", "error": exc})  # a tracer's spans end
             raise
-        history.append(tool_message_from_result(call, result))
-        _emit(emitter, {"type": "tool_call_end", "turn": turn, "call": call, "result": result,
-                        "cancelled": False})
 
 
 def _check_loop_keywords(caller, names, taken=()):
@@ -2073,21 +2072,22 @@ def _repair_history(messages) -> list:
     assistant message that asked for it; a call left unanswered gets an "interrupted"
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too. ``messages``
-    holds ``_RUN_START`` where a run starts, in a file that several runs went to: the
-    user messages before it had no answer (that run failed before one) and go, as trailing
-    ones do at the end; a system message right after it is the prompt that run set, new or
-    changed, and stands first, in place of any before it, as the run had it.
+    holds a ``_RunStart`` where a run starts, in a file that several runs went to (one
+    handle, one conversation): the user messages before it that its history did not hold
+    had no answer (that run failed before one) and go, as trailing ones do at the end; a
+    system message right after it is the prompt that run set, new or changed, and stands
+    first, in place of any before it, as the run had it, unless nothing of that run is kept.
     """
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
     used, counters = set(), {}
+    run = None  # the run under way in the file: its _RunSystem
     run_started = False
     for message in messages:
-        if message is _RUN_START:
-            while repaired and repaired[-1]["role"] == "user":
-                repaired.pop()
-            run_started = True
+        if type(message) is _RunStart:
+            _drop_unanswered(repaired, run, keep=message.history_size)
+            run, run_started = None, True
             continue
         seeded_system, run_started = run_started and message["role"] == "system", False
         role = message["role"]
@@ -2115,16 +2115,50 @@ def _repair_history(messages) -> list:
                 pending.append(entry)
                 waiting.setdefault(old["id"], deque()).append(entry)
         if seeded_system and repaired:
-            if repaired[0]["role"] == "system":
+            replaced = repaired[0] if repaired[0]["role"] == "system" else None
+            if replaced is not None:
                 repaired[0] = message
             else:
                 repaired.insert(0, message)
+            run = _RunSystem(replaced, len(repaired))
             continue
         repaired.append(message)
     repaired.extend(_interrupted_tool_message(call) for call, answered in pending if not answered)
-    while repaired and repaired[-1]["role"] == "user":
-        repaired.pop()
+    _drop_unanswered(repaired, run, keep=0)
     return repaired
+
+
+class _RunStart:
+    """Where a run starts among a file's messages: the size of the history it was given."""
+
+    __slots__ = ("history_size",)
+
+    def __init__(self, history_size):
+        self.history_size = history_size
+
+
+class _RunSystem:
+    """The system prompt a run of a file set: the one it replaced (None: it was put first),
+    and how many messages were kept then."""
+
+    __slots__ = ("kept", "replaced")
+
+    def __init__(self, replaced, kept):
+        self.replaced = replaced
+        self.kept = kept
+
+
+def _drop_unanswered(repaired, run, *, keep):
+    """At a run's end in a file (the next run's start, or the end): drop the user messages past
+    the first ``keep`` that got no answer; when nothing of the run is left, so goes the
+    system prompt it set (``run``, a _RunSystem, or None)."""
+    while len(repaired) > keep and repaired[-1]["role"] == "user":
+        repaired.pop()
+    if run is not None and len(repaired) <= run.kept:
+        if run.replaced is not None:
+            repaired[0] = run.replaced
+        else:
+            del repaired[0]
 
 
 def read_session_messages(path) -> list:
@@ -2165,11 +2199,8 @@ def _session_lines(lines):
         yield "".join(pieces) if pieces is not None else line  # its start: said not JSON
 
 
-_RUN_START = object()  # where a run starts among a file's messages
-
-
 def _recorded_messages(lines, path):
-    """The messages of the message records among ``lines``, in order, and ``_RUN_START``
+    """The messages of the message records among ``lines``, in order, and a ``_RunStart``
     for each ``run_start`` meta record; other lines skipped, each said on the ``lich``
     logger at DEBUG (a hand edit that broke one is found so)."""
     for number, line in enumerate(lines, 1):
@@ -2190,7 +2221,8 @@ def _recorded_messages(lines, path):
                 _log.debug("%s: line %d skipped: a message of no known role or shape", path, number)
         elif kind == "meta" and type(record.get("meta")) is dict \
                 and record["meta"].get("event") == "run_start":
-            yield _RUN_START
+            size = record["meta"].get("history_size")
+            yield _RunStart(size if type(size) is int and size > 0 else 0)
 
 
 def list_sessions(session_dir) -> list:
@@ -4999,6 +5031,8 @@ def _function_tool(fn, name, description):
     hints = _type_hints(fn, name)
     described = _tool_function(fn)  # a partial's docstring is partial's own
     if (code is not described and not inspect.isclass(described)
+            and not hasattr(described, "__wrapped__")  # a wrapper says what it wraps does
+            and "__doc__" not in getattr(described, "__dict__", {})
             and _docstring(code) is not None):
         described = code  # an object's __call__ says what it does, else the object's class
     doc_description, arg_docs = _parse_docstring(_docstring(described))
@@ -5203,10 +5237,11 @@ class Tools:
                               output=self._limit(output) if isinstance(output, str) else output,
                               error=self._limit(error) if isinstance(error, str) else error)
         if inspect.iscoroutine(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
-            value.close()  # never run: said, not passed off as a result
-            return ToolResult(ok=False, error=f"TypeError: the tool returned a "
-                                              f"{type(value).__name__} object, which lich does "
-                                              f"not run; a tool returns its result")
+            if not inspect.isasyncgen(value):  # one never started has nothing to close
+                value.close()  # never run: said, not passed off as a result
+            kind = "an async generator" if inspect.isasyncgen(value) else f"a {type(value).__name__}"
+            return ToolResult(ok=False, error=f"TypeError: the tool returned {kind} object, which "
+                                              f"lich does not run; a tool returns its result")
         try:
             text = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError):
@@ -9470,7 +9505,7 @@ class _Terminal:
         if spinner is not None:
             spinner[0].set()
             # not yet started (stopped from another thread at once): it ends as it starts
-            if spinner[1] is not threading.current_thread() and spinner[1].ident is not None:
+            if spinner[1] is not threading.current_thread() and spinner[1].is_alive():
                 spinner[1].join()
 
     def _fit(self, text, room=0):
@@ -10213,7 +10248,10 @@ def _run_interruptibly(work, signal, cli):
     try:
         finished = False
         while not finished:
-            finished = done.wait(_POLL_SECONDS)
+            try:
+                finished = done.wait(_POLL_SECONDS)
+            except KeyboardInterrupt:  # raised by a handler not lich's (a program embedding it)
+                interrupts.noted.append(True)
             while interrupts.take():
                 interrupted()
     finally:

@@ -1716,9 +1716,9 @@ def test_an_exception_that_cannot_say_its_message_is_still_a_failed_result():
             raise _UnprintableError("x")
 
     outcome, events, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("ok"), tools=Broken())
-    assert events[4]["result"] == lich.ToolResult(ok=False, error="_UnprintableError (its message cannot be shown)")
+    assert events[4]["result"] == lich.ToolResult(ok=False, error="_UnprintableError: <exception str() failed>")
     assert outcome.messages[2] == tool_msg(
-        "c1", failed("_UnprintableError (its message cannot be shown)"), is_error=True)
+        "c1", failed("_UnprintableError: <exception str() failed>"), is_error=True)
     assert outcome.stopped_reason == "final"
 
 
@@ -3738,6 +3738,32 @@ def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(t
     recorded = [json.loads(line) for line in Path(session.path).read_text().splitlines()]
     assert [r["message"]["content"] for r in recorded if r["kind"] == "message"] == [
         "SYS-A", "one", "r1", "two", "three", "SYS-B", "four", "r4"]  # nothing asked is lost from the file
+
+
+def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
+    session = lich.open_session(tmp_path)
+    stop = threading.Event()
+    stop.set()
+    first = lich.run_agent("one", chat=ScriptedChat(), session=session, max_turns=2, signal=stop)
+    second = lich.run_agent("two", chat=ScriptedChat(answer("r2")), session=session, history=first.messages,
+                            max_turns=2)
+    session.close()
+    assert first.messages == [user("one")]
+    assert lich.read_session_messages(session.path) == second.messages == [user("one"), user("two"), answer("r2")]
+
+
+def test_the_system_prompt_of_a_run_that_left_nothing_is_not_kept(tmp_path):
+    session = lich.open_session(tmp_path)
+    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
+                           system_prompt="SYS-A")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       history=first.messages, max_turns=2, system_prompt="SYS-B")
+    third = lich.run_agent("three", chat=ScriptedChat(answer("r3")), session=session, history=first.messages,
+                           max_turns=2, system_prompt="SYS-A")
+    session.close()
+    assert lich.read_session_messages(session.path) == third.messages == [
+        {"role": "system", "content": "SYS-A"}, user("one"), answer("r1"), user("three"), answer("r3")]
 
 
 def test_a_system_prompt_a_later_run_set_stands_first_and_others_stay_in_place(tmp_path):
@@ -8475,6 +8501,26 @@ def test_tools_refuse_at_registration_what_they_could_not_run_as_meant(fn, optio
     assert tools.specs() == []
 
 
+def test_a_tool_wrapped_by_a_decorator_class_keeps_its_functions_description():
+    class Traced:
+        def __init__(self, fn):
+            functools.update_wrapper(self, fn)
+            self.fn = fn
+
+        def __call__(self, *args, **kwargs):
+            """Call the wrapped function, traced."""
+            return self.fn(*args, **kwargs)
+
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        return url
+
+    tools = lich.Tools()
+    tools.register(Traced(fetch))
+    assert tools.specs() == [
+        {"name": "fetch", "description": "Fetch a page.", "parameters": obj_schema({"url": {"type": "string"}}, ["url"])}]
+
+
 def test_a_callable_objects_tool_is_described_by_its_calls_docstring():
     class Index:
         """A helper holding an index (an internal detail)."""
@@ -8536,6 +8582,10 @@ def test_tools_results_that_cannot_be_shown_say_so():
         raise _UnprintableError()
 
     @tools.tool
+    def returns_an_async_generator() -> object:
+        return _async_generator_tool(1)
+
+    @tools.tool
     def raises_without_a_message():
         raise LookupError()
 
@@ -8552,8 +8602,10 @@ def test_tools_results_that_cannot_be_shown_say_so():
                                         "a tool returns its result"),
         lich.ToolResult(ok=False, error="the tool ran, but its result (a _ReprFails) cannot be shown: "
                                         "RuntimeError: repr needs a database session"),
-        lich.ToolResult(ok=False, error="_UnprintableError (its message cannot be shown)"),
-        lich.ToolResult(ok=False, error="LookupError")]
+        lich.ToolResult(ok=False, error="_UnprintableError: <exception str() failed>"),
+        lich.ToolResult(ok=False, error="TypeError: the tool returned an async generator object, which lich does "
+                                        "not run; a tool returns its result"),
+        lich.ToolResult(ok=False, error="LookupError: ")]  # API.md's "<ExceptionType>: <message>"
     if hasattr(sys, "set_int_max_str_digits"):  # Python's cap on an int's digits in text
         assert huge.ok is False and huge.error.startswith(
             "the tool ran, but its result (a dict) cannot be shown: ValueError: Exceeds the limit (4300")
@@ -12054,6 +12106,31 @@ def test_a_run_cut_by_ctrl_c_leaves_no_span_open_nor_the_next_run_under_it(spans
         ("chat m-1", None, "UNSET"), ("invoke_agent", None, "UNSET")]
 
 
+def test_ctrl_c_as_a_tool_ends_leaves_no_tool_span_current_nor_open(spans):
+    """Ctrl-C in a handler heard before the tracer's, as the tool's end is told: the run's
+    spans end with it, and the next run is no sub-agent of the dead tool."""
+    from opentelemetry import trace
+
+    tracer, finished = spans
+    emitter = lich.AgentEmitter()
+
+    def ctrl_c(event):
+        raise KeyboardInterrupt
+
+    unsubscribe = emitter.on("tool_call_end", ctrl_c)
+    lich.trace_otel(emitter, tracer=tracer, model="m-1")
+    with pytest.raises(KeyboardInterrupt):
+        lich.run_conversation(ScriptedChat(assistant("", ("c1", "echo", "{}"))), EchoTools(), [user("go")],
+                              max_turns=3, emitter=emitter)
+    assert not trace.get_current_span().get_span_context().is_valid
+    unsubscribe()
+    lich.run_conversation(ScriptedChat(answer("done")), None, [user("go")], max_turns=3, emitter=emitter)
+    assert [(s[0], s[2], s[3].get("error.type")) for s in finished()] == [
+        ("chat m-1", "invoke_agent", None),
+        ("execute_tool echo", "invoke_agent", "KeyboardInterrupt"), ("invoke_agent", None, "KeyboardInterrupt"),
+        ("chat m-1", "invoke_agent", None), ("invoke_agent", None, None)]
+
+
 @pytest.mark.parametrize("emitters", ["its own", "the outer run's"])
 def test_a_sub_agent_run_by_a_tool_is_traced_inside_that_tools_span(spans, emitters):
     tracer, finished = spans
@@ -15149,6 +15226,35 @@ def test_sigterm_while_a_quick_second_ctrl_c_waits_for_the_run_exits_128_plus_it
     assert (code, out) == (128 + signals.SIGTERM, "")
 
 
+def test_ctrl_c_under_a_sigint_handler_of_the_program_that_embeds_lich_stops_the_run(cli, monkeypatch):
+    """A program of its own SIGINT handler (one that logs, then raises) calls lich.main():
+    lich leaves that handler be, and still stops the run before it returns 130."""
+    import signal as signals
+
+    heard = []
+
+    def programs_handler(signum, frame):
+        heard.append(signum)
+        raise KeyboardInterrupt
+
+    stopped = []
+
+    def chat(messages, *, signal=None, **options):
+        eventually(lambda: frames_of(threading.main_thread(), "_run_interruptibly")[-1:] == ["wait"], 5)
+        os.kill(os.getpid(), signals.SIGINT)
+        stopped.append(signal.wait(5))
+        return lich.ChatResult({"role": "assistant", "content": "late"})
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
+    previous = signals.signal(signals.SIGINT, programs_handler)
+    try:
+        result = cli("-m", "openai:x", "--no-session", "--no-stream", "hi")
+    finally:
+        signals.signal(signals.SIGINT, previous)
+    assert (result, heard, stopped) == (
+        (0, "late\n", "interrupted; stopping (Ctrl-C again to quit)\n"), [signals.SIGINT], [True])  # as lich's own
+
+
 def test_sighup_ignored_as_nohup_leaves_it_stays_ignored(server, lich_model):
     import signal as signals
 
@@ -15160,7 +15266,7 @@ def test_sighup_ignored_as_nohup_leaves_it_stays_ignored(server, lich_model):
     try:
         wait_for_request(server, 1)
         child.send_signal(signals.SIGHUP)  # the terminal closed: nohup's user asked to go on
-        time.sleep(0.3)
+        time.sleep(1)  # taken, the run would have stopped by now (it looks every 0.1 s)
     finally:
         held.set()
     out, err = child.communicate(timeout=30)
