@@ -10151,6 +10151,15 @@ class _Interrupts:
         self.noting = False
         self.noted = deque()
 
+    def terminate(self, signum) -> bool:
+        """SIGTERM or SIGHUP came: lich is to leave with 128 + its number. False when one
+        came before (a closing terminal sends SIGHUP twice): that one's code stands."""
+        if self.terminating:
+            return False
+        self.exit_code = 128 + signum
+        self.terminating = True
+        return True
+
     def arrived(self):
         """A signal came (its handler's work, in the main thread): KeyboardInterrupt, or
         noted while ``noting``."""
@@ -10176,10 +10185,10 @@ class _Interrupts:
         self.last = now
 
 
-def _hold_interrupts():
-    """Make Ctrl-C, SIGTERM and SIGHUP do nothing in the main thread (while lich closes what
-    it started: raised anywhere there, they would leave a server running); returns the
-    function that gives them back."""
+def _hold_interrupts(interrupts):
+    """Make Ctrl-C do nothing in the main thread, and SIGTERM and SIGHUP only set lich's exit
+    code (while lich closes what it started: raised anywhere there, they would leave a
+    server running); returns the function that gives them back."""
     import signal as signals
 
     if threading.current_thread() is not threading.main_thread():
@@ -10187,8 +10196,9 @@ def _hold_interrupts():
     held = {}
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         number = getattr(signals, name, None)
-        if number is not None:
-            held[number] = signals.signal(number, lambda signum, frame: None)
+        if number is not None and signals.getsignal(number) is not signals.SIG_IGN:
+            held[number] = signals.signal(number, (lambda signum, frame: None) if name == "SIGINT"
+                                          else lambda signum, frame: interrupts.terminate(signum))
 
     def give_back():
         for number, previous in held.items():  # None: a handler Python did not install
@@ -10345,7 +10355,7 @@ class _Cli:
             finally:
                 done.set()
 
-        give_back = _hold_interrupts()
+        give_back = _hold_interrupts(self.interrupts)
         try:
             closing = [threading.Event() for _ in self.closers]
             for close, done in zip(self.closers, closing):
@@ -10674,7 +10684,13 @@ class _Cli:
                 if is_command and name in ("/exit", "/quit"):  # "/exit now"
                     return _EXIT_OK
                 if is_command:
-                    history, session = self._command(command, history, session)
+                    try:
+                        history, session = self._command(command, history, session)
+                    except KeyboardInterrupt:  # one cut short (/resume of a long file): as at the prompt
+                        if self.interrupts.terminating:
+                            raise _Quit(self.interrupts.exit_code) from None
+                        self.interrupts.pressed()  # a second one within 2 s quits
+                        self.term.note("(Ctrl-C again or Ctrl-D to quit)")
                     continue
                 if not command:
                     continue
@@ -11147,11 +11163,8 @@ def _main(argv, main_thread) -> int:
     handlers = {}
     if main_thread:
         def terminated(signum, frame):
-            if interrupts.terminating:  # already stopping: a closing terminal sends SIGHUP twice
-                return
-            interrupts.exit_code = 128 + signum
-            interrupts.terminating = True
-            interrupts.arrived()
+            if interrupts.terminate(signum):
+                interrupts.arrived()
 
         def interrupted(signum, frame):
             interrupts.arrived()
@@ -11170,29 +11183,31 @@ def _main(argv, main_thread) -> int:
     try:
         _check_modes(args)
         if args.list_sessions:
-            return _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
+            code = _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
                                    as_json=args.json)
-        cli = _Cli(args, os.environ, term, interrupts)
-        return _run_cli(cli)
+        else:
+            cli = _Cli(args, os.environ, term, interrupts)
+            code = _run_cli(cli)
     except _Quit as quit:
         if isinstance(quit, _StdoutFailed):
             term.error(quit.args[1])
         if isinstance(quit, (_StdoutClosed, _StdoutFailed)):
             _quiet_stdout()
-        return quit.args[0]
+        code = quit.args[0]
     except (_UsageError, SessionNotFound) as exc:
         term.error(str(exc))
-        return _EXIT_USAGE
+        code = _EXIT_USAGE
     except KeyboardInterrupt:
-        return interrupts.exit_code
+        code = interrupts.exit_code
     except Exception as exc:
         refusal = _schema_refusal(exc)
         if refusal is not None:  # a batch's: refused before any call
             term.error(str(refusal))
-            return _EXIT_USAGE
-        logger.debug("the run failed", exc_info=True)
-        term.error(_describe_error(exc))
-        return _EXIT_ERROR
+            code = _EXIT_USAGE
+        else:
+            logger.debug("the run failed", exc_info=True)
+            term.error(_describe_error(exc))
+            code = _EXIT_ERROR
     finally:
         if cli is not None:
             cli.close()
@@ -11205,6 +11220,8 @@ def _main(argv, main_thread) -> int:
         logger.setLevel(previous_level)
         if otel_logger is not None:
             otel_logger.removeHandler(handler)
+    # a SIGTERM or SIGHUP while lich closed what it started (after a Ctrl-C, say) is its end
+    return interrupts.exit_code if interrupts.terminating else code
 
 
 def _quiet_stdout():
@@ -11270,5 +11287,7 @@ if __name__ == "__main__":
     if _SIGINT_KILLS_AS_IT_LOADS:  # and as it ends: Python's shutdown has no word for one either
         import signal as _signals
 
-        _signals.signal(_signals.SIGINT, _signals.SIG_DFL)
+        # but after SIGTERM or SIGHUP, whose code lich leaves with: a Ctrl-C then changes nothing
+        _told_to_end = _exit_code in {128 + getattr(_signals, name, 0) for name in ("SIGTERM", "SIGHUP")}
+        _signals.signal(_signals.SIGINT, _signals.SIG_IGN if _told_to_end else _signals.SIG_DFL)
     sys.exit(_exit_code)

@@ -14935,6 +14935,22 @@ def test_a_wait_the_server_asks_for_is_said_when_lich_does_not_wait_it(server, l
                                                 "slow down (the server asks to wait 0.2 s)"))
 
 
+def test_one_ctrl_c_while_a_chat_resumes_a_long_session_leaves_the_chat_at_its_prompt(server, lich_model, tmp_path):
+    d = tmp_path / "sessions"
+    d.mkdir()
+    lines = [json.dumps(msg(user(f"q{i}") if i % 2 == 0 else assistant(f"a{i}"))) for i in range(2)]
+    (d / "20260101T000000Z-1.jsonl").write_text("\n".join(lines * 100_000) + "\n")
+    term = Pty(env={"NO_COLOR": "1"})
+    term.expect(PROMPT)
+    term.send("/resume 20260101T000000Z-1")  # 200,000 records: reading them takes about a second
+    term.expect("/resume 20260101T000000Z-1")
+    time.sleep(0.1)
+    term.proc.send_signal(signal.SIGINT)
+    assert term.expect(PROMPT, timeout=20).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
+    term.send("\x04")
+    assert term.close() == 0
+
+
 def test_interactive_chat_resume_clear_sessions_exit(server, lich_model, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
@@ -15736,6 +15752,21 @@ def test_ctrl_c_while_lich_closes_its_mcp_servers_leaves_none_running(server, li
     for pid in [int(word) for word in pids.read_text().split() if word != "eof"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_sigterm_while_lich_closes_its_mcp_servers_is_its_exit_code(server, lich_model, fake_mcp, tmp_path):
+    """The run over (a Ctrl-C had stopped it, say), lich closing its servers: a SIGTERM then
+    is lich's end, 128 + its number, as one that comes a moment sooner (it was dropped)."""
+    import signal as signals
+
+    command, _ = fake_mcp
+    pids = tmp_path / "pids"
+    queue(server, Reply(400, openai_error("bad request")))  # the run ends at once; closing begins
+    child = Process(LICH_PY, "--mcp", " ".join(command), "hi", env={"FAKE_STUBBORN": str(pids)})
+    eventually(lambda: pids.exists() and "eof" in pids.read_text().split(), 20)  # lich is closing it
+    child.popen.send_signal(signals.SIGTERM)
+    code, _, err = child.wait(timeout=30)
+    assert (code, "Traceback" in err) == (128 + signals.SIGTERM, False)
 
 
 @pytest.mark.parametrize("server", [
