@@ -137,10 +137,12 @@ class ProviderError(Exception):
         self.provider = provider
         self.retryable = kind in self.RETRYABLE_KINDS if retryable is None else retryable
         if retry_after is not None and not isinstance(retry_after, (int, float)):
-            try:  # a header's text, passed on as it came ("2"): its seconds
+            try:  # a header's text, passed on as it came ("2"): its seconds, read as a header's
                 retry_after = float(retry_after)
             except (TypeError, ValueError):
                 retry_after = None  # no wait that can be read
+            if retry_after is not None and not 0.0 <= retry_after < 1e9:  # "nan", "inf", "-5"
+                retry_after = None
         self.retry_after = retry_after
         self.after_output = False
 
@@ -1207,7 +1209,11 @@ def compress_messages(chat, messages, *, signal=None):
     request = [{"role": "system", "content": COMPRESSION_SYSTEM_PROMPT},
                {"role": "user", "content": _transcript(older)}]
     try:
-        summary = chat(request, tools=None, signal=signal).message.get("content") or ""
+        answer = chat(request, tools=None, signal=signal)
+        if inspect.iscoroutine(answer):  # an async def ChatFn: never run, not left unawaited
+            answer.close()
+            raise TypeError("the chat returned coroutine, not a ChatResult (an async def ChatFn)")
+        summary = answer.message.get("content") or ""
     except AbortError as exc:
         if signal is None or not signal.is_set():  # not the caller's stop: a failure to tell of
             _log.warning("history compression failed, keeping the full history: %s: %s",
@@ -1443,7 +1449,7 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
         return ToolResult(ok=False, error="TypeError: " + (
             _of_another_copy("tool runner", result) if type(result).__name__ == "ToolResult"
             else f"the tool runner returned {type(result).__name__}, not a ToolResult"))
-    if result.ok not in (True, False):  # "false" would be taken for a success
+    if type(result.ok) is not bool:  # "false" would be taken for a success
         return ToolResult(ok=False, error=f"TypeError: the tool runner returned a ToolResult whose "
                                           f"ok is {type(result.ok).__name__}, not bool")
     output = "" if result.output is None else result.output
@@ -2082,12 +2088,12 @@ def _repair_history(messages) -> list:
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
     waiting = {}  # the id recorded in the file -> its unanswered entries of ``pending``, in order
     used, counters = set(), {}
-    run = None  # the run under way in the file: its _RunSystem
+    prompts_set = []  # a _RunSystem per run of the file that set a system prompt, in order
     run_started = False
     for message in messages:
         if type(message) is _RunStart:
-            _drop_unanswered(repaired, run, keep=message.history_size)
-            run, run_started = None, True
+            _drop_unanswered(repaired, prompts_set, keep=message.history_size)
+            run_started = True
             continue
         seeded_system, run_started = run_started and message["role"] == "system", False
         role = message["role"]
@@ -2114,17 +2120,17 @@ def _repair_history(messages) -> list:
                 entry = [call, False]
                 pending.append(entry)
                 waiting.setdefault(old["id"], deque()).append(entry)
-        if seeded_system and repaired:
-            replaced = repaired[0] if repaired[0]["role"] == "system" else None
+        if seeded_system:
+            replaced = repaired[0] if repaired and repaired[0]["role"] == "system" else None
             if replaced is not None:
                 repaired[0] = message
             else:
                 repaired.insert(0, message)
-            run = _RunSystem(replaced, len(repaired))
+            prompts_set.append(_RunSystem(replaced, len(repaired)))
             continue
         repaired.append(message)
     repaired.extend(_interrupted_tool_message(call) for call, answered in pending if not answered)
-    _drop_unanswered(repaired, run, keep=0)
+    _drop_unanswered(repaired, prompts_set, keep=0)
     return repaired
 
 
@@ -2148,15 +2154,16 @@ class _RunSystem:
         self.kept = kept
 
 
-def _drop_unanswered(repaired, run, *, keep):
+def _drop_unanswered(repaired, prompts_set, *, keep):
     """At a run's end in a file (the next run's start, or the end): drop the user messages past
-    the first ``keep`` that got no answer; when nothing of the run is left, so goes the
-    system prompt it set (``run``, a _RunSystem, or None)."""
+    the first ``keep`` that got no answer; the system prompt of each run of which nothing is
+    left then goes too, latest first (``prompts_set``, _RunSystems, loses them)."""
     while len(repaired) > keep and repaired[-1]["role"] == "user":
         repaired.pop()
-    if run is not None and len(repaired) <= run.kept:
-        if run.replaced is not None:
-            repaired[0] = run.replaced
+    while prompts_set and len(repaired) <= prompts_set[-1].kept:
+        undone = prompts_set.pop()
+        if undone.replaced is not None:
+            repaired[0] = undone.replaced
         else:
             del repaired[0]
 
@@ -10293,7 +10300,7 @@ def _describe_error(exc) -> str:
         asked = ("" if not exc.retryable or wait is None else
                  f" (the server asks to wait {_seconds(wait)} s)")
         return f"error: {exc.kind}: {exc}{asked}"
-    return f"error: {_exception_text(exc)}"
+    return f"error: {_exception_text(exc).removesuffix(': ')}"  # no message: the type alone
 
 
 class _Cli:
@@ -11209,6 +11216,7 @@ def _main(argv, main_thread) -> int:
             term.error(_describe_error(exc))
             code = _EXIT_ERROR
     finally:
+        interrupts.noting = True  # leaving: a signal now only sets the code (SIGTERM, SIGHUP)
         if cli is not None:
             cli.close()
         term.stop_spinner()

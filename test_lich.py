@@ -1998,6 +1998,21 @@ def test_an_async_chat_is_a_type_error_and_no_coroutine_left_unawaited():
     assert [str(w.message) for w in warned] == []
 
 
+def test_an_async_chat_asked_for_a_summary_leaves_no_coroutine_unawaited(caplog):
+    async def chat(messages, **options):
+        return lich.ChatResult(answer("never"))
+
+    history = long_history(30)
+    with warnings.catch_warnings(record=True) as warned, caplog.at_level("WARNING", logger="lich"):
+        warnings.simplefilter("always")
+        assert lich.compress_messages(chat, history) == (history, 0)
+        gc.collect()
+    assert [str(w.message) for w in warned] == []
+    assert [r.getMessage() for r in caplog.records] == [(
+        "history compression failed, keeping the full history: TypeError: the chat returned coroutine, not a "
+        "ChatResult (an async def ChatFn)")]
+
+
 def test_a_chat_that_passes_on_its_sdks_usage_object_is_a_type_error_not_a_session_without_answers(tmp_path):
     class Usage:  # an SDK's
         input_tokens, output_tokens = 3, 1
@@ -2036,14 +2051,15 @@ def test_tools_whose_specs_come_as_a_generator_are_offered_on_every_turn():
     assert [c["tools"] for c in chat.calls] == [EchoTools().specs()] * 2
 
 
-def test_a_tool_result_whose_ok_is_no_bool_is_a_failed_result():
+@pytest.mark.parametrize("ok", ["false", 1])
+def test_a_tool_result_whose_ok_is_no_bool_is_a_failed_result(ok):
     class Sloppy(EchoTools):
         def run(self, call, signal=None):
-            return lich.ToolResult("false", "", "permission denied")
+            return lich.ToolResult(ok, "", "permission denied")
 
     outcome, _, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("done"), tools=Sloppy())
-    assert outcome.messages[2] == tool_msg(
-        "c1", failed("TypeError: the tool runner returned a ToolResult whose ok is str, not bool"), is_error=True)
+    assert outcome.messages[2] == tool_msg("c1", failed(
+        f"TypeError: the tool runner returned a ToolResult whose ok is {type(ok).__name__}, not bool"), is_error=True)
 
 
 def another_copy_of_lich():
@@ -3121,6 +3137,8 @@ def test_random_runs_record_sessions_that_replay_their_whole_transcript(tmp_path
                         {"event": "run_end", "stopped_reason": ended, "usage": outcome.usage_total})
         while transcript and transcript[-1]["role"] == "user":
             transcript.pop()
+        if [m["role"] for m in transcript] == ["system"]:  # nothing of the run is kept: nor its prompt
+            transcript = []
         assert lich.read_session_messages(path) == transcript
         assert_history_is_paired(transcript)
     assert endings == {"final", "budget", "aborted", "raised"}
@@ -3738,6 +3756,27 @@ def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(t
     recorded = [json.loads(line) for line in Path(session.path).read_text().splitlines()]
     assert [r["message"]["content"] for r in recorded if r["kind"] == "message"] == [
         "SYS-A", "one", "r1", "two", "three", "SYS-B", "four", "r4"]  # nothing asked is lost from the file
+
+
+def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_path):
+    session = lich.open_session(tmp_path)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(lich.ProviderError):  # the first run of the file sets a prompt and gets no answer
+        lich.run_agent("zero", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       max_turns=2, system_prompt="SP-FIRST")
+    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
+                           system_prompt="SP-OLD")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       history=first.messages, max_turns=2, system_prompt="SP-NEW")
+    lich.run_agent("three", chat=ScriptedChat(), session=session, max_turns=2, signal=stop,
+                   history=[{"role": "system", "content": "SP-NEW"}, *first.messages[1:], user("two")])
+    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
+                          max_turns=2)  # back to the last good run's messages
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [
+        {"role": "system", "content": "SP-OLD"}, user("one"), answer("r1"), user("four"), answer("r4")]
 
 
 def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
@@ -7126,7 +7165,8 @@ def test_backoff_is_exponential_with_jitter_and_capped():
 
 
 @pytest.mark.parametrize("given, seconds", [(2, 2), (1.5, 1.5), ("2", 2.0), (" 7.5 ", 7.5), ("soon", None),
-                                             (b"3", 3.0), (None, None)])
+                                             (b"3", 3.0), (None, None), ("nan", None), ("inf", None),
+                                             ("-5", None), ("1e12", None)])
 def test_a_retry_after_given_as_text_is_read_as_seconds(given, seconds):
     error = lich.ProviderError("slow down", "rate_limit", retry_after=given)
     assert error.retry_after == seconds and type(error.retry_after) is type(seconds)
@@ -7134,9 +7174,11 @@ def test_a_retry_after_given_as_text_is_read_as_seconds(given, seconds):
 
 def test_a_retry_after_given_as_text_is_waited_out_by_the_router_and_the_limiter():
     limiter = lich.Limiter()
-    chat = lich.Router([limiter.wrap(ScriptedChat(lich.ProviderError("slow down", "rate_limit", retry_after="0.05"),
+    chat = lich.Router([limiter.wrap(ScriptedChat(lich.ProviderError("slow down", "rate_limit", retry_after="0.3"),
                                                   answer("done")))], retries=1, base_delay=0.01)
+    started = time.monotonic()
     assert chat([user("go")]).message == answer("done")
+    assert time.monotonic() - started >= 0.3
 
 
 def test_backoff_never_waits_less_than_retry_after():
@@ -14939,14 +14981,15 @@ def test_one_ctrl_c_while_a_chat_resumes_a_long_session_leaves_the_chat_at_its_p
     d = tmp_path / "sessions"
     d.mkdir()
     lines = [json.dumps(msg(user(f"q{i}") if i % 2 == 0 else assistant(f"a{i}"))) for i in range(2)]
-    (d / "20260101T000000Z-1.jsonl").write_text("\n".join(lines * 100_000) + "\n")
+    (d / "20260101T000000Z-1.jsonl").write_text("\n".join(lines * 200_000) + "\n")
     term = Pty(env={"NO_COLOR": "1"})
     term.expect(PROMPT)
-    term.send("/resume 20260101T000000Z-1")  # 200,000 records: reading them takes about a second
+    term.send("/resume 20260101T000000Z-1")  # 400,000 records: reading them takes a second or more
     term.expect("/resume 20260101T000000Z-1")
     time.sleep(0.1)
     term.proc.send_signal(signal.SIGINT)
-    assert term.expect(PROMPT, timeout=20).endswith("(Ctrl-C again or Ctrl-D to quit)\n› ")
+    shown = term.expect(PROMPT, timeout=20)
+    assert shown.endswith("(Ctrl-C again or Ctrl-D to quit)\n› ") and "resumed" not in shown  # cut, not done
     term.send("\x04")
     assert term.close() == 0
 
@@ -15240,6 +15283,14 @@ def test_sigterm_while_a_quick_second_ctrl_c_waits_for_the_run_exits_128_plus_it
     monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
     code, out, _ = cli("-m", "openai:x", "--no-session", "--no-stream", "hi")
     assert (code, out) == (128 + signals.SIGTERM, "")
+
+
+def test_an_error_without_a_message_is_its_type_alone_on_the_terminal(cli, monkeypatch):
+    def chat(messages, **options):
+        raise TimeoutError()
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
+    assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (1, "", "lich: error: TimeoutError\n")
 
 
 def test_ctrl_c_under_a_sigint_handler_of_the_program_that_embeds_lich_stops_the_run(cli, monkeypatch):
