@@ -137,12 +137,12 @@ class ProviderError(Exception):
         self.provider = provider
         self.retryable = kind in self.RETRYABLE_KINDS if retryable is None else retryable
         if retry_after is not None and not isinstance(retry_after, (int, float)):
-            try:  # a header's text, passed on as it came ("2"): its seconds, read as a header's
+            try:  # a header's text, passed on as it came ("2"): its seconds
                 retry_after = float(retry_after)
             except (TypeError, ValueError):
                 retry_after = None  # no wait that can be read
-            if retry_after is not None and not 0.0 <= retry_after < 1e9:  # "nan", "inf", "-5"
-                retry_after = None
+        if retry_after is not None and not 0.0 <= retry_after < 1e9:  # nan, inf, -5, a date in 9999:
+            retry_after = None  # no wait to take (a Limiter would pause every caller for good)
         self.retry_after = retry_after
         self.after_output = False
 
@@ -2090,10 +2090,11 @@ def _repair_history(messages) -> list:
     used, counters = set(), {}
     prompts_set = []  # a _RunSystem per run of the file that set a system prompt, in order
     run_started = False
+    given = 0  # the size of the history the run under way was given
     for message in messages:
         if type(message) is _RunStart:
             _drop_unanswered(repaired, prompts_set, keep=message.history_size)
-            run_started = True
+            run_started, given = True, message.history_size
             continue
         seeded_system, run_started = run_started and message["role"] == "system", False
         role = message["role"]
@@ -2120,7 +2121,8 @@ def _repair_history(messages) -> list:
                 entry = [call, False]
                 pending.append(entry)
                 waiting.setdefault(old["id"], deque()).append(entry)
-        if seeded_system:
+        # a system message first of all, from a history given, is that history's, not one set
+        if seeded_system and (repaired or not given):
             replaced = repaired[0] if repaired and repaired[0]["role"] == "system" else None
             if replaced is not None:
                 repaired[0] = message
@@ -10300,7 +10302,8 @@ def _describe_error(exc) -> str:
         asked = ("" if not exc.retryable or wait is None else
                  f" (the server asks to wait {_seconds(wait)} s)")
         return f"error: {exc.kind}: {exc}{asked}"
-    return f"error: {_exception_text(exc).removesuffix(': ')}"  # no message: the type alone
+    text = _exception_text(exc)
+    return f"error: {type(exc).__name__ if text == type(exc).__name__ + ': ' else text}"  # no message
 
 
 class _Cli:

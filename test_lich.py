@@ -3137,8 +3137,8 @@ def test_random_runs_record_sessions_that_replay_their_whole_transcript(tmp_path
                         {"event": "run_end", "stopped_reason": ended, "usage": outcome.usage_total})
         while transcript and transcript[-1]["role"] == "user":
             transcript.pop()
-        if [m["role"] for m in transcript] == ["system"]:  # nothing of the run is kept: nor its prompt
-            transcript = []
+        if [m["role"] for m in transcript] == ["system"] and seeded == 1:  # the prompt the run set, and
+            transcript = []  # nothing of the run is kept (a history's own system prompt stays)
         assert lich.read_session_messages(path) == transcript
         assert_history_is_paired(transcript)
     assert endings == {"final", "budget", "aborted", "raised"}
@@ -3777,6 +3777,34 @@ def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_pa
     session.close()
     assert lich.read_session_messages(session.path) == last.messages == [
         {"role": "system", "content": "SP-OLD"}, user("one"), answer("r1"), user("four"), answer("r4")]
+
+
+def test_two_system_prompts_of_runs_that_left_nothing_go_at_one_run_start(tmp_path):
+    session = lich.open_session(tmp_path)
+    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2, system_prompt="SP-A")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       history=first.messages, max_turns=2, system_prompt="SP-B")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("three", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       max_turns=2, system_prompt="SP-C",
+                       history=[{"role": "system", "content": "SP-B"}, *first.messages[1:], user("two")])
+    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
+                          max_turns=2)
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [
+        {"role": "system", "content": "SP-A"}, user("one"), answer("r1"), user("four"), answer("r4")]
+
+
+def test_a_system_prompt_the_first_runs_history_held_stays_when_that_run_got_no_answer(tmp_path):
+    session = lich.open_session(tmp_path)
+    history = [{"role": "system", "content": "You are terse."}]  # a caller's, given each run
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("one", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
+                       history=history, max_turns=2)
+    run = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, history=history, max_turns=2)
+    session.close()
+    assert lich.read_session_messages(session.path) == run.messages == [*history, user("one"), answer("r1")]
 
 
 def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
@@ -7166,7 +7194,8 @@ def test_backoff_is_exponential_with_jitter_and_capped():
 
 @pytest.mark.parametrize("given, seconds", [(2, 2), (1.5, 1.5), ("2", 2.0), (" 7.5 ", 7.5), ("soon", None),
                                              (b"3", 3.0), (None, None), ("nan", None), ("inf", None),
-                                             ("-5", None), ("1e12", None)])
+                                             ("-5", None), ("1e12", None), (float("inf"), None), (-1, None),
+                                             (2.5e11, None)])  # the last: a Retry-After date in 9999
 def test_a_retry_after_given_as_text_is_read_as_seconds(given, seconds):
     error = lich.ProviderError("slow down", "rate_limit", retry_after=given)
     assert error.retry_after == seconds and type(error.retry_after) is type(seconds)
@@ -15291,6 +15320,13 @@ def test_an_error_without_a_message_is_its_type_alone_on_the_terminal(cli, monke
 
     monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: chat)
     assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (1, "", "lich: error: TimeoutError\n")
+
+    def sloppy(messages, **options):
+        raise ValueError("missing key: ")
+
+    monkeypatch.setattr(lich, "chat_from_spec", lambda spec, **options: sloppy)  # a message is kept as it is
+    assert cli("-m", "openai:x", "--no-session", "--no-stream", "hi") == (
+        1, "", "lich: error: ValueError: missing key: \n")
 
 
 def test_ctrl_c_under_a_sigint_handler_of_the_program_that_embeds_lich_stops_the_run(cli, monkeypatch):
