@@ -3734,21 +3734,31 @@ def test_read_session_messages_repairs_before_the_next_message_and_drops_orphans
     assert lich.read_session_messages(again) == history
 
 
+DOWN = lich.ProviderError("down", "server")
+
+
+def run_into(session, prompt, reply, **params):
+    """One ``run_agent`` into ``session``, answered with the text ``reply``, failed by the
+    exception ``reply`` (None back), or stopped before its turn (``reply`` None)."""
+    if isinstance(reply, BaseException):
+        with pytest.raises(type(reply)):
+            lich.run_agent(prompt, chat=ScriptedChat(reply), session=session, max_turns=2, **params)
+        return None
+    stop = threading.Event()
+    if reply is None:
+        stop.set()
+    return lich.run_agent(prompt, chat=ScriptedChat(*([] if reply is None else [answer(reply)])), session=session,
+                          max_turns=2, signal=stop, **params)
+
+
 def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(tmp_path):
     """One handle for a conversation: a run that failed, one stopped before its first answer,
     then one with a new system prompt, each given the last good run's messages."""
     session = lich.open_session(tmp_path)
-    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
-                           system_prompt="SYS-A")
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       history=first.messages, max_turns=2, system_prompt="SYS-A")
-    stop = threading.Event()
-    stop.set()
-    lich.run_agent("three", chat=ScriptedChat(), session=session, history=first.messages, max_turns=2,
-                   system_prompt="SYS-A", signal=stop)
-    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
-                          max_turns=2, system_prompt="SYS-B")
+    first = run_into(session, "one", "r1", system_prompt="SYS-A")
+    run_into(session, "two", DOWN, history=first.messages, system_prompt="SYS-A")
+    run_into(session, "three", None, history=first.messages, system_prompt="SYS-A")
+    last = run_into(session, "four", "r4", history=first.messages, system_prompt="SYS-B")
     session.close()
     system = {"role": "system", "content": "SYS-B"}
     assert last.messages == [system, user("one"), answer("r1"), user("four"), answer("r4")]
@@ -3760,20 +3770,11 @@ def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(t
 
 def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_path):
     session = lich.open_session(tmp_path)
-    stop = threading.Event()
-    stop.set()
-    with pytest.raises(lich.ProviderError):  # the first run of the file sets a prompt and gets no answer
-        lich.run_agent("zero", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       max_turns=2, system_prompt="SP-FIRST")
-    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
-                           system_prompt="SP-OLD")
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       history=first.messages, max_turns=2, system_prompt="SP-NEW")
-    lich.run_agent("three", chat=ScriptedChat(), session=session, max_turns=2, signal=stop,
-                   history=[{"role": "system", "content": "SP-NEW"}, *first.messages[1:], user("two")])
-    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
-                          max_turns=2)  # back to the last good run's messages
+    run_into(session, "zero", DOWN, system_prompt="SP-FIRST")  # the file's first run: a prompt, no answer
+    first = run_into(session, "one", "r1", system_prompt="SP-OLD")
+    run_into(session, "two", DOWN, history=first.messages, system_prompt="SP-NEW")
+    run_into(session, "three", None, history=[{"role": "system", "content": "SP-NEW"}, *first.messages[1:], user("two")])
+    last = run_into(session, "four", "r4", history=first.messages)  # back to the last good run's messages
     session.close()
     assert lich.read_session_messages(session.path) == last.messages == [
         {"role": "system", "content": "SP-OLD"}, user("one"), answer("r1"), user("four"), answer("r4")]
@@ -3781,16 +3782,11 @@ def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_pa
 
 def test_two_system_prompts_of_runs_that_left_nothing_go_at_one_run_start(tmp_path):
     session = lich.open_session(tmp_path)
-    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2, system_prompt="SP-A")
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       history=first.messages, max_turns=2, system_prompt="SP-B")
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("three", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       max_turns=2, system_prompt="SP-C",
-                       history=[{"role": "system", "content": "SP-B"}, *first.messages[1:], user("two")])
-    last = lich.run_agent("four", chat=ScriptedChat(answer("r4")), session=session, history=first.messages,
-                          max_turns=2)
+    first = run_into(session, "one", "r1", system_prompt="SP-A")
+    run_into(session, "two", DOWN, history=first.messages, system_prompt="SP-B")
+    run_into(session, "three", DOWN, system_prompt="SP-C",
+             history=[{"role": "system", "content": "SP-B"}, *first.messages[1:], user("two")])
+    last = run_into(session, "four", "r4", history=first.messages)
     session.close()
     assert lich.read_session_messages(session.path) == last.messages == [
         {"role": "system", "content": "SP-A"}, user("one"), answer("r1"), user("four"), answer("r4")]
@@ -3799,21 +3795,16 @@ def test_two_system_prompts_of_runs_that_left_nothing_go_at_one_run_start(tmp_pa
 def test_a_system_prompt_the_first_runs_history_held_stays_when_that_run_got_no_answer(tmp_path):
     session = lich.open_session(tmp_path)
     history = [{"role": "system", "content": "You are terse."}]  # a caller's, given each run
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("one", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       history=history, max_turns=2)
-    run = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, history=history, max_turns=2)
+    run_into(session, "one", DOWN, history=history)
+    run = run_into(session, "one", "r1", history=history)
     session.close()
     assert lich.read_session_messages(session.path) == run.messages == [*history, user("one"), answer("r1")]
 
 
 def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
     session = lich.open_session(tmp_path)
-    stop = threading.Event()
-    stop.set()
-    first = lich.run_agent("one", chat=ScriptedChat(), session=session, max_turns=2, signal=stop)
-    second = lich.run_agent("two", chat=ScriptedChat(answer("r2")), session=session, history=first.messages,
-                            max_turns=2)
+    first = run_into(session, "one", None)
+    second = run_into(session, "two", "r2", history=first.messages)
     session.close()
     assert first.messages == [user("one")]
     assert lich.read_session_messages(session.path) == second.messages == [user("one"), user("two"), answer("r2")]
@@ -3821,13 +3812,9 @@ def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
 
 def test_the_system_prompt_of_a_run_that_left_nothing_is_not_kept(tmp_path):
     session = lich.open_session(tmp_path)
-    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=2,
-                           system_prompt="SYS-A")
-    with pytest.raises(lich.ProviderError):
-        lich.run_agent("two", chat=ScriptedChat(lich.ProviderError("down", "server")), session=session,
-                       history=first.messages, max_turns=2, system_prompt="SYS-B")
-    third = lich.run_agent("three", chat=ScriptedChat(answer("r3")), session=session, history=first.messages,
-                           max_turns=2, system_prompt="SYS-A")
+    first = run_into(session, "one", "r1", system_prompt="SYS-A")
+    run_into(session, "two", DOWN, history=first.messages, system_prompt="SYS-B")
+    third = run_into(session, "three", "r3", history=first.messages, system_prompt="SYS-A")
     session.close()
     assert lich.read_session_messages(session.path) == third.messages == [
         {"role": "system", "content": "SYS-A"}, user("one"), answer("r1"), user("three"), answer("r3")]
