@@ -42,6 +42,11 @@ needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=NO_FIXTURES)
 # ignored SIGINT alone as programs do: the Ctrl-C tests need it as a terminal gives it.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+# So with SIGHUP under nohup (lich keeps a signal it was started ignoring ignored): a handler
+# that does nothing keeps the suite as immune as nohup made it, and each lich it starts gets
+# SIGHUP as a terminal gives it (exec resets a handler, not an ignored signal).
+if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
 
 # ============================================================================
