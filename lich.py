@@ -2078,11 +2078,14 @@ def _repair_history(messages) -> list:
     assistant message that asked for it; a call left unanswered gets an "interrupted"
     tool message after the answers that were recorded. A call id that is empty or used
     before is renamed (see ``_unique_call_ids``), in its tool message too. ``messages``
-    holds a ``_RunStart`` where a run starts, in a file that several runs went to (one
-    handle, one conversation): the user messages before it that its history did not hold
-    had no answer (that run failed before one) and go, as trailing ones do at the end; a
-    system message right after it is the prompt that run set, new or changed, and stands
-    first, in place of any before it, as the run had it, unless nothing of that run is kept.
+    holds a ``_RunMark`` for each run's start, end and compression, in a file that several
+    runs went to (one handle, one conversation). At a run's start, what its history did
+    not hold goes: the records of a run before it that failed or was stopped (and did not
+    compress its history, which would make its history shorter than the file), past the
+    history the next run was given; and user messages left without an answer, as trailing
+    ones do at the end. A system message right after a run's start is the prompt that run
+    set, new or changed, and stands first, in place of any before it, as the run had it,
+    unless nothing of that run is kept.
     """
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
@@ -2091,12 +2094,45 @@ def _repair_history(messages) -> list:
     prompts_set = []  # a _RunSystem per run of the file that set a system prompt, in order
     run_started = False
     given = 0  # the size of the history the run under way was given
+    own_from = None  # where the records of the run under way begin, past any history
+    reused = False  # its history is not among its records (a handle it reused, or none)
+    cut_short = compressed = False  # it failed or was stopped; it compressed its history
+    cut_from = None  # where the records of the runs cut short before it, one after another, begin
+    chain_inserts = run_inserts = 0  # system prompts those runs, and the run under way, put first
     for message in messages:
-        if type(message) is _RunStart:
-            _drop_unanswered(repaired, prompts_set, keep=message.history_size)
-            run_started, given = True, message.history_size
+        if type(message) is _RunMark:
+            if message.event == "compress":
+                compressed = True
+            elif message.event == "end":
+                cut_short = message.cut_short
+            else:  # a run starts
+                keep = message.history_size
+                if cut_short and not compressed and own_from is not None:
+                    cut_from = own_from if cut_from is None else min(cut_from, own_from)
+                    chain_inserts += run_inserts
+                else:
+                    cut_from, chain_inserts = None, 0
+                # a history given before those runs lacks the prompts they put first
+                at = None if cut_from is None else max(keep + chain_inserts, cut_from)
+                if at is not None and len(repaired) > at:
+                    repaired.extend(_interrupted_tool_message(call) for call, answered in pending
+                                    if not answered)
+                    pending, waiting = [], {}
+                    if repaired[at]["role"] != "tool":  # not inside a call's answers
+                        del repaired[at:]
+                        used, counters = _call_ids(repaired), {}  # as the next run's loop has them
+                # after a compression the history given is shorter than the file: nothing to count
+                shifted = _drop_unanswered(repaired, prompts_set,
+                                           keep=len(repaired) if compressed else keep)
+                if cut_from is not None:  # where it began, as the messages stand now
+                    cut_from = max(0, cut_from - shifted)
+                    chain_inserts = max(0, chain_inserts - shifted)
+                run_started, given, reused, run_inserts = True, keep, bool(repaired) or not keep, 0
+                own_from, cut_short, compressed = None, False, False
             continue
         seeded_system, run_started = run_started and message["role"] == "system", False
+        if own_from is None and reused and not seeded_system:  # what seeding added: its prompt
+            own_from = len(repaired)
         role = message["role"]
         if role == "tool":
             entries = waiting.get(message["tool_call_id"])
@@ -2128,6 +2164,9 @@ def _repair_history(messages) -> list:
                 repaired[0] = message
             else:
                 repaired.insert(0, message)
+                run_inserts += 1
+                if cut_from is not None:
+                    cut_from += 1  # it moved one on
             prompts_set.append(_RunSystem(replaced, len(repaired)))
             continue
         repaired.append(message)
@@ -2136,13 +2175,17 @@ def _repair_history(messages) -> list:
     return repaired
 
 
-class _RunStart:
-    """Where a run starts among a file's messages: the size of the history it was given."""
+class _RunMark:
+    """A run's meta record among a file's messages: its start ("start", with the size of
+    the history it was given), its end ("end", cut short when it failed or was stopped),
+    or a compression of its history ("compress")."""
 
-    __slots__ = ("history_size",)
+    __slots__ = ("cut_short", "event", "history_size")
 
-    def __init__(self, history_size):
+    def __init__(self, event, history_size=0, cut_short=False):
+        self.event = event
         self.history_size = history_size
+        self.cut_short = cut_short
 
 
 class _RunSystem:
@@ -2156,18 +2199,24 @@ class _RunSystem:
         self.kept = kept
 
 
-def _drop_unanswered(repaired, prompts_set, *, keep):
+def _drop_unanswered(repaired, prompts_set, *, keep) -> int:
     """At a run's end in a file (the next run's start, or the end): drop the user messages past
     the first ``keep`` that got no answer; the system prompt of each run of which nothing is
-    left then goes too, latest first (``prompts_set``, _RunSystems, loses them)."""
+    left then goes too, latest first (``prompts_set``, _RunSystems, loses them). Returns how
+    many messages went from the front (system prompts that had been put first)."""
     while len(repaired) > keep and repaired[-1]["role"] == "user":
         repaired.pop()
+    if not repaired:  # nothing is left: nor any prompt set
+        prompts_set.clear()
+    removed = 0
     while prompts_set and len(repaired) <= prompts_set[-1].kept:
         undone = prompts_set.pop()
         if undone.replaced is not None:
             repaired[0] = undone.replaced
         else:
             del repaired[0]
+            removed += 1
+    return removed
 
 
 def read_session_messages(path) -> list:
@@ -2175,10 +2224,10 @@ def read_session_messages(path) -> list:
 
     Lenient: lines that are not JSON, records of other kinds and messages of unknown
     roles or shapes are skipped. User messages that a run left without an answer (it
-    failed before one), at the end or before the next run's ``run_start``, are dropped, a
-    system prompt that a later run of the file set stands first, and interrupted tool
-    calls are closed (see ``_repair_history``), so reading a file written from the result
-    gives the same list. A missing file raises FileNotFoundError.
+    failed before one) are dropped at the end; at a later run's ``run_start``, what that
+    run's history did not hold (see ``_repair_history``); a system prompt that a later run
+    of the file set stands first, and interrupted tool calls are closed, so reading a file
+    written from the result gives the same list. A missing file raises FileNotFoundError.
     """
     # Text lines ending at "\n" only, decoded once by the file (json.loads of bytes would
     # sniff each line's encoding): a third faster on a 30 MB session. A byte order mark
@@ -2209,9 +2258,9 @@ def _session_lines(lines):
 
 
 def _recorded_messages(lines, path):
-    """The messages of the message records among ``lines``, in order, and a ``_RunStart``
-    for each ``run_start`` meta record; other lines skipped, each said on the ``lich``
-    logger at DEBUG (a hand edit that broke one is found so)."""
+    """The messages of the message records among ``lines``, in order, and a ``_RunMark``
+    for each meta record of a run's start, end or compression; other lines skipped, each
+    said on the ``lich`` logger at DEBUG (a hand edit that broke one is found so)."""
     for number, line in enumerate(lines, 1):
         try:
             record = _decode_json(line)
@@ -2228,10 +2277,17 @@ def _recorded_messages(lines, path):
                 yield message
             else:
                 _log.debug("%s: line %d skipped: a message of no known role or shape", path, number)
-        elif kind == "meta" and type(record.get("meta")) is dict \
-                and record["meta"].get("event") == "run_start":
-            size = record["meta"].get("history_size")
-            yield _RunStart(size if type(size) is int and size > 0 else 0)
+        elif kind == "meta" and type(record.get("meta")) is dict:
+            meta = record["meta"]
+            event = meta.get("event")
+            if event == "run_start":
+                size = meta.get("history_size")
+                yield _RunMark("start", history_size=size if type(size) is int and size > 0 else 0)
+            elif event in ("run_end", "run_error"):
+                yield _RunMark("end", cut_short=event == "run_error"
+                               or meta.get("stopped_reason") == "aborted")
+            elif event == "compress":
+                yield _RunMark("compress")
 
 
 def list_sessions(session_dir) -> list:

@@ -3806,6 +3806,59 @@ def test_a_system_prompt_the_first_runs_history_held_stays_when_that_run_got_no_
     assert lich.read_session_messages(session.path) == run.messages == [*history, user("one"), answer("r1")]
 
 
+def test_what_runs_that_failed_midway_left_goes_when_the_next_run_goes_on_from_before_them(tmp_path):
+    """Two runs cut short after a tool turn each (one failed, one stopped by its tool), then
+    one given the last good run's messages: the reading is that run's history, and its
+    call id is not renamed (the loop did not rename it)."""
+    session = lich.open_session(tmp_path)
+    tools = lich.Tools()
+
+    @tools.tool
+    def echo(text: str, signal: threading.Event, stop: bool = False) -> str:
+        """Echo."""
+        if stop:
+            signal.set()
+        return "echo:" + text
+
+    def turns(*calls, then):
+        return ScriptedChat(*[assistant("", ("call_1", "echo", json.dumps(c))) for c in calls], then)
+
+    first = lich.run_agent("one", chat=ScriptedChat(answer("r1")), session=session, max_turns=3, system_prompt="SP")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=turns({"text": "a"}, then=DOWN), tools=tools, session=session,
+                       history=first.messages, max_turns=3)
+    stopped = lich.run_agent("three", chat=turns({"text": "b", "stop": True}, then=answer("never")), tools=tools,
+                             session=session, history=first.messages, max_turns=3, signal=threading.Event())
+    assert stopped.stopped_reason == "aborted"
+    last = lich.run_agent("four", chat=turns({"text": "c"}, then=answer("r4")), tools=tools, session=session,
+                          history=first.messages, max_turns=3)
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [
+        {"role": "system", "content": "SP"}, user("one"), answer("r1"), user("four"),
+        assistant("", ("call_1", "echo", '{"text": "c"}')), tool_msg("call_1", "echo:c"), answer("r4")]
+
+
+def test_a_run_that_compressed_its_history_is_not_cut_from_the_reading(tmp_path):
+    """A run stopped after compressing returns a history shorter than the file: the next run,
+    given it, counts fewer messages than the file holds, and none of them is dropped."""
+    session = lich.open_session(tmp_path)
+    history = long_history(20)
+    stop = threading.Event()
+
+    def summarize_then_stop(messages, **options):
+        stop.set()  # the summary is made; the run stops before its turn's answer
+        return lich.ChatResult(answer("the summary"))
+
+    compressed = lich.run_agent("go on", chat=ScriptedChat(summarize_then_stop), session=session, history=history,
+                                max_turns=3, signal=stop, context_budget_tokens=50)
+    assert compressed.stopped_reason == "aborted" and len(compressed.messages) < len(history)
+    last = lich.run_agent("and then", chat=ScriptedChat(answer("done")), session=session,
+                          history=compressed.messages, max_turns=2)
+    session.close()
+    assert last.messages[-3:] == [user("go on"), user("and then"), answer("done")]  # the model had "go on"
+    assert lich.read_session_messages(session.path) == [*history, user("go on"), user("and then"), answer("done")]
+
+
 def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
     session = lich.open_session(tmp_path)
     first = run_into(session, "one", None)
