@@ -2107,7 +2107,10 @@ def _repair_history(messages) -> list:
                 cut_short = message.cut_short
             else:  # a run starts
                 keep = message.history_size
-                if cut_short and not compressed and own_from is not None:
+                # the history given is the one the run before it compressed, shorter than the
+                # file: nothing can be counted (not the history it was given itself, say)
+                shortened = compressed and (own_from is None or keep < own_from)
+                if cut_short and not shortened and own_from is not None:
                     cut_from = own_from if cut_from is None else min(cut_from, own_from)
                     chain_inserts += run_inserts
                 else:
@@ -2121,9 +2124,8 @@ def _repair_history(messages) -> list:
                     if repaired[at]["role"] != "tool":  # not inside a call's answers
                         del repaired[at:]
                         used, counters = _call_ids(repaired), {}  # as the next run's loop has them
-                # after a compression the history given is shorter than the file: nothing to count
                 shifted = _drop_unanswered(repaired, prompts_set,
-                                           keep=len(repaired) if compressed else keep)
+                                           keep=len(repaired) if shortened else keep)
                 if cut_from is not None:  # where it began, as the messages stand now
                     cut_from = max(0, cut_from - shifted)
                     chain_inserts = max(0, chain_inserts - shifted)
@@ -2286,7 +2288,7 @@ def _recorded_messages(lines, path):
             elif event in ("run_end", "run_error"):
                 yield _RunMark("end", cut_short=event == "run_error"
                                or meta.get("stopped_reason") == "aborted")
-            elif event == "compress":
+            elif event == "compress" and meta.get("summary_chars") != 0:  # 0: it fell back
                 yield _RunMark("compress")
 
 

@@ -3859,6 +3859,19 @@ def test_a_run_that_compressed_its_history_is_not_cut_from_the_reading(tmp_path)
     assert lich.read_session_messages(session.path) == [*history, user("go on"), user("and then"), answer("done")]
 
 
+def test_a_run_that_compressed_and_then_failed_leaves_no_prompt_when_the_next_goes_on_from_before_it(tmp_path):
+    session = lich.open_session(tmp_path)
+    history = long_history(20)
+    first = run_into(session, "one", "r1", history=history)
+    with pytest.raises(lich.ProviderError):  # summarised, then failed
+        lich.run_agent("two", chat=ScriptedChat(answer("the summary"), DOWN), session=session, history=first.messages,
+                       max_turns=2, context_budget_tokens=50)
+    last = run_into(session, "three", "r3", history=first.messages)
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [
+        *history, user("one"), answer("r1"), user("three"), answer("r3")]
+
+
 def test_a_prompt_left_unanswered_that_the_next_run_kept_is_kept(tmp_path):
     session = lich.open_session(tmp_path)
     first = run_into(session, "one", None)
