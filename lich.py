@@ -4727,7 +4727,7 @@ class Limiter:
                 while True:
                     if signal is not None and signal.is_set():
                         raise AbortError("aborted while waiting for the limiter")
-                    if (self.max_concurrent is not None and self._in_flight
+                    if (self.max_concurrent is not None
                             and len(self._in_flight) >= self.max_concurrent
                             and all(held[0] == call[0] for held in self._in_flight)):
                         raise RuntimeError(
@@ -5303,11 +5303,16 @@ class Tools:
             return ToolResult(ok=value.ok,
                               output=self._limit(output) if isinstance(output, str) else output,
                               error=self._limit(error) if isinstance(error, str) else error)
-        if inspect.iscoroutine(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
-            if not inspect.isasyncgen(value):  # one never started has nothing to close
-                value.close()  # never run: said, not passed off as a result
-            kind = "an async generator" if inspect.isasyncgen(value) else f"a {type(value).__name__}"
-            return ToolResult(ok=False, error=f"TypeError: the tool returned {kind} object, which "
+        # never run: said, not passed off as a result
+        if inspect.isasyncgen(value):  # one never started has nothing to close
+            unrun = "an async generator"
+        elif inspect.iscoroutine(value) or inspect.isgenerator(value):
+            value.close()
+            unrun = f"a {type(value).__name__}"
+        else:
+            unrun = None
+        if unrun is not None:
+            return ToolResult(ok=False, error=f"TypeError: the tool returned {unrun} object, which "
                                               f"lich does not run; a tool returns its result")
         try:
             text = json.dumps(value, ensure_ascii=False)
@@ -8466,8 +8471,7 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
             fail(agent, error)
         agent.end()
         stack = runs.get(threading.get_ident(), [])
-        if state in stack:
-            stack.remove(state)
+        stack[:] = [run for run in stack if run is not state]
         if not stack:
             runs.pop(threading.get_ident(), None)
 
@@ -8478,8 +8482,8 @@ def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_conte
         if kind == "turn_start" and event.get("turn") == 1 and state is not None and not state["tools"]:
             # this thread's run before ended without its last events (Ctrl-C): not one whose
             # tool runs this one
-            for stale in reversed(stack):
-                end_run(stale, "interrupted")
+            while stack:
+                end_run(stack[-1], "interrupted")
             state = None
         if kind == "turn_start" and event.get("turn") == 1 or kind == "turn_start" and state is None:
             agent = tracer.start_span(
@@ -10755,10 +10759,7 @@ class _Cli:
                     try:
                         history, session = self._command(command, history, session)
                     except KeyboardInterrupt:  # one cut short (/resume of a long file): as at the prompt
-                        if self.interrupts.terminating:
-                            raise _Quit(self.interrupts.exit_code) from None
-                        self.interrupts.pressed()  # a second one within 2 s quits
-                        self.term.note("(Ctrl-C again or Ctrl-D to quit)")
+                        self._interrupted_at_the_prompt()
                     continue
                 if not command:
                     continue
@@ -10802,10 +10803,15 @@ class _Cli:
                 return line
             except KeyboardInterrupt:
                 self.term.typed("\n")  # off the prompt's line, for the note or the shell's prompt
-                if self.interrupts.terminating:
-                    raise _Quit(self.interrupts.exit_code) from None
-                self.interrupts.pressed()  # a second one within 2 s quits
-                self.term.note("(Ctrl-C again or Ctrl-D to quit)")
+                self._interrupted_at_the_prompt()
+
+    def _interrupted_at_the_prompt(self):
+        """Ctrl-C, SIGTERM or SIGHUP while the chat waits for (or does) what was typed: the
+        latter two leave; a second Ctrl-C within 2 s quits, a first one says so."""
+        if self.interrupts.terminating:
+            raise _Quit(self.interrupts.exit_code) from None
+        self.interrupts.pressed()
+        self.term.note("(Ctrl-C again or Ctrl-D to quit)")
 
     def _input(self, prompt, to_stderr):
         try:
