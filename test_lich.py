@@ -10220,7 +10220,7 @@ def test_writes_make_no_folder_outside_while_a_folder_flips_to_a_link(ws, tmp_pa
                 except OSError:
                     make_room()
             flips.append(1)
-            time.sleep(0.0001)
+            time.sleep(0.001)  # the real folder stays a moment (a write takes ~0.2 ms), so that some writes find it
 
     flipper = threading.Thread(target=flip)
     flipper.start()
