@@ -170,6 +170,44 @@ def _exception_text(exc) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
+def _unwrapped_function(fn):
+    """What a call of ``fn`` calls in the end: the function of a ``functools.partial``
+    (however deep) or of a ``staticmethod``; ``fn`` itself otherwise."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, staticmethod):
+            fn = fn.__func__
+        else:
+            return fn
+
+
+def _called_code(fn):
+    """The function whose code a call of ``fn`` runs: a class's ``__init__``, an object's
+    ``__call__``, a function or method itself."""
+    fn = _unwrapped_function(fn)
+    if inspect.isroutine(fn):
+        return fn
+    return fn.__init__ if inspect.isclass(fn) else type(fn).__call__
+
+
+def _refuse_async(fn, what):
+    """A TypeError when a call of ``fn`` only makes a coroutine or an async generator (an
+    ``async def`` function, a partial of one, an object whose ``__call__`` is one): lich
+    calls ``what`` synchronously, and would take that object for its answer, never run."""
+    if callable(fn):
+        code = _called_code(fn)
+        if inspect.iscoroutinefunction(code) or inspect.isasyncgenfunction(code):
+            raise TypeError(f"{what} is an async function, and lich calls it synchronously: give "
+                            f"a function that runs it and returns its result (from a thread of "
+                            f"an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
+
+
+# What the loop and the summarizer say of an async def ChatFn, its coroutine closed
+_ASYNC_CHAT = ("the chat returned coroutine, not a ChatResult: an async def ChatFn, which lich "
+               "calls synchronously")
+
+
 def _raised_by_a_signal_handler(exc) -> bool:
     """Whether ``exc`` came out of a Python signal handler installed now, not out of the code
     it interrupted: a server stopping its worker (gunicorn's timeout, Celery's revoke and
@@ -1060,6 +1098,7 @@ class AgentEmitter:
         self._lock = threading.Lock()
 
     def _subscribe(self, event_type, handler):
+        _refuse_async(handler, "the event handler")
         entry = (event_type, handler)
         with self._lock:
             self._handlers = self._handlers + (entry,)
@@ -1212,7 +1251,7 @@ def compress_messages(chat, messages, *, signal=None):
         answer = chat(request, tools=None, signal=signal)
         if inspect.iscoroutine(answer):  # an async def ChatFn: never run, not left unawaited
             answer.close()
-            raise TypeError("the chat returned coroutine, not a ChatResult (an async def ChatFn)")
+            raise TypeError(_ASYNC_CHAT)
         summary = answer.message.get("content") or ""
     except AbortError as exc:
         if signal is None or not signal.is_set():  # not the caller's stop: a failure to tell of
@@ -1363,6 +1402,7 @@ def _check_chat_result(result):
             raise TypeError(_of_another_copy("chat", result))
         if inspect.iscoroutine(result):  # an async def ChatFn: never run, said once, not twice
             result.close()
+            raise TypeError(_ASYNC_CHAT)
         raise TypeError(f"the chat returned {type(result).__name__}, not a ChatResult "
                         f"holding a message dict")
     role, content = result.message.get("role"), result.message.get("content")
@@ -1445,6 +1485,11 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
     except Exception as exc:
         _log.debug("tool runner raised on %r", call.get("name"), exc_info=True)
         return ToolResult(ok=False, error=_exception_text(exc))
+    if inspect.iscoroutine(result):  # an async def run: never run, not left unawaited
+        result.close()
+        return ToolResult(ok=False, error="TypeError: the tool runner returned coroutine, not a "
+                                          "ToolResult: an async def run, which lich calls "
+                                          "synchronously")
     if not isinstance(result, ToolResult):
         return ToolResult(ok=False, error="TypeError: " + (
             _of_another_copy("tool runner", result) if type(result).__name__ == "ToolResult"
@@ -2593,6 +2638,7 @@ def _wire_json(value) -> bytes:
 
 
 _EXCHANGE_WAIT_STEP_SECONDS = 0.05  # how soon a wait within an exchange sees it cut
+_HELD_SOCKET = ("socket", "fd", "_sock")  # where a wrapper of a socket keeps it
 
 
 class _Exchange:
@@ -2616,12 +2662,16 @@ class _Exchange:
             _watchdog.watch(self)
         # an exchange begun within another (an MCP server's request answered mid-call) gives
         # the thread back to the outer one when it ends
-        self._outer = getattr(_exchange_slot, "exchange", None)
-        _exchange_slot.exchange = self
+        self._thread = threading.get_ident()
+        self._outer = _exchanges_sending.get(self._thread)
+        _exchanges_sending[self._thread] = self
         return self
 
     def __exit__(self, *exc_info):
-        _exchange_slot.exchange = self._outer
+        if self._outer is None:
+            _exchanges_sending.pop(self._thread, None)
+        else:
+            _exchanges_sending[self._thread] = self._outer
         with self._lock:
             self._open = False
             self._sock = None
@@ -2661,13 +2711,16 @@ class _Exchange:
             time.sleep(min(left, _EXCHANGE_WAIT_STEP_SECONDS))
 
     def _shutdown(self):
-        import socket  # loaded by requests already
+        import _socket  # the sockets' own type, which no monkey-patching replaces
+
         sock = self._sock
-        while sock is not None and not isinstance(sock, socket.socket):
-            sock = getattr(sock, "socket", None)  # urllib3's TLS inside an HTTPS proxy's TLS
+        while sock is not None and not isinstance(sock, _socket.socket):
+            # the socket held: by urllib3's TLS inside an HTTPS proxy's TLS (.socket), by
+            # eventlet's green socket (.fd), by gevent's (._sock)
+            sock = next(filter(None, (getattr(sock, name, None) for name in _HELD_SOCKET)), None)
         if sock is not None:
             try:  # the plain socket's shutdown: an SSL socket's own would unwrap it under a reader
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                _socket.socket.shutdown(sock, _socket.SHUT_RDWR)
             except (OSError, TypeError):
                 pass
 
@@ -2730,7 +2783,11 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
-_exchange_slot = threading.local()  # .exchange: the exchange this thread is sending
+# thread id -> the exchange that thread is sending. Not a threading.local made at import:
+# gevent or eventlet patching threading after lich was imported (as gunicorn's --preload
+# does) makes get_ident() tell greenlets apart, but not such a local, and a greenlet's
+# request was then cut by another's time limit.
+_exchanges_sending = {}
 
 
 @functools.cache
@@ -2745,7 +2802,7 @@ def _watched_adapter_class():
 
     class Watched:
         def getresponse(self, *args, **kwargs):
-            exchange = getattr(_exchange_slot, "exchange", None)
+            exchange = _exchanges_sending.get(threading.get_ident())
             if exchange is not None:
                 exchange.attach(self.sock)
             return super().getresponse(*args, **kwargs)
@@ -3116,6 +3173,7 @@ class _HTTPChat:
                              f"{_redact_url(self.base_url)!r}")
         self.timeout = timeout
         self.stream = stream
+        _refuse_async(on_delta, "on_delta")
         self.on_delta = on_delta
         if extra_body is not None and not isinstance(extra_body, dict):
             raise TypeError(f"extra_body must be a dict, not {type(extra_body).__name__}")
@@ -4570,6 +4628,8 @@ class Router:
         self.retries = retries
         self.base_delay = base_delay
         self.max_delay = max_delay
+        _refuse_async(on_retry, "on_retry")
+        _refuse_async(on_failover, "on_failover")
         self.on_retry = on_retry
         self.on_failover = on_failover
 
@@ -4982,27 +5042,6 @@ def _parse_docstring(doc):
     return " ".join(paragraph), {name: " ".join(words) for name, words in described.items()}
 
 
-def _tool_function(fn):
-    """What a tool calls in the end: the function of a ``functools.partial`` (however deep)
-    or of a ``staticmethod``; ``fn`` itself otherwise."""
-    while True:
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif isinstance(fn, staticmethod):
-            fn = fn.__func__
-        else:
-            return fn
-
-
-def _called_code(fn):
-    """The function whose code a call of ``fn`` runs: a class's ``__init__``, an object's
-    ``__call__``, a function or method itself."""
-    fn = _tool_function(fn)
-    if inspect.isroutine(fn):
-        return fn
-    return fn.__init__ if inspect.isclass(fn) else type(fn).__call__
-
-
 def _type_hints(fn, fn_name):
     """The resolved type hints of ``fn``; a hint that cannot be resolved is a TypeError."""
     target = _called_code(fn)
@@ -5020,7 +5059,7 @@ def _type_hints(fn, fn_name):
                 pass
         raise TypeError(f"cannot register {fn_name}: a type hint cannot be resolved: {e}") from e
     except TypeError as e:
-        if target is _tool_function(fn) and inspect.isfunction(target):  # one Python cannot evaluate here
+        if target is _unwrapped_function(fn) and inspect.isfunction(target):  # one Python cannot evaluate here
             hint = (" (X | Y needs Python 3.10; write Optional[X] or Union[X, Y])"
                     if sys.version_info < (3, 10) else "")
             raise TypeError(f"cannot register {fn_name}: a type hint cannot be evaluated: "
@@ -5096,7 +5135,7 @@ def _function_tool(fn, name, description):
                         f"(its first parameter is {first.name!r}); register it bound, "
                         f"from an instance (tools.register(obj.{fn.__name__}))")
     hints = _type_hints(fn, name)
-    described = _tool_function(fn)  # a partial's docstring is partial's own
+    described = _unwrapped_function(fn)  # a partial's docstring is partial's own
     if (code is not described and not inspect.isclass(described)
             and not hasattr(described, "__wrapped__")  # a wrapper says what it wraps does
             and "__doc__" not in getattr(described, "__dict__", {})
@@ -7080,6 +7119,11 @@ class _Workspace:
             approved = self.approve is None or self.approve(call)
         except AbortError as e:  # the question was interrupted: the call is not made, as declined
             raise _ToolFailure(str(e)) from None
+        if inspect.isawaitable(approved):  # an answer still to come is no yes
+            if inspect.iscoroutine(approved):
+                approved.close()
+            raise _ToolFailure(f"the call was not approved: approve returned "
+                               f"{type(approved).__name__}, which lich does not await")
         if not approved:
             raise _ToolFailure("the user declined this call")
 
@@ -7347,6 +7391,7 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     """
     if approve is not None and not callable(approve):
         raise TypeError(f"approve must be callable or None, not {approve!r}")
+    _refuse_async(approve, "approve")  # its coroutine, never run, was taken for a yes
     _check_seconds("shell_timeout", shell_timeout)
     _check_seconds("search_timeout", search_timeout)
     workspace = _Workspace(root, approve, shell_timeout, search_timeout)
@@ -8792,6 +8837,9 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     # each task's run has an emitter of its own, which sums its usage
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
+    _refuse_async(on_result, "on_result")
+    if not hasattr(tools, "specs"):  # a tools(task) that makes each task's ToolRunner
+        _refuse_async(tools, "tools")
     if trace is True:  # without OpenTelemetry: its ImportError now, not a failure per task
         trace_otel(AgentEmitter())()
     if max_errors is not None and (isinstance(max_errors, bool) or not isinstance(max_errors, int)

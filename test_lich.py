@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import importlib.util
 import io
 import json
 import os
@@ -1033,6 +1034,11 @@ def failed(error, output=""):
     return json.dumps({"ok": False, "output": output, "error": error}, ensure_ascii=False)
 
 
+# What lich says of an async def function given where it calls one synchronously
+ASYNC_REFUSED = ("{} is an async function, and lich calls it synchronously: give a function that runs it and "
+                  "returns its result (from a thread of an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
+
+
 def strict_json(body):
     """A request body as a strict parser sees it: UTF-8, and no lone surrogate escaped in it."""
     text = body.decode("utf-8")
@@ -1260,6 +1266,20 @@ def test_emitter_logs_and_swallows_a_raising_handler(caplog):
     assert seen == [{"type": "turn_start", "turn": 1}]
     [record] = caplog.records
     assert (record.name, record.levelname, record.exc_info[0]) == ("lich", "ERROR", ValueError)
+
+
+def test_an_async_event_handler_is_refused_when_subscribed():
+    """It was taken, and each event only made a coroutine that nobody ran: the handler's body
+    never ran, said by one "never awaited" warning per event."""
+    async def handler(event):
+        pass
+
+    emitter = lich.AgentEmitter()
+    for subscribe in (emitter.on_any, functools.partial(emitter.on, "llm_end")):
+        with pytest.raises(TypeError) as info:
+            subscribe(functools.partial(handler))
+        assert str(info.value) == ASYNC_REFUSED.format("the event handler")
+    emitter.emit({"type": "llm_end"})  # nothing subscribed: nothing made, nothing unawaited
 
 
 # ============================================================================
@@ -1999,7 +2019,25 @@ def test_an_async_chat_is_a_type_error_and_no_coroutine_left_unawaited():
         except TypeError as e:
             message = str(e)
         gc.collect()  # the error and its frames gone: a coroutine never closed says so now
-    assert message == "the chat returned coroutine, not a ChatResult holding a message dict"
+    assert message == "the chat returned coroutine, not a ChatResult: an async def ChatFn, which lich calls synchronously"
+    assert [str(w.message) for w in warned] == []
+
+
+def test_an_async_tool_runner_is_a_failed_result_and_no_coroutine_left_unawaited():
+    class Runner:
+        def specs(self):
+            return [{"name": "echo", "description": "", "parameters": {"type": "object"}}]
+
+        async def run(self, call, signal=None):
+            return lich.ToolResult(ok=True, output="never")
+
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        outcome, _, _ = run_loop(assistant("", ("c1", "echo", "{}")), assistant("done"), tools=Runner())
+        gc.collect()
+    assert outcome.messages[2] == tool_msg("c1", json.dumps({
+        "ok": False, "output": "", "error": "TypeError: the tool runner returned coroutine, not a ToolResult: an async "
+                                            "def run, which lich calls synchronously"}), is_error=True)
     assert [str(w.message) for w in warned] == []
 
 
@@ -2015,7 +2053,7 @@ def test_an_async_chat_asked_for_a_summary_leaves_no_coroutine_unawaited(caplog)
     assert [str(w.message) for w in warned] == []
     assert [r.getMessage() for r in caplog.records] == [(
         "history compression failed, keeping the full history: TypeError: the chat returned coroutine, not a "
-        "ChatResult (an async def ChatFn)")]
+        "ChatResult: an async def ChatFn, which lich calls synchronously")]
 
 
 def test_a_chat_that_passes_on_its_sdks_usage_object_is_a_type_error_not_a_session_without_answers(tmp_path):
@@ -4376,6 +4414,57 @@ def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
         silent.close()
 
 
+def test_the_signal_cuts_requests_under_eventlets_patching(server):
+    """eventlet's green socket has no shutdown of its class: the watchdog's first cut raised
+    AttributeError, its thread died, and no request of the process was cut again."""
+    if importlib.util.find_spec("eventlet") is None:
+        pytest.skip("eventlet is not installed (pip install -e '.[test]')")
+    release = threading.Event()
+    queue(server, *[Reply(200, openai_reply("late"), hold=release)] * 2)
+    script = ("import warnings; warnings.simplefilter('ignore')  # eventlet's deprecation\n"
+              "import eventlet; eventlet.monkey_patch()\n"
+              f"import sys, threading, time; sys.path[0] = {str(HERE)!r}; import lich\n"
+              f"chat = lich.OpenAIChat('gpt-test', base_url={server.url + '/v1'!r}, timeout=60)\n"
+              "for _ in range(2):\n"
+              "    signal, started = threading.Event(), time.monotonic()\n"
+              "    eventlet.spawn_after(0.3, signal.set)\n"
+              "    try:\n        chat([{'role': 'user', 'content': 'Hi'}], signal=signal)\n"
+              "    except lich.AbortError as e:\n        print(repr(e), time.monotonic() - started < 1.5)\n")
+    try:
+        assert Process("-c", script).wait() == (0, "AbortError('chat aborted') True\n" * 2, "")
+    finally:
+        release.set()
+
+
+def test_a_time_limit_cuts_only_its_own_request_when_gevent_patches_after_lich_was_imported(server):
+    """gunicorn's --preload imports the app (and lich) before its gevent worker patches: the
+    request in flight was kept in a threading.local made at import, which all greenlets shared,
+    and a run's time limit cut another greenlet's request."""
+    if importlib.util.find_spec("gevent") is None:
+        pytest.skip("gevent is not installed (pip install -e '.[test]')")
+    started = time.monotonic()
+
+    def respond(request):  # the limited request answers after its limit, the others before it ends
+        said, held = request["json"]["messages"][-1]["content"], threading.Event()
+        threading.Timer(max(0.0, started + (3.0 if said == "limited" else 1.5) - time.monotonic()), held.set).start()
+        return Reply(200, openai_reply(said), hold=held)
+
+    server.responder = respond
+    script = (f"import sys, time; sys.path[0] = {str(HERE)!r}; import lich\n"
+              "from gevent import monkey; monkey.patch_all()\n"
+              "import gevent\n"
+              "def ask(said, seconds):\n"
+              f"    chat = lich.OpenAIChat('gpt-test', base_url={server.url + '/v1'!r}, timeout=seconds)\n"
+              "    try:\n        return chat([{'role': 'user', 'content': said}]).message['content']\n"
+              "    except lich.ProviderError as e:\n        return f'{e.kind} {time.monotonic() - began < 2.5}'\n"
+              "began = time.monotonic()\n"
+              "asked = [gevent.spawn(ask, f'free {i}', 60) for i in range(5)] + [gevent.spawn(ask, 'limited', 0.8)]\n"
+              "gevent.joinall(asked, timeout=20)\n"
+              "print([g.value for g in asked])\n")
+    assert Process("-c", script).wait() == (
+        0, str([f"free {i}" for i in range(5)] + ["timeout True"]) + "\n", "")
+
+
 def _proxy_answering_connect(answer):
     """A proxy on 127.0.0.1 that answers every CONNECT with ``answer`` and closes; its URL,
     and the list of requests it read."""
@@ -5890,6 +5979,25 @@ def test_a_whole_answer_cut_off_mid_way_says_it_broke_off_not_that_the_server_wa
         openai_at(server)(USER)
     assert (info.value.kind, info.value.retryable) == ("network", True)
     assert str(info.value).startswith(f"openai: the answer from {server.url}/v1/chat/completions broke off: ")
+
+
+def test_async_callbacks_of_providers_are_refused_when_the_chat_is_made():
+    """An async def on_delta was taken for one that showed the text (its coroutine is not
+    False), though nothing was shown and its body never ran; on_retry and on_failover's
+    bodies never ran either."""
+    async def callback(*args):
+        pass
+
+    made = [lambda: lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1", on_delta=callback),
+            lambda: lich.AnthropicChat("m", base_url="http://127.0.0.1:9", on_delta=callback),
+            lambda: lich.Router([lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1")], on_retry=callback),
+            lambda: lich.Router([lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1")], on_failover=callback)]
+    said = []
+    for make in made:
+        with pytest.raises(TypeError) as info:
+            make()
+        said.append(str(info.value))
+    assert said == [ASYNC_REFUSED.format(name) for name in ("on_delta", "on_delta", "on_retry", "on_failover")]
 
 
 def test_on_delta_exceptions_reach_the_caller_unchanged(server):
@@ -9601,6 +9709,34 @@ def test_an_approval_interrupted_by_abort_error_makes_no_call_and_says_so_plainl
     assert not (ws / "f.txt").exists()
 
 
+def test_an_async_approve_is_refused_and_an_answer_still_to_come_approves_nothing(ws):
+    """An async def approve (an app asking its user over a websocket) gave a coroutine, never
+    run, which was taken for a yes: the call a user would have declined ran."""
+    async def approve(call):
+        return False
+
+    for given in (approve, functools.partial(approve)):
+        with pytest.raises(TypeError) as info:
+            lich.coding_tools(ws, allow_write=True, allow_shell=True, approve=given)
+        assert str(info.value) == ASYNC_REFUSED.format("approve")
+
+    class Pending:  # an awaitable that is no coroutine: a future, say
+        def __await__(self):
+            yield
+
+    for answer, kind in ((approve, "coroutine"), (lambda call: Pending(), "Pending")):
+        tools = lich.coding_tools(ws, allow_write=True, allow_shell=True, approve=lambda call, answer=answer: answer(call))
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            assert [tools.run(call) for call in (
+                tool_call("write_file", {"path": "f.txt", "content": "x"}),
+                tool_call("bash", {"command": "touch g.txt"}))] == [lich.ToolResult(
+                    ok=False, error=f"the call was not approved: approve returned {kind}, which lich does not await")] * 2
+            gc.collect()
+        assert [str(w.message) for w in warned] == []
+        assert list(ws.iterdir()) == []
+
+
 def test_edit_file(ws):
     (ws / "f.py").write_bytes(b"\xff\nold = 1\nkeep\n")
     tools = lich.coding_tools(ws, allow_write=True)
@@ -12855,6 +12991,23 @@ def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_p
                              chat=f"openai:gpt-test@{batch_server.url}/v1", max_turns=5)
     assert [r.final for r in results] == ["answer to x: in p", "answer to x: in q"]
     assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
+
+
+def test_run_batch_refuses_an_async_on_result_or_tools_before_any_task_starts(server):
+    """An async on_result's body never ran, and an async tools(task) failed every task with
+    "AttributeError: 'coroutine' object has no attribute 'specs'"."""
+    async def on_result(result):
+        pass
+
+    async def tools(task):
+        return lich.Tools()
+
+    said = []
+    for options in ({"on_result": on_result}, {"tools": tools}):
+        with pytest.raises(TypeError) as info:
+            lich.run_batch(["a"], chat=openai_at(server), max_turns=1, **options)
+        said.append(str(info.value))
+    assert said == [ASYNC_REFUSED.format("on_result"), ASYNC_REFUSED.format("tools")] and server.requests == []
 
 
 @pytest.mark.parametrize("max_errors", [0, -1, 1.5, "3", True], ids=["zero", "negative", "float", "string", "boolean"])
@@ -16208,6 +16361,7 @@ README_PRINTS = {
     "ConsoleSpanExporter()": lambda out, server: spans_printed(out) == [
         ("chat gpt-4.1-mini", True), ("execute_tool read_file", True), ("chat gpt-4.1-mini", True),
         ("invoke_agent", False)],
+    "asyncio.to_thread(lich.run_agent": "answer to Hello from asyncio.\n",
 }
 
 
