@@ -8760,6 +8760,10 @@ def _done_result(line):
     return replace(result, usage=usage, **texts)
 
 
+_OUT_LOCK_WAIT_SECONDS = 1.0  # how long a batch waits for another to let its out file go
+_OUT_LOCK_STEP_SECONDS = 0.01
+
+
 def _results_file(out, redo):
     """(descriptor opened for appending, {id: BatchResult of the ok lines already there}).
 
@@ -8777,12 +8781,20 @@ def _results_file(out, redo):
         except ImportError:  # Windows: no lock
             pass
         else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise OSError(errno.EBUSY, "another batch is writing to it", out) from None
-            except OSError as e:  # ENOLCK, EOPNOTSUPP: some network and FUSE file systems
-                _log.debug("batch out file %s goes unlocked: %s", out, e)
+            # A child a thread is starting holds a copy of the descriptor, and so the lock,
+            # until it runs its program: a batch just ended there may still seem to run.
+            deadline = time.monotonic() + _OUT_LOCK_WAIT_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if time.monotonic() < deadline:
+                        time.sleep(_OUT_LOCK_STEP_SECONDS)
+                        continue
+                    raise OSError(errno.EBUSY, "another batch is writing to it", out) from None
+                except OSError as e:  # ENOLCK, EOPNOTSUPP: some network and FUSE file systems
+                    _log.debug("batch out file %s goes unlocked: %s", out, e)
+                break
         done = {}
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a pipe (--out >(gzip ...)) or a device:
             return fd, done  # nothing to read back, and reading it would wait for ever

@@ -4436,33 +4436,38 @@ def test_the_signal_cuts_requests_under_eventlets_patching(server):
         release.set()
 
 
-def test_a_time_limit_cuts_only_its_own_request_when_gevent_patches_after_lich_was_imported(server):
+def test_a_time_limit_or_signal_cuts_only_its_own_request_when_gevent_patches_after_lich_was_imported(server):
     """gunicorn's --preload imports the app (and lich) before its gevent worker patches: the
     request in flight was kept in a threading.local made at import, which all greenlets shared,
-    and a run's time limit cut another greenlet's request."""
+    and a run's time limit cut another greenlet's request. A signal cuts gevent's socket too."""
     if importlib.util.find_spec("gevent") is None:
         pytest.skip("gevent is not installed (pip install -e '.[test]')")
     started = time.monotonic()
 
     def respond(request):  # the limited request answers after its limit, the others before it ends
         said, held = request["json"]["messages"][-1]["content"], threading.Event()
-        threading.Timer(max(0.0, started + (3.0 if said == "limited" else 1.5) - time.monotonic()), held.set).start()
+        threading.Timer(max(0.0, started + (1.5 if said.startswith("free") else 3.0) - time.monotonic()), held.set).start()
         return Reply(200, openai_reply(said), hold=held)
 
     server.responder = respond
     script = (f"import sys, time; sys.path[0] = {str(HERE)!r}; import lich\n"
               "from gevent import monkey; monkey.patch_all()\n"
-              "import gevent\n"
-              "def ask(said, seconds):\n"
+              "import gevent, threading\n"
+              "def ask(said, seconds, stop_after=None):\n"
               f"    chat = lich.OpenAIChat('gpt-test', base_url={server.url + '/v1'!r}, timeout=seconds)\n"
-              "    try:\n        return chat([{'role': 'user', 'content': said}]).message['content']\n"
-              "    except lich.ProviderError as e:\n        return f'{e.kind} {time.monotonic() - began < 2.5}'\n"
+              "    signal = threading.Event()\n"
+              "    if stop_after is not None:\n        gevent.spawn_later(stop_after, signal.set)\n"
+              "    try:\n        return chat([{'role': 'user', 'content': said}], signal=signal).message['content']\n"
+              "    except (lich.ProviderError, lich.AbortError) as e:\n"
+              "        return f'{e} {time.monotonic() - began < 2.5}'\n"
               "began = time.monotonic()\n"
-              "asked = [gevent.spawn(ask, f'free {i}', 60) for i in range(5)] + [gevent.spawn(ask, 'limited', 0.8)]\n"
+              "asked = [gevent.spawn(ask, f'free {i}', 60) for i in range(5)] + [\n"
+              "    gevent.spawn(ask, 'limited', 0.8), gevent.spawn(ask, 'stopped', 60, 0.5)]\n"
               "gevent.joinall(asked, timeout=20)\n"
               "print([g.value for g in asked])\n")
-    assert Process("-c", script).wait() == (
-        0, str([f"free {i}" for i in range(5)] + ["timeout True"]) + "\n", "")
+    assert Process("-c", script).wait() == (0, str([f"free {i}" for i in range(5)] + [
+        f"openai: timed out: no whole answer within 0.8s from {server.url}/v1/chat/completions True",
+        "chat aborted True"]) + "\n", "")
 
 
 def _proxy_answering_connect(answer):
@@ -12754,6 +12759,22 @@ def test_the_out_file_is_let_go_with_its_batch_by_a_process_pool_and_by_a_batch_
         lich.run_batch(["d"], chat=spec, workers=0, out=out, max_turns=1)
     assert lich.run_batch(["a", "b", "c", "d"], chat=spec, workers=1, out=out, max_turns=1)[3].final == "fine"
     assert len(server.requests) == 4
+
+
+def test_an_out_file_held_for_a_moment_is_taken_once_it_is_let_go(server, tmp_path):
+    """A process that any thread of the host starts holds a copy of the batch's descriptor,
+    and its lock, until it runs its program: the next batch on the file was refused at once,
+    as if another batch ran. (Held here by a file of the test's own, let go after 0.3 s.)"""
+    import fcntl
+
+    queue(server, openai_reply("fine"))
+    out = tmp_path / "out.jsonl"
+    held = open(out, "ab")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    threading.Timer(0.3, held.close).start()
+    started = time.monotonic()
+    assert [r.final for r in lich.run_batch(["a"], chat=openai_at(server), max_turns=1, out=out)] == ["fine"]
+    assert 0.3 <= time.monotonic() - started < 1.0
 
 
 def test_an_out_file_where_locks_are_not_supported_goes_unlocked(server, tmp_path, monkeypatch):
