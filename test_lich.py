@@ -12769,12 +12769,12 @@ def test_an_out_file_held_for_a_moment_is_taken_once_it_is_let_go(server, tmp_pa
 
     queue(server, openai_reply("fine"))
     out = tmp_path / "out.jsonl"
-    held = open(out, "ab")
-    fcntl.flock(held, fcntl.LOCK_EX)
-    threading.Timer(0.3, held.close).start()
-    started = time.monotonic()
-    assert [r.final for r in lich.run_batch(["a"], chat=openai_at(server), max_turns=1, out=out)] == ["fine"]
-    assert 0.3 <= time.monotonic() - started < 1.0
+    with open(out, "ab") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        threading.Timer(0.3, held.close).start()
+        started = time.monotonic()
+        assert [r.final for r in lich.run_batch(["a"], chat=openai_at(server), max_turns=1, out=out)] == ["fine"]
+        assert 0.3 <= time.monotonic() - started < 1.0
 
 
 def test_an_out_file_where_locks_are_not_supported_goes_unlocked(server, tmp_path, monkeypatch):
