@@ -170,44 +170,6 @@ def _exception_text(exc) -> str:
     return f"{type(exc).__name__}: {message}"
 
 
-def _unwrapped_function(fn):
-    """What a call of ``fn`` calls in the end: the function of a ``functools.partial``
-    (however deep) or of a ``staticmethod``; ``fn`` itself otherwise."""
-    while True:
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif isinstance(fn, staticmethod):
-            fn = fn.__func__
-        else:
-            return fn
-
-
-def _called_code(fn):
-    """The function whose code a call of ``fn`` runs: a class's ``__init__``, an object's
-    ``__call__``, a function or method itself."""
-    fn = _unwrapped_function(fn)
-    if inspect.isroutine(fn):
-        return fn
-    return fn.__init__ if inspect.isclass(fn) else type(fn).__call__
-
-
-def _refuse_async(fn, what):
-    """A TypeError when a call of ``fn`` only makes a coroutine or an async generator (an
-    ``async def`` function, a partial of one, an object whose ``__call__`` is one): lich
-    calls ``what`` synchronously, and would take that object for its answer, never run."""
-    if callable(fn):
-        code = _called_code(fn)
-        if inspect.iscoroutinefunction(code) or inspect.isasyncgenfunction(code):
-            raise TypeError(f"{what} is an async function, and lich calls it synchronously: give "
-                            f"a function that runs it and returns its result (from a thread of "
-                            f"an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
-
-
-# What the loop and the summarizer say of an async def ChatFn, its coroutine closed
-_ASYNC_CHAT = ("the chat returned coroutine, not a ChatResult: an async def ChatFn, which lich "
-               "calls synchronously")
-
-
 def _raised_by_a_signal_handler(exc) -> bool:
     """Whether ``exc`` came out of a Python signal handler installed now, not out of the code
     it interrupted: a server stopping its worker (gunicorn's timeout, Celery's revoke and
@@ -1058,6 +1020,39 @@ def _schema_problem(schema, where, root=None):
 # ============================================================================
 
 
+def _unwrapped_function(fn):
+    """What a call of ``fn`` calls in the end: the function of a ``functools.partial``
+    (however deep) or of a ``staticmethod``; ``fn`` itself otherwise."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, staticmethod):
+            fn = fn.__func__
+        else:
+            return fn
+
+
+def _called_code(fn):
+    """The function whose code a call of ``fn`` runs: a class's ``__init__``, an object's
+    ``__call__``, a function or method itself."""
+    fn = _unwrapped_function(fn)
+    if inspect.isroutine(fn):
+        return fn
+    return fn.__init__ if inspect.isclass(fn) else type(fn).__call__
+
+
+def _refuse_async(fn, what):
+    """A TypeError when a call of ``fn`` only makes a coroutine or an async generator (an
+    ``async def`` function, a partial of one, an object whose ``__call__`` is one): lich
+    calls ``what`` synchronously, and would take that object for its answer, never run."""
+    if callable(fn):
+        code = _called_code(fn)
+        if any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (fn, code)):
+            raise TypeError(f"{what} is an async function, and lich calls it synchronously: give "
+                            f"a function that runs it and returns its result (from a thread of "
+                            f"an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
+
+
 class AgentEmitter:
     """Delivers loop events (plain dicts with a ``"type"``) to subscribed handlers.
 
@@ -1121,6 +1116,10 @@ def _emit(emitter, event):
 
 KEEP_RECENT_TURNS = 8
 TRANSCRIPT_MAX_CHARS = 24_000
+# What the loop and the summarizer say of an async def ChatFn, its coroutine closed
+_ASYNC_CHAT = ("the chat returned coroutine, not a ChatResult: an async def ChatFn, which lich "
+               "calls synchronously")
+
 COMPRESSION_SYSTEM_PROMPT = (
     "You compress agent conversation history into terse factual summaries. Preserve: goals, "
     "decisions, file paths, commands run, errors, open questions. Output plain text only."
@@ -1394,6 +1393,18 @@ def _chat_extras(response_format):
     return {} if response_format is None else {"response_format": response_format}
 
 
+def _offered_specs(tools):
+    """The specs a ToolRunner offers, as a list (a generator's too), or None for none."""
+    if tools is None:
+        return None
+    specs = tools.specs()
+    if inspect.iscoroutine(specs):  # an async def specs: never run, not left unawaited
+        specs.close()
+        raise TypeError("the tool runner's specs() returned coroutine, not a list: an async def "
+                        "specs, which lich calls synchronously")
+    return list(specs or ()) or None
+
+
 def _check_chat_result(result):
     """A TypeError unless ``result`` is a ChatResult whose message the loop can use: the one
     check of what a ChatFn returns, so that nothing later trips over its shape."""
@@ -1652,7 +1663,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     """
     _check_run_options(max_turns, output_schema)
     history = seed_system_prompt(messages, system_prompt)
-    specs = (list(tools.specs() or ()) or None) if tools is not None else None  # a generator too
+    specs = _offered_specs(tools)
     response_format = (None if output_schema is None
                        else {"name": _OUTPUT_FORMAT_NAME, "schema": output_schema})
     # Kept as the history grows, so a turn costs the same at turn 10 and at turn 1,000.
@@ -2638,7 +2649,7 @@ def _wire_json(value) -> bytes:
 
 
 _EXCHANGE_WAIT_STEP_SECONDS = 0.05  # how soon a wait within an exchange sees it cut
-_HELD_SOCKET = ("socket", "fd", "_sock")  # where a wrapper of a socket keeps it
+_SOCKET_ATTRIBUTES = ("socket", "fd", "_sock")  # where a wrapper of a socket keeps it
 
 
 class _Exchange:
@@ -2714,11 +2725,13 @@ class _Exchange:
         import _socket  # the sockets' own type, which no monkey-patching replaces
 
         sock = self._sock
-        while sock is not None and not isinstance(sock, _socket.socket):
+        for _ in range(len(_SOCKET_ATTRIBUTES)):  # each wrapper once at most: no object answering every name loops
+            if sock is None or isinstance(sock, _socket.socket):
+                break
             # the socket held: by urllib3's TLS inside an HTTPS proxy's TLS (.socket), by
             # eventlet's green socket (.fd), by gevent's (._sock)
-            sock = next(filter(None, (getattr(sock, name, None) for name in _HELD_SOCKET)), None)
-        if sock is not None:
+            sock = next(filter(None, (getattr(sock, name, None) for name in _SOCKET_ATTRIBUTES)), None)
+        if isinstance(sock, _socket.socket):
             try:  # the plain socket's shutdown: an SSL socket's own would unwrap it under a reader
                 _socket.socket.shutdown(sock, _socket.SHUT_RDWR)
             except (OSError, TypeError):
@@ -4060,6 +4073,7 @@ class OpenAIChat(_HTTPChat):
         self._id_rule = ("mistral" if host == "mistral.ai" or host.endswith(".mistral.ai") else
                          "openai" if host == "api.openai.com" or _is_azure(self.base_url) else None)
         self._sends_extra_content = self._id_rule is None
+        self._openai_itself = host == "api.openai.com"
         super()._setup()
 
     def _key_required(self):
@@ -4146,8 +4160,7 @@ class OpenAIChat(_HTTPChat):
         if max_tokens is not None:
             # OpenAI's newer models refuse the deprecated max_tokens; other servers may not
             # know max_completion_tokens yet.
-            public = self.base_url == _OPENAI_BASE_URL
-            fields["max_completion_tokens" if public else "max_tokens"] = max_tokens
+            fields["max_completion_tokens" if self._openai_itself else "max_tokens"] = max_tokens
         if response_format is not None:
             fields["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": response_format["name"], "schema": response_format["schema"]}}
@@ -4583,6 +4596,7 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
     (A stream that broke off after it had shown text raises a ProviderError that is not
     retryable: a new answer would repeat that text.)
     """
+    _refuse_async(on_retry, "on_retry")
     attempt = 0
     while True:
         if signal is not None and signal.is_set():
@@ -7119,11 +7133,11 @@ class _Workspace:
             approved = self.approve is None or self.approve(call)
         except AbortError as e:  # the question was interrupted: the call is not made, as declined
             raise _ToolFailure(str(e)) from None
-        if inspect.isawaitable(approved):  # an answer still to come is no yes
+        if not isinstance(approved, bool):  # an answer still to come (a coroutine, a future) is no yes
             if inspect.iscoroutine(approved):
                 approved.close()
             raise _ToolFailure(f"the call was not approved: approve returned "
-                               f"{type(approved).__name__}, which lich does not await")
+                               f"{type(approved).__name__}, not a bool")
         if not approved:
             raise _ToolFailure("the user declined this call")
 
@@ -7383,7 +7397,8 @@ def coding_tools(root=".", *, allow_write=False, allow_shell=False, approve=None
     ``read_file``, ``list_files`` and ``search`` always; ``write_file`` and ``edit_file`` with
     ``allow_write``; ``bash`` with ``allow_shell``. Every path is resolved, symbolic links
     included, and must lie inside ``root``. ``approve(call) -> bool``, when given, is asked
-    before each write or shell call whose arguments are valid; ``False`` declines it.
+    before each write or shell call whose arguments are valid; ``True`` runs it, anything else
+    declines it.
     ``bash`` runs ``/bin/sh -c`` in ``root`` in a process group of its own, which is killed
     after ``shell_timeout`` seconds, when the signal is set, when the shell exits and when
     lich exits. A ``search`` ends after ``search_timeout`` seconds, saying so, whatever its
@@ -9398,8 +9413,9 @@ def _count_text(n) -> str:
     """12345 as "12.3k", 1234567 as "1.2M"."""
     if n < 1000:
         return str(n)
-    if n < 1_000_000:
-        return f"{n / 1000:.1f}k".replace(".0k", "k")
+    thousands = f"{n / 1000:.1f}"
+    if float(thousands) < 1000:  # 999,999 rounds to "1000.0": a million
+        return f"{thousands}k".replace(".0k", "k")
     return f"{n / 1_000_000:.1f}M".replace(".0M", "M")
 
 

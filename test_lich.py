@@ -1274,10 +1274,13 @@ def test_an_async_event_handler_is_refused_when_subscribed():
     async def handler(event):
         pass
 
+    from unittest import mock
+
     emitter = lich.AgentEmitter()
-    for subscribe in (emitter.on_any, functools.partial(emitter.on, "llm_end")):
+    for subscribe, given in ((emitter.on_any, functools.partial(handler)),
+                             (functools.partial(emitter.on, "llm_end"), mock.AsyncMock())):
         with pytest.raises(TypeError) as info:
-            subscribe(functools.partial(handler))
+            subscribe(given)
         assert str(info.value) == ASYNC_REFUSED.format("the event handler")
     emitter.emit({"type": "llm_end"})  # nothing subscribed: nothing made, nothing unawaited
 
@@ -1984,6 +1987,17 @@ def test_an_answer_asking_for_too_many_calls_runs_only_the_first_128(stop_reason
     assert sum(e["type"] == "tool_call_start" for e in events) == 128
 
 
+def test_an_answer_of_exactly_128_calls_cut_at_its_output_limit_does_not_run_its_last():
+    # the cut call is the 128th itself: not past the limit, but its arguments may end short
+    calls = [(f"c{i}", "echo", "{}") for i in range(128)]
+    tools = EchoTools()
+    outcome, _, _ = run_loop(lich.ChatResult(assistant("", *calls), stop_reason="length"), assistant("done"),
+                             tools=tools)
+    ran = [m for m in outcome.messages if m["role"] == "tool"]
+    assert (len(tools.calls), len(ran), ran[-1]["is_error"]) == (127, 128, True)
+    assert "output token limit" in json.loads(ran[-1]["content"])["error"]
+
+
 def test_a_tool_result_holding_a_key_in_use_is_redacted_before_anything_sees_it(server):
     keep_in_use(api_key=KEY)
     leaky = lich.Tools()
@@ -2020,6 +2034,24 @@ def test_an_async_chat_is_a_type_error_and_no_coroutine_left_unawaited():
             message = str(e)
         gc.collect()  # the error and its frames gone: a coroutine never closed says so now
     assert message == "the chat returned coroutine, not a ChatResult: an async def ChatFn, which lich calls synchronously"
+    assert [str(w.message) for w in warned] == []
+
+
+def test_an_async_tool_runners_specs_is_a_type_error_and_no_coroutine_left_unawaited():
+    class Runner(EchoTools):
+        async def specs(self):
+            return []
+
+    message = None
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        try:
+            run_loop(assistant("never"), tools=Runner())
+        except TypeError as e:
+            message = str(e)
+        gc.collect()
+    assert message == ("the tool runner's specs() returned coroutine, not a list: an async def specs, which lich "
+                       "calls synchronously")
     assert [str(w.message) for w in warned] == []
 
 
@@ -3794,6 +3826,51 @@ def run_into(session, prompt, reply, **params):
                           max_turns=2, signal=stop, **params)
 
 
+def test_a_compression_that_fell_back_before_a_failed_run_leaves_no_prompt_in_the_reading(tmp_path):
+    """A summary that came back empty keeps the history (summary_chars 0): no compression, so
+    the failed run's prompt is cut when the next run goes on from before it."""
+    session = lich.open_session(tmp_path)
+    history = long_history(20)
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("two", chat=ScriptedChat(answer(""), DOWN), session=session, history=history,
+                       max_turns=2, context_budget_tokens=50)
+    last = run_into(session, "three", "r3", history=history)
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [*history, user("three"), answer("r3")]
+
+
+def test_the_correction_of_an_answer_that_did_not_fit_the_schema_is_recorded(tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    run = lich.run_agent("count", chat=ScriptedChat(answer("not json"), answer('{"n": 3}')), max_turns=3,
+                         output_schema=schema, session_dir=tmp_path)
+    assert (run.output, len(run.messages)) == ({"n": 3}, 4)
+    assert lich.read_session_messages(run.session_path) == run.messages
+
+
+def test_a_record_after_a_torn_write_that_could_not_be_cut_back_starts_a_line_of_its_own(tmp_path, monkeypatch):
+    session = lich.open_session(tmp_path)
+    real_write, writes = os.write, []
+
+    def half_then_full_disk(fd, data):
+        writes.append(fd)
+        if len(writes) == 1:
+            return real_write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    def cannot_cut(fd, size):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "write", half_then_full_disk)
+    monkeypatch.setattr(os, "ftruncate", cannot_cut)
+    with pytest.raises(OSError):
+        session.append_message(user("lost"))
+    monkeypatch.undo()
+    session.append_message(user("kept"))
+    session.append_message(answer("reply"))
+    session.close()
+    assert lich.read_session_messages(session.path) == [user("kept"), answer("reply")]
+
+
 def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(tmp_path):
     """One handle for a conversation: a run that failed, one stopped before its first answer,
     then one with a new system prompt, each given the last good run's messages."""
@@ -4442,11 +4519,14 @@ def test_a_time_limit_or_signal_cuts_only_its_own_request_when_gevent_patches_af
     and a run's time limit cut another greenlet's request. A signal cuts gevent's socket too."""
     if importlib.util.find_spec("gevent") is None:
         pytest.skip("gevent is not installed (pip install -e '.[test]')")
-    started = time.monotonic()
+    started, release = time.monotonic(), threading.Event()
 
-    def respond(request):  # the limited request answers after its limit, the others before it ends
-        said, held = request["json"]["messages"][-1]["content"], threading.Event()
-        threading.Timer(max(0.0, started + (1.5 if said.startswith("free") else 3.0) - time.monotonic()), held.set).start()
+    def respond(request):  # the free requests answer while the others wait to be cut
+        said = request["json"]["messages"][-1]["content"]
+        if not said.startswith("free"):
+            return Reply(200, openai_reply(said), hold=release)
+        held = threading.Event()
+        threading.Timer(max(0.0, started + 1.5 - time.monotonic()), held.set).start()
         return Reply(200, openai_reply(said), hold=held)
 
     server.responder = respond
@@ -4465,9 +4545,22 @@ def test_a_time_limit_or_signal_cuts_only_its_own_request_when_gevent_patches_af
               "    gevent.spawn(ask, 'limited', 0.8), gevent.spawn(ask, 'stopped', 60, 0.5)]\n"
               "gevent.joinall(asked, timeout=20)\n"
               "print([g.value for g in asked])\n")
-    assert Process("-c", script).wait() == (0, str([f"free {i}" for i in range(5)] + [
-        f"openai: timed out: no whole answer within 0.8s from {server.url}/v1/chat/completions True",
-        "chat aborted True"]) + "\n", "")
+    try:
+        assert Process("-c", script).wait() == (0, str([f"free {i}" for i in range(5)] + [
+            f"openai: timed out: no whole answer within 0.8s from {server.url}/v1/chat/completions True",
+            "chat aborted True"]) + "\n", "")
+    finally:
+        release.set()
+
+
+def test_an_event_stream_written_tightly_is_read_whole(server):
+    """``data:`` without the space after its colon (the first byte was cut), and a last event
+    whose line the server did not end (it was lost)."""
+    body = ('data:' + json.dumps(delta_chunk(content="Hel")) + "\n\n"
+            + "data:" + json.dumps(delta_chunk(content="lo", finish="stop")))
+    server.reply(200, chunks=[body], content_type="text/event-stream")
+    done = openai_at(server, stream=True)(USER)
+    assert (done.message["content"], done.stop_reason) == ("Hello", "stop")
 
 
 def _proxy_answering_connect(answer):
@@ -5785,6 +5878,37 @@ def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch, b
     assert len(set(ids)) == 3 and again == first  # the same ids request after request
 
 
+def test_openai_itself_is_sent_max_completion_tokens_and_other_servers_max_tokens(server, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for OpenAI's
+    for base_url in ("http://api.openai.com/v1", f"{server.url}/v1"):
+        server.reply(200, openai_reply("ok"))
+        lich.OpenAIChat("gpt-x", base_url=base_url, api_key=KEY, timeout=5)(USER, max_tokens=100)
+    assert [{k: v for k, v in r["json"].items() if "tokens" in k} for r in server.requests] == [
+        {"max_completion_tokens": 100}, {"max_tokens": 100}]
+
+
+def test_the_answer_is_choice_0_wherever_it_stands_among_the_choices(server):
+    body = openai_reply("first")
+    body["choices"] = [{**body["choices"][0], "index": 1, "message": {"role": "assistant", "content": "second"}},
+                       body["choices"][0]]
+    server.reply(200, body)
+    assert openai_at(server)(USER).message["content"] == "first"
+
+
+def test_an_anthropic_stream_keeps_its_stop_reason_when_a_later_delta_leaves_it_out(server):
+    server.reply(200, chunks=[anthropic_sse(message_start(), block_start(0, {"type": "text", "text": "Hi"}),
+                                            message_delta("max_tokens", 2), message_delta(None, 3), MESSAGE_STOP)])
+    assert anthropic_at(server, stream=True)(USER).stop_reason == "length"
+
+
+def test_an_anthropic_streamed_tool_call_whose_input_came_whole_in_its_start_keeps_it(server):
+    server.reply(200, chunks=[anthropic_sse(
+        message_start(), block_start(0, tool_use_block("toolu_a", "weather", {"city": "Paris"})),
+        {"type": "content_block_stop", "index": 0}, message_delta("tool_use", 5), MESSAGE_STOP)])
+    assert anthropic_at(server, stream=True)(USER).message["tool_calls"] == [
+        {"id": "toolu_a", "name": "weather", "arguments": '{"city": "Paris"}'}]
+
+
 SIGNED = {"google": {"thought_signature": "c2lnbmVk"}}
 
 
@@ -5996,13 +6120,14 @@ def test_async_callbacks_of_providers_are_refused_when_the_chat_is_made():
     made = [lambda: lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1", on_delta=callback),
             lambda: lich.AnthropicChat("m", base_url="http://127.0.0.1:9", on_delta=callback),
             lambda: lich.Router([lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1")], on_retry=callback),
-            lambda: lich.Router([lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1")], on_failover=callback)]
+            lambda: lich.Router([lich.OpenAIChat("m", base_url="http://127.0.0.1:9/v1")], on_failover=callback),
+            lambda: lich.run_with_retries(lambda: result("never"), on_retry=callback)]
     said = []
     for make in made:
         with pytest.raises(TypeError) as info:
             make()
         said.append(str(info.value))
-    assert said == [ASYNC_REFUSED.format(name) for name in ("on_delta", "on_delta", "on_retry", "on_failover")]
+    assert said == [ASYNC_REFUSED.format(name) for name in ("on_delta", "on_delta", "on_retry", "on_failover", "on_retry")]
 
 
 def test_on_delta_exceptions_reach_the_caller_unchanged(server):
@@ -7370,6 +7495,29 @@ def test_backoff_is_exponential_with_jitter_and_capped():
 def test_a_retry_after_given_as_text_is_read_as_seconds(given, seconds):
     error = lich.ProviderError("slow down", "rate_limit", retry_after=given)
     assert error.retry_after == seconds and type(error.retry_after) is type(seconds)
+
+
+def test_a_retry_after_date_in_the_past_is_no_wait(server):
+    server.reply(429, openai_error("slow down", "rate_limit_error"), headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server)(USER)
+    assert (info.value.kind, info.value.retry_after) == ("rate_limit", 0.0)
+
+
+def test_an_overloaded_error_with_a_retry_after_pauses_every_caller_of_the_limiter():
+    calls = []
+
+    def chat(messages, **options):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise lich.ProviderError("busy", "overloaded", retry_after=0.4)
+        return result("ok")
+
+    limited = lich.Limiter().wrap(chat)
+    with pytest.raises(lich.ProviderError):
+        limited(USER)
+    limited(USER)
+    assert calls[1] - calls[0] >= 0.38
 
 
 def test_a_retry_after_given_as_text_is_waited_out_by_the_router_and_the_limiter():
@@ -9519,6 +9667,13 @@ def test_read_file_reads_no_further_than_a_line_of_64_mb(ws):
         ok=False, error="the read was aborted")
 
 
+def test_read_file_takes_a_line_that_ends_exactly_at_its_40000_characters(ws):
+    # each line shown is its number's 7 characters, its text and its newline
+    (ws / "f.txt").write_text("".join(["a" * 1992 + "\n"] * 19 + ["b" * 1993 + "\n", "c\n"]))
+    output = run_tool(lich.coding_tools(ws), "read_file", path="f.txt").output
+    assert output.endswith("b" * 1993 + "\n[... the file goes on; read more with offset=21]")
+
+
 def test_read_file_huge_file_stops_at_its_budget(ws):
     with open(ws / "big.txt", "w") as f:
         f.writelines(f"line {i + 1} " + "x" * 90 + "\n" for i in range(200_000))
@@ -9716,7 +9871,11 @@ def test_an_approval_interrupted_by_abort_error_makes_no_call_and_says_so_plainl
 
 def test_an_async_approve_is_refused_and_an_answer_still_to_come_approves_nothing(ws):
     """An async def approve (an app asking its user over a websocket) gave a coroutine, never
-    run, which was taken for a yes: the call a user would have declined ran."""
+    run, which was taken for a yes: the call a user would have declined ran. So did the
+    future of asyncio.run_coroutine_threadsafe without its .result(), and any other truthy
+    value that is no bool."""
+    import concurrent.futures
+
     async def approve(call):
         return False
 
@@ -9729,14 +9888,15 @@ def test_an_async_approve_is_refused_and_an_answer_still_to_come_approves_nothin
         def __await__(self):
             yield
 
-    for answer, kind in ((approve, "coroutine"), (lambda call: Pending(), "Pending")):
+    for answer, kind in ((approve, "coroutine"), (lambda call: Pending(), "Pending"),
+                         (lambda call: concurrent.futures.Future(), "Future"), (lambda call: "yes", "str")):
         tools = lich.coding_tools(ws, allow_write=True, allow_shell=True, approve=lambda call, answer=answer: answer(call))
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             assert [tools.run(call) for call in (
                 tool_call("write_file", {"path": "f.txt", "content": "x"}),
                 tool_call("bash", {"command": "touch g.txt"}))] == [lich.ToolResult(
-                    ok=False, error=f"the call was not approved: approve returned {kind}, which lich does not await")] * 2
+                    ok=False, error=f"the call was not approved: approve returned {kind}, not a bool")] * 2
             gc.collect()
         assert [str(w.message) for w in warned] == []
         assert list(ws.iterdir()) == []
@@ -10210,6 +10370,13 @@ def test_edit_file_matches_across_crlf_and_keeps_the_files_line_ends(ws):
     assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\n2.5\r\nthree\r\n"
     assert run_tool(tools, "edit_file", path="w.txt", old_text="three", new_text="3\n4").ok
     assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\n2.5\r\n3\r\n4\r\n"
+
+
+def test_edit_file_in_a_file_half_of_whose_lines_end_in_crlf_writes_crlf(ws):
+    (ws / "f.txt").write_bytes(b"a\r\nb\nc")
+    assert run_tool(lich.coding_tools(ws, allow_write=True), "edit_file", path="f.txt", old_text="c",
+                    new_text="x\ny").ok
+    assert (ws / "f.txt").read_bytes() == b"a\r\nb\nx\r\ny"
 
 
 def test_edit_file_in_a_file_of_mixed_line_ends_keeps_those_of_the_text_it_replaces(ws):
@@ -13014,6 +13181,16 @@ def test_a_tasks_root_gives_it_the_read_tools_of_that_folder(batch_server, tmp_p
     assert {r["json"]["messages"][0]["content"] for r in batch_server.requests if r["json"]["messages"][0]["role"] == "system"} == {"be q"}
 
 
+def test_a_batch_task_stopped_in_a_chat_call_reports_what_its_calls_used():
+    def chat(messages, **options):
+        if len(messages) == 1:
+            return result("", ("c1", "echo", "{}"), usage=(10, 5))
+        raise lich.AbortError("stopped")
+
+    [stopped] = lich.run_batch(["go"], chat=chat, tools=EchoTools(), max_turns=3, workers=1)
+    assert (stopped.stopped_reason, stopped.usage) == ("aborted", {"input_tokens": 10, "output_tokens": 5})
+
+
 def test_run_batch_refuses_an_async_on_result_or_tools_before_any_task_starts(server):
     """An async on_result's body never ran, and an async tools(task) failed every task with
     "AttributeError: 'coroutine' object has no attribute 'specs'"."""
@@ -13333,6 +13510,17 @@ def test_default_model_follows_the_keys(server, cli, env, model):
 def test_unknown_provider_is_a_usage_error(lich_model, cli):
     assert cli("-m", "gemini:x", "hi") == (
         2, "", "lich: unknown provider 'gemini' in 'gemini:x'; known providers: anthropic, openai\n")
+
+
+def test_the_usage_line_counts_in_thousands_and_millions_and_says_what_was_cached(server, lich_model, cli):
+    said = []
+    for given, cached in (((12345, 1000), 9800), ((999_999, 999), 0)):
+        body = openai_reply("ok", usage=given)
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+        queue(server, body)
+        code, out, err = cli("--no-stream", "hi")
+        said.append((code, out, err.splitlines()[-1]))
+    assert said == [(0, "ok\n", "tokens: 12.3k in (9.8k cached), 1k out"), (0, "ok\n", "tokens: 1M in, 999 out")]
 
 
 def test_verbose_adds_debug_logs_usage_and_tracebacks(server, lich_model, cli):
