@@ -2725,11 +2725,12 @@ class _Exchange:
         import _socket  # the sockets' own type, which no monkey-patching replaces
 
         sock = self._sock
-        for _ in range(len(_SOCKET_ATTRIBUTES)):  # each wrapper once at most: no object answering every name loops
+        # The socket a wrapper holds: urllib3's TLS inside an HTTPS proxy's TLS (.socket),
+        # eventlet's green socket (.fd), gevent's (._sock). A few steps at most, so that an
+        # object that answers every name cannot keep the watchdog walking.
+        for _ in range(len(_SOCKET_ATTRIBUTES)):
             if sock is None or isinstance(sock, _socket.socket):
                 break
-            # the socket held: by urllib3's TLS inside an HTTPS proxy's TLS (.socket), by
-            # eventlet's green socket (.fd), by gevent's (._sock)
             sock = next(filter(None, (getattr(sock, name, None) for name in _SOCKET_ATTRIBUTES)), None)
         if isinstance(sock, _socket.socket):
             try:  # the plain socket's shutdown: an SSL socket's own would unwrap it under a reader
