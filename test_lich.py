@@ -1271,10 +1271,10 @@ def test_emitter_logs_and_swallows_a_raising_handler(caplog):
 def test_an_async_event_handler_is_refused_when_subscribed():
     """It was taken, and each event only made a coroutine that nobody ran: the handler's body
     never ran, said by one "never awaited" warning per event."""
+    from unittest import mock
+
     async def handler(event):
         pass
-
-    from unittest import mock
 
     emitter = lich.AgentEmitter()
     subscriptions = [(emitter.on_any, functools.partial(handler)), (functools.partial(emitter.on, "llm_end"), handler)]
