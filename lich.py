@@ -1569,8 +1569,9 @@ def _check_loop_keywords(caller, names, taken=()):
 
 def _check_run_options(max_turns, output_schema):
     """A run's options checked before it calls anything, so a mistake costs no model call."""
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int):
-        raise TypeError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int):  # API.md: "anything else
+        # raises ValueError", what callers written against it catch
+        raise ValueError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")  # noqa: TRY004
     if max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
     if output_schema is not None:
@@ -8864,7 +8865,9 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
 
     # each task's run has an emitter of its own, which sums its usage
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
-    _check_run_options(loop_params.get("max_turns"), loop_params.get("output_schema"))
+    if "max_turns" not in loop_params:  # as run_agent says it
+        raise TypeError("run_batch() missing 1 required keyword argument: 'max_turns'")
+    _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
     _refuse_async(on_result, "on_result")
     if not hasattr(tools, "specs"):  # a tools(task) that makes each task's ToolRunner
         _refuse_async(tools, "tools")

@@ -1838,14 +1838,21 @@ def test_tool_runner_receives_the_signal():
     assert seen == [signal]
 
 
-@pytest.mark.parametrize("max_turns, error", [
-    (0, ValueError), (-1, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError),
-    (None, TypeError),
+@pytest.mark.parametrize("max_turns, said", [
+    (0, "0"), (-1, "-1"), (1.5, "float"), ("3", "str"), (True, "bool"), (None, "NoneType"),
 ], ids=["zero", "negative", "float", "str", "bool", "none"])
-def test_max_turns_must_be_a_positive_int(max_turns, error):
+def test_max_turns_must_be_a_positive_int(max_turns, said):
+    """Anything else is a ValueError, as API.md has it (one of another type was a TypeError)."""
     chat = ScriptedChat(assistant("never"))
-    with pytest.raises(error, match="max_turns must be an int >= 1"):
-        lich.run_conversation(chat, None, [user("hi")], max_turns=max_turns)
+    for run in (lambda: lich.run_conversation(chat, None, [user("hi")], max_turns=max_turns),
+                lambda: lich.run_batch(["hi"], chat=chat, max_turns=max_turns)):
+        with pytest.raises(ValueError) as info:
+            run()
+        assert str(info.value) == f"max_turns must be an int >= 1, not {said}"
+    for run in (lich.run_agent, lich.run_batch):  # required: a missing one is said as Python says it
+        with pytest.raises(TypeError) as info:
+            run(["hi"] if run is lich.run_batch else "hi", chat=chat)
+        assert str(info.value) == f"{run.__name__}() missing 1 required keyword argument: 'max_turns'"
     assert chat.calls == []
 
 
