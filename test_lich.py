@@ -16610,3 +16610,31 @@ def test_the_readmes_examples_run_as_written(server, tmp_path, key):
     expected = README_PRINTS[key]
     assert code == 0, err
     assert out == expected if isinstance(expected, str) else expected(out, server), out
+
+
+def test_the_readmes_asyncio_example_stops_its_run_when_the_task_is_cancelled(server, monkeypatch):
+    """What the example's except clause is for: a cancelled task leaves its thread running
+    unless the run's signal is set."""
+    import asyncio
+
+    [example] = [example for example in README_EXAMPLES if "asyncio.to_thread(lich.run_agent" in example]
+    monkeypatch.setenv("OPENAI_BASE_URL", f"{server.url}/v1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    release = threading.Event()
+    server.reply(200, openai_reply("late"), hold=release)
+    namespace = {}
+    exec(example[:example.index("print(asyncio.run(")], namespace)  # noqa: S102 -- the README's own ask()
+
+    async def cancelled_after_a_moment():
+        task = asyncio.ensure_future(namespace["ask"]("Hello from asyncio."))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        started = time.monotonic()
+        asyncio.run(cancelled_after_a_moment())  # returns once the worker thread has ended
+        assert time.monotonic() - started < 1.5 and len(server.requests) == 1
+    finally:
+        release.set()
