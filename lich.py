@@ -1569,9 +1569,8 @@ def _check_loop_keywords(caller, names, taken=()):
 
 def _check_run_options(max_turns, output_schema):
     """A run's options checked before it calls anything, so a mistake costs no model call."""
-    if isinstance(max_turns, bool) or not isinstance(max_turns, int):  # API.md: "anything else
-        # raises ValueError", what callers written against it catch
-        raise ValueError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")  # noqa: TRY004
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int):
+        raise TypeError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
     if output_schema is not None:

@@ -1838,15 +1838,16 @@ def test_tool_runner_receives_the_signal():
     assert seen == [signal]
 
 
-@pytest.mark.parametrize("max_turns, said", [
-    (0, "0"), (-1, "-1"), (1.5, "float"), ("3", "str"), (True, "bool"), (None, "NoneType"),
+@pytest.mark.parametrize("max_turns, error, said", [
+    (0, ValueError, "0"), (-1, ValueError, "-1"), (1.5, TypeError, "float"), ("3", TypeError, "str"),
+    (True, TypeError, "bool"), (None, TypeError, "NoneType"),
 ], ids=["zero", "negative", "float", "str", "bool", "none"])
-def test_max_turns_must_be_a_positive_int(max_turns, said):
-    """Anything else is a ValueError, as API.md has it (one of another type was a TypeError)."""
+def test_max_turns_must_be_a_positive_int(max_turns, error, said):
+    """A ValueError, or a TypeError for a non-int, as API.md has it."""
     chat = ScriptedChat(assistant("never"))
     for run in (lambda: lich.run_conversation(chat, None, [user("hi")], max_turns=max_turns),
                 lambda: lich.run_batch(["hi"], chat=chat, max_turns=max_turns)):
-        with pytest.raises(ValueError) as info:
+        with pytest.raises(error) as info:
             run()
         assert str(info.value) == f"max_turns must be an int >= 1, not {said}"
     for run in (lich.run_agent, lich.run_batch):  # required: a missing one is said as Python says it
