@@ -2027,7 +2027,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
     """
     _check_loop_keywords("run_agent", loop_params)  # before a session file is made for nothing
     if "max_turns" not in loop_params:
-        raise TypeError("run_agent() missing 1 required keyword argument: 'max_turns'")
+        raise TypeError("run_agent() missing 1 required keyword-only argument: 'max_turns'")
     _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
@@ -4078,7 +4078,7 @@ class OpenAIChat(_HTTPChat):
         super()._setup()
 
     def _key_required(self):
-        return self.base_url == _OPENAI_BASE_URL
+        return self._openai_itself
 
     def _instructed(self, messages, instruction):
         """``messages`` with ``instruction`` ending the leading system prompt (a chat template
@@ -5421,7 +5421,7 @@ class _CombinedTools:
     def combine(self, *, strict):
         specs, routes = [], {}
         for runner in self.runners:
-            for spec in runner.specs() or ():
+            for spec in _offered_specs(runner) or ():
                 if spec["name"] in routes:
                     if strict:
                         raise ValueError(f"the tool name {spec['name']!r} is offered twice")
@@ -7134,7 +7134,9 @@ class _Workspace:
             approved = self.approve is None or self.approve(call)
         except AbortError as e:  # the question was interrupted: the call is not made, as declined
             raise _ToolFailure(str(e)) from None
-        if not isinstance(approved, bool):  # an answer still to come (a coroutine, a future) is no yes
+        # True runs the call. An answer still to come (a coroutine, a future) is no yes, and
+        # None (an approve that fell off its end) a plain no.
+        if approved is not None and not isinstance(approved, bool):
             if inspect.iscoroutine(approved):
                 approved.close()
             raise _ToolFailure(f"the call was not approved: approve returned "
@@ -8865,7 +8867,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     # each task's run has an emitter of its own, which sums its usage
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     if "max_turns" not in loop_params:  # as run_agent says it
-        raise TypeError("run_batch() missing 1 required keyword argument: 'max_turns'")
+        raise TypeError("run_batch() missing 1 required keyword-only argument: 'max_turns'")
     _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
     _refuse_async(on_result, "on_result")
     if not hasattr(tools, "specs"):  # a tools(task) that makes each task's ToolRunner

@@ -1271,15 +1271,19 @@ def test_emitter_logs_and_swallows_a_raising_handler(caplog):
 def test_an_async_event_handler_is_refused_when_subscribed():
     """It was taken, and each event only made a coroutine that nobody ran: the handler's body
     never ran, said by one "never awaited" warning per event."""
-    from unittest import mock
-
     async def handler(event):
         pass
 
+    class FunctionLike:  # a function's attributes, an async function's code: as AsyncMock is made
+        __name__, __code__, __defaults__, __kwdefaults__, __annotations__ = "h", handler.__code__, None, None, {}
+
+        def __call__(self, event):
+            return handler(event)
+
     emitter = lich.AgentEmitter()
     subscriptions = [(emitter.on_any, functools.partial(handler)), (functools.partial(emitter.on, "llm_end"), handler)]
-    if sys.version_info >= (3, 10):  # inspect knows an AsyncMock from Python 3.10 on
-        subscriptions.append((emitter.on_any, mock.AsyncMock()))
+    if sys.version_info >= (3, 10):  # inspect knows such an object for async from Python 3.10 on
+        subscriptions.append((emitter.on_any, FunctionLike()))
     for subscribe, given in subscriptions:
         with pytest.raises(TypeError) as info:
             subscribe(given)
@@ -1853,7 +1857,10 @@ def test_max_turns_must_be_a_positive_int(max_turns, error, said):
     for run in (lich.run_agent, lich.run_batch):  # required: a missing one is said as Python says it
         with pytest.raises(TypeError) as info:
             run(["hi"] if run is lich.run_batch else "hi", chat=chat)
-        assert str(info.value) == f"{run.__name__}() missing 1 required keyword argument: 'max_turns'"
+        assert str(info.value) == f"{run.__name__}() missing 1 required keyword-only argument: 'max_turns'"
+    with pytest.raises(TypeError) as info:
+        lich.run_conversation(chat, None, [])
+    assert str(info.value) == "run_conversation() missing 1 required keyword-only argument: 'max_turns'"
     assert chat.calls == []
 
 
@@ -2052,16 +2059,18 @@ def test_an_async_tool_runners_specs_is_a_type_error_and_no_coroutine_left_unawa
         async def specs(self):
             return []
 
-    message = None
+    said = []
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        try:
-            run_loop(assistant("never"), tools=Runner())
-        except TypeError as e:
-            message = str(e)
+        for run in (lambda: run_loop(assistant("never"), tools=Runner()),
+                    lambda: lich.combine_tools(EchoTools(), Runner())):
+            try:
+                run()
+            except TypeError as e:
+                said.append(str(e))
         gc.collect()
-    assert message == ("the tool runner's specs() returned coroutine, not a list: an async def specs, which lich "
-                       "calls synchronously")
+    assert said == [("the tool runner's specs() returned coroutine, not a list: an async def specs, which lich "
+                     "calls synchronously")] * 2
     assert [str(w.message) for w in warned] == []
 
 
@@ -3859,16 +3868,20 @@ def test_the_correction_of_an_answer_that_did_not_fit_the_schema_is_recorded(tmp
 
 def test_a_record_after_a_torn_write_that_could_not_be_cut_back_starts_a_line_of_its_own(tmp_path, monkeypatch):
     session = lich.open_session(tmp_path)
-    real_write, writes = os.write, []
+    real_write, real_truncate, torn = os.write, os.ftruncate, []  # the session's file, once torn
 
-    def half_then_full_disk(fd, data):
-        writes.append(fd)
-        if len(writes) == 1:
-            return real_write(fd, bytes(data[:len(data) // 2]))
-        raise OSError(28, "No space left on device")
+    def half_then_full_disk(fd, data):  # only for the record of "lost": other writers go on
+        if torn and fd == torn[0]:
+            raise OSError(28, "No space left on device")
+        if b'"lost"' not in bytes(data):
+            return real_write(fd, data)
+        torn.append(fd)
+        return real_write(fd, bytes(data[:len(data) // 2]))
 
     def cannot_cut(fd, size):
-        raise OSError(5, "Input/output error")
+        if torn and fd == torn[0]:
+            raise OSError(5, "Input/output error")
+        return real_truncate(fd, size)
 
     monkeypatch.setattr(os, "write", half_then_full_disk)
     monkeypatch.setattr(os, "ftruncate", cannot_cut)
@@ -3878,7 +3891,7 @@ def test_a_record_after_a_torn_write_that_could_not_be_cut_back_starts_a_line_of
     session.append_message(user("kept"))
     session.append_message(answer("reply"))
     session.close()
-    assert lich.read_session_messages(session.path) == [user("kept"), answer("reply")]
+    assert len(torn) == 1 and lich.read_session_messages(session.path) == [user("kept"), answer("reply")]
 
 
 def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(tmp_path):
@@ -6308,6 +6321,11 @@ def test_openai_public_url_without_key_is_an_auth_error_before_sending():
     err = info.value
     assert (err.kind, err.retryable, err.status, err.provider) == ("auth", False, None, "openai")
     assert str(err) == ("openai: no API key for https://api.openai.com/v1: set OPENAI_API_KEY")
+    for base_url in ("https://API.OpenAI.com/v1", "http://api.openai.com:8080/v1"):  # its host, as max_tokens goes
+        with pytest.raises(lich.ProviderError) as info:
+            lich.OpenAIChat("gpt-4.1-mini", base_url=base_url)(USER)
+        assert (info.value.kind, str(info.value)) == (
+            "auth", f"openai: no API key for {base_url}: set OPENAI_API_KEY")
 
 
 def test_a_base_url_that_is_not_http_is_refused():
@@ -9898,6 +9916,12 @@ def test_an_async_approve_is_refused_and_an_answer_still_to_come_approves_nothin
         def __await__(self):
             yield
 
+    def fell_off_its_end(call):
+        pass
+
+    tools = lich.coding_tools(ws, allow_write=True, approve=fell_off_its_end)  # None: a plain no
+    assert run_tool(tools, "write_file", path="f.txt", content="x") == lich.ToolResult(
+        ok=False, error="the user declined this call")
     for answer, kind in ((approve, "coroutine"), (lambda call: Pending(), "Pending"),
                          (lambda call: concurrent.futures.Future(), "Future"), (lambda call: "yes", "str")):
         tools = lich.coding_tools(ws, allow_write=True, allow_shell=True, approve=lambda call, answer=answer: answer(call))
@@ -16626,16 +16650,20 @@ def test_the_readmes_asyncio_example_stops_its_run_when_the_task_is_cancelled(se
     namespace = {}
     exec(example[:example.index("print(asyncio.run(")], namespace)  # noqa: S102 -- the README's own ask()
 
-    async def cancelled_after_a_moment():
+    cancelled = []
+
+    async def cancelled_once_the_model_is_asked():
         task = asyncio.ensure_future(namespace["ask"]("Hello from asyncio."))
-        await asyncio.sleep(0.3)
+        while not server.requests:
+            await asyncio.sleep(0.01)
         task.cancel()
+        cancelled.append(time.monotonic())
         with pytest.raises(asyncio.CancelledError):
             await task
 
+    threading.Timer(5, release.set).start()  # without the signal, the thread ends with this answer
     try:
-        started = time.monotonic()
-        asyncio.run(cancelled_after_a_moment())  # returns once the worker thread has ended
-        assert time.monotonic() - started < 1.5 and len(server.requests) == 1
+        asyncio.run(cancelled_once_the_model_is_asked())  # returns once the run's thread has ended
+        assert time.monotonic() - cancelled[0] < 1.5 and len(server.requests) == 1
     finally:
         release.set()
