@@ -6314,7 +6314,9 @@ def test_openai_key_and_base_url_come_from_the_environment(server, monkeypatch):
     assert server.requests[0]["headers"]["authorization"] == f"Bearer {KEY}"
 
 
-def test_openai_public_url_without_key_is_an_auth_error_before_sending():
+def test_openai_public_url_without_key_is_an_auth_error_before_sending(monkeypatch):
+    for scheme in ("HTTP", "HTTPS"):  # should a request go out after all, it goes to loopback, refused
+        monkeypatch.setenv(f"{scheme}_PROXY", "http://127.0.0.1:9")
     chat = lich.OpenAIChat("gpt-4.1-mini")
     with pytest.raises(lich.ProviderError) as info:
         chat(USER)
