@@ -4135,6 +4135,30 @@ def test_many_repeated_ids_are_renamed_in_linear_time(tmp_path):
     assert [c["id"] for c in run.messages[1]["tool_calls"]] == ["dup"] + [f"dup_{i}" for i in range(2, count + 1)]
 
 
+def test_a_session_dir_that_is_a_file_holds_no_sessions(tmp_path):
+    # a file where the folder should be is no sessions, as a missing folder is (not a
+    # NotADirectoryError out of list_sessions and resolve_session)
+    not_a_folder = tmp_path / "sessions"
+    not_a_folder.write_text("")
+    assert lich.list_sessions(not_a_folder) == []
+    with pytest.raises(lich.SessionNotFound, match="session not found: latest"):
+        lich.resolve_session(not_a_folder, "latest")
+
+
+def test_a_run_error_holding_a_key_in_use_is_recorded_redacted(tmp_path):
+    # the session's run_error record must not keep the key of the failure's text
+    keep_in_use(api_key=SECRET)
+
+    def chat(messages, **options):
+        raise RuntimeError(f"the gateway refused {SECRET}")
+
+    with pytest.raises(RuntimeError):
+        lich.run_agent("hi", chat=chat, session_dir=tmp_path, max_turns=3)
+    [path] = lich.list_sessions(tmp_path)
+    text = Path(path).read_text(encoding="utf-8")
+    assert "the gateway refused [redacted]" in text and SECRET[3:11] not in text
+
+
 # ============================================================================
 # HTTP
 # ============================================================================
@@ -8133,6 +8157,18 @@ def test_chat_from_spec_refuses_a_base_url_without_http(spec, shown):
 def test_chat_from_spec_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="'temperature'"):
         lich.chat_from_spec("openai:gpt-4.1-mini", temperature=0.5)
+
+
+def test_a_key_echoed_wholly_json_escaped_is_redacted(server):
+    # \\u escapes are decoded before the search: a key written wholly as escapes (as a
+    # server echoing it in JSON may) would be readable once decoded
+    escaped = "".join(f"\\u{ord(c):04x}" for c in KEY)
+    server.reply(401, "gateway: bad key " + escaped, content_type="text/plain")  # no JSON: escapes stay
+    with pytest.raises(lich.ProviderError) as info:
+        openai_at(server, api_key=KEY)(USER)
+    decoded = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), str(info.value))
+    assert "bad key [redacted]" in decoded
+    assert not any(KEY[i:i + 8] in decoded for i in range(len(KEY) - 7)), decoded
 
 
 # ============================================================================
@@ -12409,6 +12445,124 @@ def test_the_real_everything_server_over_streamable_http_on_loopback(everything,
         server.wait()
 
 
+def test_an_argument_given_to_a_tool_that_takes_none_says_it_takes_no_arguments():
+    # not "(ping takes )"
+    tools = lich.Tools()
+
+    @tools.tool
+    def ping() -> str:
+        """Answer pong."""
+        return "pong"
+
+    assert tools.run(tool_call("ping", '{"host": "x"}')) == lich.ToolResult(
+        ok=False, error="invalid arguments for ping: unknown argument 'host' (ping takes no arguments)")
+
+
+def test_exactly_200_matches_are_all_shown_with_no_line_of_more(ws, engine):
+    # 200 is the cap itself: every match shown, and no "... 0 more matches" line
+    (ws / "many.txt").write_text("hit\n" * 200)
+    lines = run_tool(lich.coding_tools(ws), "search", pattern="hit").output.split("\n")
+    assert lines == [f"many.txt:{i}: hit" for i in range(1, 201)]
+
+
+def test_search_on_one_cpu_passes_over_the_skipped_folders(ws, engine, monkeypatch):
+    # lich's own search passes over node_modules, .git, venv... also where one worker
+    # searches a folder whole (one CPU; or below the first 256 folders of a larger tree)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    for folder in ("node_modules", ".git", "__pycache__", ".venv", "venv", "src"):
+        (ws / folder).mkdir()
+        (ws / folder / "x.js").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="src/x.js:1: hit")
+
+
+def test_search_with_ripgrep_reads_no_ignore_files_of_its_own(ws, engine):
+    # ripgrep left to itself honours .ignore / .rgignore files (and nested .gitignore
+    # files), which lich's own search does not: the two engines must find the same
+    (ws / ".ignore").write_text("a.txt\n")
+    (ws / "sub").mkdir()
+    (ws / "sub" / ".rgignore").write_text("b.txt\n")
+    (ws / "a.txt").write_text("hit\n")
+    (ws / "sub" / "b.txt").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="a.txt:1: hit\nsub/b.txt:1: hit")
+
+
+def test_a_gitignore_rules_trailing_blanks_go_and_its_comments_are_no_rules(ws, engine):
+    # trailing blanks kept, "secret.txt  " ignored nothing; a comment read as a rule,
+    # "#draft.txt" ignored the file named so
+    (ws / ".gitignore").write_text("secret.txt  \n#draft.txt\n")
+    for name in ("secret.txt", "#draft.txt", "kept.txt"):
+        (ws / name).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="#draft.txt:1: hit\nkept.txt:1: hit")
+
+
+def test_a_gitignore_rule_for_folders_leaves_a_file_of_that_name_searched(ws, engine):
+    # "logs/" is for folders only: the file named logs is searched
+    (ws / ".gitignore").write_text("logs/\n")
+    (ws / "logs").write_text("hit\n")
+    (ws / "d").mkdir()
+    (ws / "d" / "logs").mkdir()
+    (ws / "d" / "logs" / "x.txt").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="logs:1: hit")
+
+
+def test_a_glob_class_negated_with_a_caret_is_negated_as_with_a_bang(ws):
+    # "[^b]" is "not b", as "[!b]" is, not the class of "^" and "b"
+    for name in ("a.txt", "b.txt", "^.txt"):
+        (ws / name).write_text("hit\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "list_files", pattern="[^b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
+    assert run_tool(tools, "list_files", pattern="[!b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
+
+
+def test_an_mcp_calls_audio_and_unknown_content_are_each_named_on_a_line(server):
+    # a kind lich does not know is named, not dropped; audio is told with its type and size
+    url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": {"content": [
+        {"type": "audio", "mimeType": "audio/wav", "data": "UklGRg=="},
+        {"type": "video", "uri": "x"},
+        {"type": "text", "text": "done"}]}})
+    with lich.mcp_tools(url) as tools:
+        assert tools.run(tool_call("t")) == lich.ToolResult(
+            ok=True, output="[audio: audio/wav, 4 bytes]\n[video content]\ndone")
+
+
+REFUSING_MCP = r"""
+import json, sys, time
+sys.stderr.write("refusing: no config file at /etc/demo.toml\n"); sys.stderr.flush()
+for line in sys.stdin:
+    message = json.loads(line)
+    if message.get("method") == "initialize":
+        time.sleep(0.5)  # its stderr is read by then
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": message["id"],
+                                     "error": {"code": -32603, "message": "not configured"}}) + "\n")
+        sys.stdout.flush()
+"""
+
+
+def test_an_mcp_server_that_refuses_the_handshake_is_an_mcp_error_quoting_its_stderr(tmp_path):
+    # the server's own words on stderr are the best clue to why it refused
+    script = tmp_path / "refusing.py"
+    script.write_text(REFUSING_MCP)
+    with pytest.raises(lich.MCPError) as info:
+        lich.mcp_tools([sys.executable, str(script)], timeout=10)
+    assert str(info.value) == ("the MCP server python3 refused to start a session: not configured\n"
+                               "refusing: no config file at /etc/demo.toml").replace(
+        "python3", os.path.basename(sys.executable))
+
+
+def test_a_key_in_use_in_a_lich_log_messages_arguments_is_redacted(server, caplog):
+    # the log filter redacts a record's message as well as its traceback: an MCP
+    # server's tool named with a key (listed twice, so warned about) is quoted in one
+    keep_in_use(api_key=SECRET)
+    url = mcp_answering(server, tools=[{"name": SECRET}, {"name": SECRET}])
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        tools.specs()
+    assert "listed the tool '[redacted]' twice" in caplog.text and SECRET[3:11] not in caplog.text
+
+
 # ============================================================================
 # Tracing
 # ============================================================================
@@ -13457,6 +13611,17 @@ def test_run_batch_traced_without_opentelemetry_raises_before_any_task():
     code, out, err = Process("-c", script, cwd=HERE).wait()
     assert (code, out) == (0, ("trace_otel needs the OpenTelemetry API: pip install opentelemetry-api "
                                "(and opentelemetry-sdk to export spans) 0\n")), err
+
+
+def test_a_batch_tasks_error_holding_a_key_in_use_is_redacted():
+    # a task's failure that is no ProviderError must not keep the key in its error text
+    keep_in_use(api_key=SECRET)
+
+    def chat(messages, **options):
+        raise RuntimeError(f"the gateway refused {SECRET}")
+
+    [result] = lich.run_batch(["hi"], chat=chat, max_turns=3)
+    assert not result.ok and result.error == "RuntimeError: the gateway refused [redacted]"
 
 
 # ============================================================================
@@ -16537,6 +16702,35 @@ def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(ser
     assert (code, out) == (130, ""), err
     assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)", "→ sleep ✗ aborted",
                                 "→ first ✗ not run: interrupted", "lich: stopped: interrupted"]
+
+
+def test_resume_latest_in_a_chat_takes_the_latest_session_of_any_folder(server, lich_model, tmp_path, cli):
+    # "/resume latest" is the newest session of any folder, as --resume latest is;
+    # a bare "/resume" is this folder's, as -c is
+    other = tmp_path / "other"
+    other.mkdir()
+    queue(server, openai_reply("from elsewhere"))
+    cli("--no-stream", "--root", str(other), "hi there")
+    [path] = sessions_in(tmp_path)
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("/resume latest")
+    shown = term.expect(PROMPT)
+    assert f"resumed {path.stem}: 3 messages\nyou: hi there\nlich: from elsewhere\n" in shown, shown
+    term.send("/exit")
+    assert term.close() == 0
+
+
+def test_a_batch_file_whose_first_task_line_is_indented_is_read_as_json_lines(server, lich_model, cli, tmp_path):
+    # a first line "  {...}" still makes the file JSON lines, not prompts of raw JSON
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('  {"id": "a", "prompt": "first"}\n{"id": "b", "prompt": "second"}\n')
+    queue(server, openai_reply("one"), openai_reply("two"))
+    code, stdout, _ = cli("--batch", str(tasks), "--workers", "1", "--no-stream")
+    assert code == 0
+    rows = {row["id"]: row["final"] for row in map(json.loads, stdout.splitlines())}
+    assert rows == {"a": "one", "b": "two"}
+    assert [r["json"]["messages"][-1]["content"] for r in server.requests] == ["first", "second"]
 
 
 # ============================================================================
