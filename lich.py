@@ -4067,14 +4067,15 @@ class OpenAIChat(_HTTPChat):
     def _setup(self):
         self._usage_refused = False  # the server refused stream_options: asked without it
         host = _host_of(self.base_url)
+        # OpenAI's API, also at its data-residency hosts (eu.api.openai.com, us., jp. ...)
+        self._openai_itself = host == "api.openai.com" or host.endswith(".api.openai.com")
         # The rule of this server for tool call ids: Mistral's 9 letters and digits, OpenAI's
         # (and Azure's) 40 characters at most; others take any. These servers also get no
         # extra_content back (Gemini's, after a failover); others may be Gemini behind a
         # gateway, which wants it.
         self._id_rule = ("mistral" if host == "mistral.ai" or host.endswith(".mistral.ai") else
-                         "openai" if host == "api.openai.com" or _is_azure(self.base_url) else None)
+                         "openai" if self._openai_itself or _is_azure(self.base_url) else None)
         self._sends_extra_content = self._id_rule is None
-        self._openai_itself = host == "api.openai.com"
         super()._setup()
 
     def _key_required(self):

@@ -5917,8 +5917,8 @@ def test_mistral_gets_call_ids_of_nine_letters_and_digits_the_same_for_call_and_
         "call_Xk3JtZ0oYbQm4Wl8aT1vCdEf", "functions.add:0", "AbC123xyZ"]
 
 
-@pytest.mark.parametrize("base_url", ["http://api.openai.com/v1", "http://my-res.openai.azure.com/openai/v1"],
-                         ids=["openai", "azure"])
+@pytest.mark.parametrize("base_url", ["http://api.openai.com/v1", "http://jp.api.openai.com/v1",
+                                      "http://my-res.openai.azure.com/openai/v1"], ids=["openai", "openai-jp", "azure"])
 def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch, base_url):
     monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for OpenAI's or Azure's
     long_id = "fc_0f0e50a1476a6c35006912c58dc9f8819192c25864eb16f07f"  # another server's, 53 characters
@@ -5937,11 +5937,11 @@ def test_openai_gets_call_ids_of_forty_characters_at_most(server, monkeypatch, b
 
 def test_openai_itself_is_sent_max_completion_tokens_and_other_servers_max_tokens(server, monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", server.url)  # the loopback server stands in for OpenAI's
-    for base_url in ("http://api.openai.com/v1", f"{server.url}/v1"):
+    for base_url in ("http://api.openai.com/v1", "http://eu.api.openai.com/v1", f"{server.url}/v1"):
         server.reply(200, openai_reply("ok"))
         lich.OpenAIChat("gpt-x", base_url=base_url, api_key=KEY, timeout=5)(USER, max_tokens=100)
     assert [{k: v for k, v in r["json"].items() if "tokens" in k} for r in server.requests] == [
-        {"max_completion_tokens": 100}, {"max_tokens": 100}]
+        {"max_completion_tokens": 100}, {"max_completion_tokens": 100}, {"max_tokens": 100}]
 
 
 def test_the_answer_is_choice_0_wherever_it_stands_among_the_choices(server):
@@ -6357,7 +6357,8 @@ def test_openai_public_url_without_key_is_an_auth_error_before_sending(monkeypat
     err = info.value
     assert (err.kind, err.retryable, err.status, err.provider) == ("auth", False, None, "openai")
     assert str(err) == ("openai: no API key for https://api.openai.com/v1: set OPENAI_API_KEY")
-    for base_url in ("https://API.OpenAI.com/v1", "http://api.openai.com:8080/v1"):  # its host, as max_tokens goes
+    for base_url in ("https://API.OpenAI.com/v1", "http://api.openai.com:8080/v1",  # its host, as max_tokens goes
+                     "https://eu.api.openai.com/v1"):  # and a data-residency host of it
         with pytest.raises(lich.ProviderError) as info:
             lich.OpenAIChat("gpt-4.1-mini", base_url=base_url)(USER)
         assert (info.value.kind, str(info.value)) == (
