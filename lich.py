@@ -1053,12 +1053,23 @@ def _refuse_async(fn, what):
                             f"an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
 
 
+def _refuse_coroutine(answer, what):
+    """A TypeError when ``answer``, what ``what`` returned, is a coroutine (closed first, not
+    left unawaited): a sync function that called an async one, whose body lich never runs."""
+    if inspect.iscoroutine(answer):
+        answer.close()
+        raise TypeError(f"{what} returned a coroutine, and lich calls it synchronously: return "
+                        f"the async function's result (from a thread of an asyncio app, "
+                        f"asyncio.run_coroutine_threadsafe(...).result())")
+
+
 class AgentEmitter:
     """Delivers loop events (plain dicts with a ``"type"``) to subscribed handlers.
 
     Handlers run synchronously in the emitting thread, in subscription order. ``emit``
     iterates a snapshot, so a handler may unsubscribe itself or others; a handler that
-    raises is logged on the ``lich`` logger and the others still run.
+    raises, or returns a coroutine (closed), is logged on the ``lich`` logger and the
+    others still run.
     """
 
     def __init__(self):
@@ -1079,7 +1090,9 @@ class AgentEmitter:
         for wanted, handler in self._handlers:
             if wanted is None or wanted == event_type:
                 try:
-                    handler(event)
+                    answer = handler(event)
+                    if answer is not None:
+                        _refuse_coroutine(answer, "the event handler")
                 except (Exception, SystemExit) as e:  # but for a server stopping its worker
                     if isinstance(e, SystemExit) and _raised_by_a_signal_handler(e):
                         raise
@@ -3322,7 +3335,8 @@ class _HTTPChat:
             except _Cut as cut:
                 raise self._cut_error(cut.args[0]) from None
         if self.stream and self.on_delta is not None and result.message["content"]:
-            self.on_delta(result.message["content"])  # a server that ignored stream=true
+            # a server that ignored stream=true
+            _refuse_coroutine(self.on_delta(result.message["content"]), "on_delta")
         return result
 
     # -- the HTTP exchange --
@@ -3461,7 +3475,9 @@ class _HTTPChat:
         on_delta = self.on_delta
         if on_delta is not None:
             def on_delta(text, show=self.on_delta):
-                if show(text) is not False:  # False: it was not shown (a piped CLI's)
+                answer = show(text)
+                if answer is not False:  # False: it was not shown (a piped CLI's)
+                    _refuse_coroutine(answer, "on_delta")
                     shown.append(True)
         broken = (requests.RequestException, urllib3.exceptions.HTTPError)
         try:
@@ -4617,7 +4633,7 @@ def run_with_retries(fn, *, retries=4, base_delay=1.0, max_delay=30.0,
             _log.info("retry %d/%d in %.2fs after %s error: %s", attempt, retries, delay,
                       e.kind, e)
             if on_retry is not None:
-                on_retry(e, attempt, delay)
+                _refuse_coroutine(on_retry(e, attempt, delay), "on_retry")
             if signal is None:
                 time.sleep(delay)
             elif signal.wait(delay):
@@ -4665,7 +4681,7 @@ class Router:
             if signal is not None and signal.is_set():
                 raise AbortError("aborted before trying the next provider")
             if i and self.on_failover is not None:
-                self.on_failover(last, i)
+                _refuse_coroutine(self.on_failover(last, i), "on_failover")
             more = i + 1 < len(self.chats)
             # response_format only when set, as the loop passes it: a ChatFn may not take it
             extras = {} if response_format is None else {"response_format": response_format}
@@ -8710,6 +8726,7 @@ def _run_task(task, chat, tools, limiter, session_dir, trace, loop_params, submi
             chat = limiter.wrap(chat)
         if tools is not None and not hasattr(tools, "specs") and callable(tools):
             tools = tools(task)
+            _refuse_coroutine(tools, "tools")
         elif tools is None and task.get("root") is not None:
             tools = coding_tools(task["root"])
         params = dict(loop_params)
@@ -8952,7 +8969,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 if fd is not None:
                     os.write(fd, _json_line(asdict(result)))
                 if on_result is not None:
-                    on_result(result)
+                    _refuse_coroutine(on_result(result), "on_result")
             # A cluster keeps a task's result while a future of it is held, and runs it again
             # when the worker that holds it dies (Dask): the batch holds none it has read.
             finished = future = submitted = None

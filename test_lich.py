@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -1275,6 +1276,45 @@ def test_emitter_logs_and_swallows_a_raising_handler(caplog):
     assert seen == [{"type": "turn_start", "turn": 1}]
     [record] = caplog.records
     assert (record.name, record.levelname, record.exc_info[0]) == ("lich", "ERROR", ValueError)
+
+
+# What lich says of a sync callback that returned a coroutine (it called an async function)
+COROUTINE_REFUSED = ("{} returned a coroutine, and lich calls it synchronously: return the async function's result "
+                     "(from a thread of an asyncio app, asyncio.run_coroutine_threadsafe(...).result())")
+
+
+class CoroutinesMade:
+    """A sync callback that calls an async one without running it (``lambda e: handler(e)``):
+    each coroutine it made is kept, to show that lich closed it, its body never run."""
+
+    def __init__(self):
+        self.made, self.ran = [], []
+
+    async def body(self, *args):
+        self.ran.append(args)
+
+    def __call__(self, *args):
+        coroutine = self.body(*args)
+        self.made.append(coroutine)
+        return coroutine
+
+    def states(self):
+        return {inspect.getcoroutinestate(c) for c in self.made}
+
+
+def test_a_handler_returning_a_coroutine_is_logged_as_failed_and_its_coroutine_closed(caplog):
+    """Each event made a coroutine nobody ran, said only by Python's "never awaited" warning."""
+    emitter, seen, handler = lich.AgentEmitter(), [], CoroutinesMade()
+    emitter.on("turn_start", handler)
+    emitter.on_any(seen.append)
+    with caplog.at_level("ERROR", logger="lich"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emitter.emit({"type": "turn_start", "turn": 1})
+    assert seen == [{"type": "turn_start", "turn": 1}]
+    assert (len(handler.made), handler.states(), handler.ran) == (1, {"CORO_CLOSED"}, [])
+    [record] = caplog.records
+    assert (record.levelname, record.getMessage()) == ("ERROR", f"event handler {handler!r} failed on 'turn_start' event")
+    assert str(record.exc_info[1]) == COROUTINE_REFUSED.format("the event handler")
 
 
 def test_an_async_event_handler_is_refused_when_subscribed():
@@ -6185,6 +6225,29 @@ def test_async_callbacks_of_providers_are_refused_when_the_chat_is_made():
             make()
         said.append(str(info.value))
     assert said == [ASYNC_REFUSED.format(name) for name in ("on_delta", "on_delta", "on_retry", "on_failover", "on_retry")]
+
+
+def test_on_delta_returning_a_coroutine_is_a_type_error_its_coroutine_closed(server):
+    """It was taken for a callback that showed the text, though nothing was shown."""
+    server.reply(200, chunks=[openai_sse(delta_chunk(content="a"), delta_chunk(finish="stop"))])
+    server.reply(200, openai_reply("whole"))  # a server that ignored stream=true
+    for _ in range(2):
+        on_delta = CoroutinesMade()
+        with pytest.raises(TypeError) as info:
+            openai_at(server, stream=True, on_delta=on_delta)(USER)
+        assert (str(info.value), len(on_delta.made), on_delta.states(), on_delta.ran) == (
+            COROUTINE_REFUSED.format("on_delta"), 1, {"CORO_CLOSED"}, [])
+
+
+def test_on_retry_or_on_failover_returning_a_coroutine_is_a_type_error_its_coroutine_closed():
+    for name in ("on_retry", "on_failover"):
+        callback = CoroutinesMade()
+        first = ScriptedChat(lich.ProviderError("down", "server"), lich.ProviderError("down", "server"))
+        router = lich.Router([first, ScriptedChat(answer("ok"))], retries=1, base_delay=0.001, **{name: callback})
+        with pytest.raises(TypeError) as info:
+            router(USER)
+        assert (str(info.value), len(callback.made), callback.states(), callback.ran) == (
+            COROUTINE_REFUSED.format(name), 1, {"CORO_CLOSED"}, [])
 
 
 def test_on_delta_exceptions_reach_the_caller_unchanged(server):
@@ -13391,6 +13454,20 @@ def test_a_batch_task_stopped_in_a_chat_call_reports_what_its_calls_used():
 
     [stopped] = lich.run_batch(["go"], chat=chat, tools=EchoTools(), max_turns=3, workers=1)
     assert (stopped.stopped_reason, stopped.usage) == ("aborted", {"input_tokens": 10, "output_tokens": 5})
+
+
+def test_run_batchs_on_result_or_tools_returning_a_coroutine_is_a_type_error_its_coroutine_closed(tmp_path):
+    """A tools(task) returning one failed its task with "AttributeError: 'coroutine' object
+    has no attribute 'specs'"; an on_result's body never ran."""
+    on_result = CoroutinesMade()
+    with pytest.raises(TypeError) as info:
+        lich.run_batch(["a"], chat=ScriptedChat(assistant("one")), max_turns=1, on_result=on_result)
+    assert (str(info.value), len(on_result.made), on_result.states(), on_result.ran) == (
+        COROUTINE_REFUSED.format("on_result"), 1, {"CORO_CLOSED"}, [])
+    tools = CoroutinesMade()
+    [failed_task] = lich.run_batch(["a"], chat=ScriptedChat(assistant("one")), max_turns=1, tools=tools)
+    assert (failed_task.ok, failed_task.error) == (False, "TypeError: " + COROUTINE_REFUSED.format("tools"))
+    assert (len(tools.made), tools.states(), tools.ran) == (1, {"CORO_CLOSED"}, [])
 
 
 def test_run_batch_refuses_an_async_on_result_or_tools_before_any_task_starts(server):
