@@ -8857,6 +8857,17 @@ def _close_results_file(fd):
     os.close(fd)
 
 
+def _task_result(future, task):
+    """The BatchResult of a task's finished future; a task that raised, or that the executor
+    lost, is an ``ok=False`` one."""
+    try:  # not result(): its raising would tie this frame to the failure, and a
+        failure = future.exception()  # cluster keeps what a future still held is
+        return future.result() if failure is None else BatchResult(
+            task["id"], False, None, None, error=_error_text(failure))
+    except BaseException as exc:  # the executor's failure: this task is lost
+        return BatchResult(task["id"], False, None, None, error=_error_text(exc))
+
+
 def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=None, out=None,
               redo=False, limiter=None, max_errors=None, signal=None, on_result=None,
               trace=False, **loop_params) -> list:
@@ -8955,14 +8966,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                 if future.cancelled():  # never started: it is among the tasks not started
                     pending.append(task)
                     continue
-                try:  # not result(): its raising would tie this frame to the failure, and a
-                    failure = future.exception()  # cluster keeps what a future still held is
-                    result = future.result() if failure is None else BatchResult(
-                        task["id"], False, None, None, error=_error_text(failure))
-                except BaseException as exc:  # the executor's failure: this task is lost
-                    result = BatchResult(task["id"], False, None, None, error=_error_text(exc))
-                failure = None
-                results[task["id"]] = result
+                result = results[task["id"]] = _task_result(future, task)
                 errors += not result.ok and result.stopped_reason is None
                 if max_errors is not None and errors >= max_errors:
                     stopped_by("errors")
@@ -8975,12 +8979,18 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
             finished = future = submitted = None
     finally:
         stopping.set()
-        for future in running:
-            future.cancel()
-        if own:
-            pool.shutdown(wait=True)
-        if fd is not None:
-            _close_results_file(fd)
+        try:
+            for future in running:
+                future.cancel()
+            if own:
+                pool.shutdown(wait=True)
+            if fd is not None:  # tasks that finished on the way out: a resume does not redo them
+                for future, task in running.items():
+                    if future.done() and not future.cancelled():
+                        os.write(fd, _json_line(asdict(_task_result(future, task))))
+        finally:  # a second Ctrl-C in the wait above still lets the file go
+            if fd is not None:
+                _close_results_file(fd)
     why = {"signal": "the signal was set", "broken": broken}.get(first_stop) or \
         f"{errors} {'task' if errors == 1 else 'tasks'} failed (max_errors={max_errors})"
     return [results.get(task["id"]) or BatchResult(task["id"], False, None, None,

@@ -13092,6 +13092,51 @@ def test_on_result_finds_its_tasks_line_written_even_when_it_fails(tmp_path):
     assert (seen, json.loads(line)["final"]) == ([line + "\n"], "one")
 
 
+def ctrl_c_in_the_main_thread():
+    """SIGINT to the main thread, as a terminal's Ctrl-C: it breaks off a wait of that thread."""
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def test_a_task_that_finishes_as_ctrl_c_leaves_its_batch_is_in_the_out_file_and_not_run_again(tmp_path):
+    """The batch waited for its running tasks on the way out but wrote none of them: a resume
+    paid for their model calls again."""
+    out, asked = tmp_path / "out.jsonl", []
+
+    def chat(messages, **options):
+        asked.append(messages[-1]["content"])
+        time.sleep(0.1)  # the batch waits for its task
+        ctrl_c_in_the_main_thread()  # while this answer is on its way
+        time.sleep(0.2)
+        return result("paid for")
+
+    with pytest.raises(KeyboardInterrupt):
+        lich.run_batch(["a", "b"], chat=chat, workers=1, out=out, max_turns=1)
+    [line] = out.read_text().splitlines()
+    written = json.loads(line)
+    assert (written["id"], written["ok"], written["final"], written["stopped_reason"]) == ("0", True, "paid for", "final")
+    rerun = lich.run_batch(["a", "b"], chat=ScriptedChat(assistant("second")), workers=1, out=out, max_turns=1)
+    assert ([r.final for r in rerun], asked) == (["paid for", "second"], ["a"])
+
+
+def test_a_second_ctrl_c_while_a_batch_waits_for_its_tasks_still_lets_its_out_file_go(tmp_path):
+    """It stayed locked for the rest of the process: every later batch on it was refused as
+    if another batch were writing to it."""
+    out = tmp_path / "out.jsonl"
+
+    def chat(messages, **options):
+        time.sleep(0.1)  # the batch waits for its task
+        ctrl_c_in_the_main_thread()  # the first: the batch waits for this task to stop
+        time.sleep(0.1)
+        ctrl_c_in_the_main_thread()  # the second, in that wait
+        time.sleep(0.2)
+        return result("late")
+
+    with pytest.raises(KeyboardInterrupt):
+        lich.run_batch(["a"], chat=chat, out=out, max_turns=1)
+    assert [r.final for r in lich.run_batch(["a"], chat=ScriptedChat(assistant("again")), out=out, max_turns=1)] == [
+        "again"]
+
+
 def test_a_tasks_own_system_prompt_of_none_and_root_beside_tools(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
