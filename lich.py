@@ -1106,6 +1106,8 @@ class AgentEmitter:
         self._lock = threading.Lock()
 
     def _subscribe(self, event_type, handler):
+        if not callable(handler):  # show(x) for show: each event would log its failure
+            raise TypeError(f"the event handler must be callable, not {type(handler).__name__}")
         _refuse_async(handler, "the event handler")
         entry = (event_type, handler)
         with self._lock:
@@ -1265,6 +1267,8 @@ def compress_messages(chat, messages, *, signal=None):
             answer.close()
             raise TypeError(_ASYNC_CHAT)
         summary = answer.message.get("content") or ""
+        if not isinstance(summary, str):  # blocks, say: a failure like any other
+            raise TypeError(f"the summary is a {type(summary).__name__}, not a string")
     except AbortError as exc:
         if signal is None or not signal.is_set():  # not the caller's stop: a failure to tell of
             _log.warning("history compression failed, keeping the full history: %s: %s",
@@ -1506,7 +1510,9 @@ def _run_one_tool(tools, call, signal) -> ToolResult:
         # A copy: the call is the history's own, and a tool that changes what it is handed
         # (a lich.ToolCall parameter) must not change the history or its session.
         result = tools.run(dict(call), signal)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # argparse's exit too, but for a server stopping it
+        if isinstance(exc, SystemExit) and _raised_by_a_signal_handler(exc):
+            raise
         _log.debug("tool runner raised on %r", call.get("name"), exc_info=True)
         return ToolResult(ok=False, error=_exception_text(exc))
     if inspect.iscoroutine(result):  # an async def run: never run, not left unawaited
@@ -1580,12 +1586,23 @@ def _check_loop_keywords(caller, names, taken=()):
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
-def _check_run_options(max_turns, output_schema):
+_CHECKED_RUN_OPTIONS = ("max_turns", "output_schema", "context_budget_tokens", "compress_threshold")
+
+
+def _check_run_options(max_turns, output_schema=None, context_budget_tokens=None,
+                       compress_threshold=0.8):
     """A run's options checked before it calls anything, so a mistake costs no model call."""
     if isinstance(max_turns, bool) or not isinstance(max_turns, int):
         raise TypeError(f"max_turns must be an int >= 1, not {type(max_turns).__name__}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be an int >= 1, not {max_turns}")
+    # a number read from an environment variable is a str: it failed mid-run, in Python's words
+    if context_budget_tokens is not None and not _is_number(context_budget_tokens):
+        raise TypeError(f"context_budget_tokens must be a number or None, not "
+                        f"{type(context_budget_tokens).__name__}")
+    if not _is_number(compress_threshold):
+        raise TypeError(f"compress_threshold must be a number, not "
+                        f"{type(compress_threshold).__name__}")
     if output_schema is not None:
         try:
             problem = (_schema_problem(output_schema, "output_schema", output_schema)
@@ -1674,7 +1691,7 @@ def run_conversation(chat, tools, messages, *, max_turns, system_prompt=None, te
     ``messages`` is not changed; the outcome's ``messages`` is the working history, after
     compression when ``context_budget_tokens`` is set.
     """
-    _check_run_options(max_turns, output_schema)
+    _check_run_options(max_turns, output_schema, context_budget_tokens, compress_threshold)
     history = seed_system_prompt(messages, system_prompt)
     specs = _offered_specs(tools)
     response_format = (None if output_schema is None
@@ -2039,9 +2056,12 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
     would follow a gap).
     """
     _check_loop_keywords("run_agent", loop_params)  # before a session file is made for nothing
+    if not isinstance(prompt, str):  # a list of blocks ran, and its session read back without it
+        raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
     if "max_turns" not in loop_params:
         raise TypeError("run_agent() missing 1 required keyword-only argument: 'max_turns'")
-    _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
+    _check_run_options(**{name: loop_params[name] for name in _CHECKED_RUN_OPTIONS
+                          if name in loop_params})
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
                                 loop_params.pop("system_prompt", None))
@@ -8480,15 +8500,22 @@ def mcp_tools(server, *, env=None, cwd=None, headers=None, timeout=60, prefix=""
 
 
 def _chat_identity(chat) -> dict:
-    """The ``model`` and ``provider`` of a ChatFn, looking through Routers and limiters."""
-    while True:
-        inner = getattr(chat, "chats", None) or [getattr(chat, "chat", None)]
-        if inner[0] is None or inner[0] is chat:
+    """The ``model`` and ``provider`` of a ChatFn, looking through Routers and limiters (a
+    few steps at most: an object that answers every attribute, a mock, would go on for ever)."""
+    seen = [chat]
+    for _ in range(_CHAT_WRAPPINGS_FOLLOWED):
+        chats = getattr(chat, "chats", None)
+        inner = chats[0] if isinstance(chats, (list, tuple)) and chats else getattr(chat, "chat", None)
+        if inner is None or any(inner is known for known in seen):
             break
-        chat = inner[0]
+        chat = inner
+        seen.append(chat)
     model, provider = getattr(chat, "model", None), getattr(chat, "provider", None)
     return {"model": model if isinstance(model, str) else None,
             "provider": provider if isinstance(provider, str) and provider else None}
+
+
+_CHAT_WRAPPINGS_FOLLOWED = 8  # a Router of limited chats is two
 
 
 def trace_otel(emitter, *, tracer=None, model=None, provider=None, capture_content=False):
@@ -8897,7 +8924,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     if "max_turns" not in loop_params:  # as run_agent says it
         raise TypeError("run_batch() missing 1 required keyword-only argument: 'max_turns'")
-    _check_run_options(loop_params["max_turns"], loop_params.get("output_schema"))
+    _check_run_options(**{name: loop_params[name] for name in _CHECKED_RUN_OPTIONS
+                          if name in loop_params})
     _refuse_async(on_result, "on_result")
     if not hasattr(tools, "specs"):  # a tools(task) that makes each task's ToolRunner
         _refuse_async(tools, "tools")
@@ -8907,6 +8935,8 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
                                    or max_errors < 1):  # 0 would start nothing
         raise ValueError(f"max_errors must be an int >= 1 or None (the failures after which no "
                          f"new task starts), not {max_errors!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int):  # None: a bare comparison error
+        raise TypeError(f"workers must be an int, not {type(workers).__name__}")
     tasks = _batch_tasks(tasks)
     own = executor is None
     pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lich-batch") \

@@ -1317,6 +1317,15 @@ def test_a_handler_returning_a_coroutine_is_logged_as_failed_and_its_coroutine_c
     assert str(record.exc_info[1]) == COROUTINE_REFUSED.format("the event handler")
 
 
+def test_a_handler_that_cannot_be_called_is_refused_when_subscribed():
+    """show(event) given for show was taken, and every event logged its TypeError."""
+    emitter = lich.AgentEmitter()
+    for subscribe in (emitter.on_any, functools.partial(emitter.on, "llm_end")):
+        with pytest.raises(TypeError) as info:
+            subscribe(None)
+        assert str(info.value) == "the event handler must be callable, not NoneType"
+
+
 def test_an_async_event_handler_is_refused_when_subscribed():
     """It was taken, and each event only made a coroutine that nobody ran: the handler's body
     never ran, said by one "never awaited" warning per event."""
@@ -1642,6 +1651,17 @@ def test_compress_if_needed_fallback_emits_zero():
     assert events[1] == {"type": "compress_end", "summary_chars": 0}
 
 
+def test_a_summary_of_blocks_not_a_string_is_a_failed_compression_that_keeps_the_history(caplog):
+    """It escaped compress_messages (and the run) as "AttributeError: 'list' object has no
+    attribute 'strip'"."""
+    blocks = ScriptedChat(lich.ChatResult({"role": "assistant", "content": [{"type": "text", "text": "sum"}]}))
+    history = long_history(30)
+    with caplog.at_level("WARNING", logger="lich"):
+        assert lich.compress_messages(blocks, history) == (history, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "history compression failed, keeping the full history: TypeError: the summary is a list, not a string"]
+
+
 # ============================================================================
 # The loop
 # ============================================================================
@@ -1823,6 +1843,18 @@ def test_a_tool_that_changes_the_call_it_is_given_changes_no_history(tmp_path):
     assert lich.read_session_messages(run.session_path) == expected
 
 
+def test_a_tool_runner_that_calls_sys_exit_gives_a_failed_result_and_the_run_goes_on():
+    """Its SystemExit (argparse's, on arguments it cannot parse) left the run, and a script's
+    process exited; lich's Tools already made it a failed result."""
+    class Exiting(EchoTools):
+        def run(self, call, signal=None):
+            sys.exit(2)
+
+    outcome, _, _ = run_loop(assistant("", ("c1", "parse", "{}")), assistant("recovered"), tools=Exiting())
+    assert (outcome.stopped_reason, outcome.messages[2]["content"]) == (
+        "final", failed("SystemExit: 2"))
+
+
 def test_ctrl_c_in_a_tool_ends_the_events_with_an_error():
     class Interrupted(EchoTools):
         def run(self, call, signal=None):
@@ -1889,6 +1921,25 @@ def test_tool_runner_receives_the_signal():
     signal = threading.Event()
     run_loop(assistant("", ("c1", "echo", "{}")), assistant("ok"), tools=Spy(), signal=signal)
     assert seen == [signal]
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"context_budget_tokens": "100000"}, "context_budget_tokens must be a number or None, not str"),
+    ({"context_budget_tokens": True}, "context_budget_tokens must be a number or None, not bool"),
+    ({"context_budget_tokens": 1000, "compress_threshold": None}, "compress_threshold must be a number, not NoneType"),
+    ({"compress_threshold": "0.8"}, "compress_threshold must be a number, not str"),
+], ids=["budget-str", "budget-bool", "threshold-none", "threshold-str"])
+def test_a_budget_or_threshold_that_is_no_number_is_a_type_error_before_any_call(options, said, tmp_path):
+    """A str from an environment variable failed after turn_start, in Python's words ("can't
+    multiply sequence by non-int of type 'float'"), with no error event to end the run."""
+    chat, (emitter, events) = ScriptedChat(assistant("never")), recorder_emitter()
+    for run in (lambda: lich.run_conversation(chat, None, [user("hi")], max_turns=1, emitter=emitter, **options),
+                lambda: lich.run_agent("hi", chat=chat, max_turns=1, session_dir=tmp_path, emitter=emitter, **options),
+                lambda: lich.run_batch(["hi"], chat=chat, max_turns=1, **options)):
+        with pytest.raises(TypeError) as info:
+            run()
+        assert str(info.value) == said
+    assert (events, chat.calls, list(tmp_path.iterdir())) == ([], [], [])
 
 
 @pytest.mark.parametrize("max_turns, error, said", [
@@ -3074,6 +3125,17 @@ def test_session_handle_is_thread_safe(tmp_path):
 
 
 USAGE = {"input_tokens": 10, "output_tokens": 2}
+
+
+@pytest.mark.parametrize("prompt", [[{"type": "text", "text": "hi"}], None], ids=["blocks", "none"])
+def test_run_agents_prompt_must_be_a_str_before_any_file_or_call(prompt, tmp_path):
+    """Blocks ran, and the session read back without the prompt, an assistant message first;
+    None failed in recording with "object of type 'NoneType' has no len()"."""
+    chat = ScriptedChat(assistant("never"))
+    with pytest.raises(TypeError) as info:
+        lich.run_agent(prompt, chat=chat, session_dir=tmp_path, max_turns=1)
+    assert (str(info.value), chat.calls, list(tmp_path.iterdir())) == (
+        f"prompt must be a str, not {type(prompt).__name__}", [], [])
 
 
 def test_run_agent_records_a_whole_run(tmp_path):
@@ -12974,6 +13036,38 @@ def test_run_batch_names_the_model_and_provider_behind_a_spec_or_a_limiter_on_it
                                      ("invoke_agent", {"gen_ai.request.model": "m-2"})]
 
 
+def test_a_traced_batch_of_a_chat_that_answers_every_attribute_or_wraps_itself_in_a_loop_ends(spans):
+    """Looking for the model behind wrappers, it followed ``.chats[0]`` and ``.chat`` for
+    ever: a mock's (each a new object) or two wrappers' that point at each other."""
+    tracer, finished = spans
+
+    class AnswersEverything:  # as a mock does: every attribute and item is another such object
+        def __getattr__(self, name):
+            return AnswersEverything()
+
+        def __getitem__(self, key):
+            return AnswersEverything()
+
+        def __call__(self, messages, **options):
+            return result("done")
+
+    class Wrapper:
+        def __call__(self, messages, **options):
+            return result("done")
+
+    first, second = Wrapper(), Wrapper()
+    first.chat, second.chat = second, first
+    for chat in (AnswersEverything(), first):
+        ended = []
+        batch = threading.Thread(target=lambda chat=chat, ended=ended: ended.append(
+            lich.run_batch(["a"], chat=chat, trace=tracer, max_turns=1)), daemon=True)
+        batch.start()
+        batch.join(10)
+        assert [r.final for r in ended[0]] == ["done"]
+    assert [(name, attributes.get("gen_ai.request.model")) for name, _, _, attributes, _, _ in finished()] == [
+        ("chat", None), ("invoke_agent", None)] * 2
+
+
 def test_trace_otel_without_the_package_says_what_to_install():
     script = ("import sys; sys.modules['opentelemetry'] = None\n"
               "import lich\ntry:\n    lich.trace_otel(lich.AgentEmitter())\n"
@@ -13530,6 +13624,16 @@ def test_run_batch_refuses_an_async_on_result_or_tools_before_any_task_starts(se
             lich.run_batch(["a"], chat=openai_at(server), max_turns=1, **options)
         said.append(str(info.value))
     assert said == [ASYNC_REFUSED.format("on_result"), ASYNC_REFUSED.format("tools")] and server.requests == []
+
+
+@pytest.mark.parametrize("workers, said", [(None, "NoneType"), ("4", "str"), (True, "bool")])
+def test_run_batch_refuses_workers_that_are_no_int_before_any_task_starts(workers, said):
+    """None (a setting left unset) failed with "'>' not supported between instances of
+    'NoneType' and 'int'"."""
+    chat = ScriptedChat(assistant("never"))
+    with pytest.raises(TypeError) as info:
+        lich.run_batch(["a"], chat=chat, workers=workers, max_turns=1)
+    assert (str(info.value), chat.calls) == (f"workers must be an int, not {said}", [])
 
 
 @pytest.mark.parametrize("max_errors", [0, -1, 1.5, "3", True], ids=["zero", "negative", "float", "string", "boolean"])
