@@ -3388,16 +3388,18 @@ class _HTTPChat:
                                               data=body, headers=self._headers,
                                               timeout=self._timeouts, stream=True,
                                               allow_redirects=False)
+            # Not chained: requests' error quotes the URL whole, a key in its query too, and a
+            # traceback or any logger's exception() shows the cause (the message says why).
             except requests.RequestException as e:
                 exchange.check()
-                raise self._transport_error(e, streaming=False) from e
+                raise self._transport_error(e, streaming=False) from None
             except OSError as e:  # requests' own: a CA bundle that is not there
                 raise self._error(f"cannot reach {self._shown_url}: {_redact_secrets(str(e))}",
-                                  "network", retryable=False) from e
+                                  "network", retryable=False) from None
             except ValueError as e:  # a session of the caller's: as on a redirect's bad Location
                 raise self._error(f"requests raised ValueError on the answer: "
                                   f"{_redact_url(_redact_secrets(str(e)))}",
-                                  "invalid_response") from e
+                                  "invalid_response") from None
             status = response.status_code
             if 200 <= status < 300:
                 return response

@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import os
 import re
 import shlex
@@ -4766,6 +4767,24 @@ def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
     assert (str(info.value), info.value.kind, info.value.retryable) == (
         (f"openai: cannot reach http://127.0.0.1:9/tenant/407/v1/chat/completions through the proxy "
          f"http://127.0.0.1:{port}: [Errno 111] Connection refused"), "network", True)
+
+
+def test_a_key_in_the_base_urls_query_is_in_no_line_of_an_unreachable_servers_traceback(caplog):
+    """The error's message was redacted, but its cause, requests' ConnectionError, quoted the
+    URL whole: a traceback or an application logger's exception() showed the key."""
+    import traceback
+
+    key = "zq-QUERY-KEY-0000000001"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]  # closed below: nothing listens there
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=f"http://127.0.0.1:{port}/v1?key={key}", api_key="k")(USER)
+    with caplog.at_level("ERROR", logger="an.application"):
+        logging.getLogger("an.application").exception("the model failed", exc_info=info.value)
+    shown = "".join(traceback.format_exception(type(info.value), info.value, info.value.__traceback__))
+    assert str(info.value) == (f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions?key=[redacted]: "
+                               f"[Errno 111] Connection refused")
+    assert (key in shown, key in caplog.text, "[redacted]" in shown) == (False, False, True)
 
 
 def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
