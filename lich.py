@@ -6007,13 +6007,17 @@ def _gitignore_rules(text):
     rule on names alone its regular expression's fullmatch, else None), in a tuple."""
     rules = []
     for line in text.splitlines():
-        line = re.sub(r"(?<!\\)[ \t]+$", "", line)  # trailing blanks go, unless escaped
+        stripped = line.rstrip(" ")  # git drops trailing spaces (not tabs), but an escaped one
+        if stripped != line:  # (after an odd run of backslashes) and those before it stay
+            line = stripped + " " if (len(stripped) - len(stripped.rstrip("\\"))) % 2 else stripped
         if not line or line.startswith("#"):  # a name beginning with # or ! is written \# or \!
             continue
         negated = line.startswith("!")
         line = line[1:] if negated else line
         folders_only = line.endswith("/")
         line = line.rstrip("/")
+        if line.endswith("/**"):  # what is inside the folder, not the folder (a ! may take back a file)
+            line += "/*"
         anchored = "/" in line
         line = line.lstrip("/")
         if line:
@@ -6913,8 +6917,12 @@ class _Workspace:
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
         # From the root, ripgrep skips what is ignored; lich still checks each path, its rules
-        # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not.
-        if folder and not prefix and rules and "{" not in gitignore:
+        # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not;
+        # nor with a line that ends in a blank other than a space or in a backslash and
+        # spaces: ripgrep strips every trailing blank unless the line ends in "\ ", git
+        # only spaces, keeping one a backslash escapes.
+        if (folder and not prefix and rules and "{" not in gitignore
+                and not re.search(r"(?:\\|[^\S\r\n ]) *\r?$", gitignore, re.MULTILINE)):
             import tempfile
 
             handle, ignore_file = tempfile.mkstemp(prefix="lich-gitignore-")

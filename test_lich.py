@@ -9731,6 +9731,24 @@ def test_search_honours_gitignore_classes_and_stars_and_takes_braces_as_git_does
                                   ["ab.md", "acb", "foobarx", "k.tmp", "m.py", "x.cfg", "z.cfg"]))
 
 
+@pytest.mark.parametrize("gitignore,found", [
+    ("foo/**\n!foo/keep.txt\n", ["foo/keep.txt", "top.txt", "top.txt\\"]),
+    ("foo/**/\n", ["foo/drop.txt", "foo/keep.txt", "top.txt", "top.txt\\"]),
+    ("top.txt\t\n", ["foo/drop.txt", "foo/keep.txt", "foo/sub/deep.txt", "top.txt", "top.txt\\"]),
+    ("top.txt\\\\ \n", ["foo/drop.txt", "foo/keep.txt", "foo/sub/deep.txt", "top.txt"]),
+], ids=["dir/** then !", "dir/**/", "trailing tab", "escaped backslash, space"])
+def test_a_gitignore_rule_ending_in_double_star_and_trailing_blanks_are_read_as_git_reads_them(
+        ws, engine, gitignore, found):
+    """foo/** ignored the folder foo too (no ! rule brought its files back; foo/**/ hid
+    them), and a trailing tab was stripped: git strips only spaces not escaped."""
+    (ws / ".gitignore").write_text(gitignore)
+    (ws / "foo" / "sub").mkdir(parents=True)
+    for rel in ["foo/keep.txt", "foo/drop.txt", "foo/sub/deep.txt", "top.txt", "top.txt\\"]:
+        (ws / rel).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="\n".join(f"{rel}:1: hit" for rel in found))
+
+
 def test_a_pathological_glob_is_matched_in_linear_time(ws):
     (ws / ("a" * 200)).write_text("")
     started = time.monotonic()
