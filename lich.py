@@ -6206,6 +6206,21 @@ def _same_in_ripgrep(pattern) -> bool:
     return True
 
 
+def _glob_within_ripgreps(glob, patterns) -> bool:
+    """Whether ripgrep's ``--glob glob`` keeps every file name that lich's glob (spelled out
+    as ``patterns``) matches: not with a "/", an unpaired bracket, a brace lich does not
+    spell out ({a}.txt is a name to lich, an error or an alternative to ripgrep), a "?" or a
+    negated or non-ASCII class (one byte to ripgrep, one character to lich), a leading "!"
+    (an exclusion to ripgrep), an empty alternative (dropped by ripgrep), or a pattern that
+    ends in "." (ripgrep matches no name with it)."""
+    return ("/" not in glob and "?" not in glob and not glob.startswith("!")
+            and glob.count("[") == glob.count("]")
+            and not ("[" in glob and (not glob.isascii() or re.search(r"\[[!^]", glob)))
+            and not re.search(r"[{,][,}]", glob)
+            and not any(c in each for each in patterns for c in "{}")
+            and not any(each.endswith(".") for each in patterns))
+
+
 def _search_text(regex, text, number, found):
     """``found(line number, line, column of the match)`` for each line of ``text`` (its first
     line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
@@ -6908,11 +6923,9 @@ class _Workspace:
                 "--no-ignore-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
-        # ripgrep filters by the glob too (lich checks each path anyway) when it reads it as
-        # lich does: no unpaired bracket, and no brace lich does not spell out ({a}.txt is a
-        # name to lich, an error or an alternative to ripgrep)
-        if (glob and "/" not in glob and glob.count("[") == glob.count("]")
-                and not any(c in each for each in wanted.patterns for c in "{}")):
+        # ripgrep filters by the glob too (lich checks each path anyway) where it finds all
+        # that lich's glob finds
+        if glob and _glob_within_ripgreps(glob, wanted.patterns):
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None

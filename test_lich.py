@@ -9942,6 +9942,21 @@ def test_a_glob_ripgrep_cannot_read_is_searched_by_lich_itself(ws, engine, glob)
         ok=True, output=f"{glob}:1: needle")
 
 
+@pytest.mark.parametrize("glob,found", [
+    ("?.py", ["a.py", "é.py"]), ("[!a].py", ["é.py"]), ("*.", ["Makefile."]),
+    ("*.{md,}", ["Makefile.", "notes.md"]), ("{x,}b", ["b"]), ("!*.py", ["!x.py"]),
+], ids=["? of a non-ASCII name", "negated class", "ends in a dot", "empty alternative",
+        "empty first alternative", "leading !"])
+def test_a_glob_ripgrep_reads_more_narrowly_is_searched_by_lich_itself(ws, engine, glob, found):
+    """ripgrep filtered by the glob first and lost files lich's glob matches: its ? and
+    classes match a byte, it drops an empty alternative and finds no name ending in a dot,
+    and a leading ! excludes."""
+    for name in ["é.py", "a.py", "Makefile.", "!x.py", "notes.md", "b"]:
+        (ws / name).write_text("needle\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle", glob=glob) == lich.ToolResult(
+        ok=True, output="\n".join(f"{name}:1: needle" for name in found))
+
+
 def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
     """Each unclosed brace was scanned to the glob's end, again for each pattern spelled out:
     3,000 of them held search (before its clock started) and list_files for 40 s."""
