@@ -6225,6 +6225,8 @@ def _search_text(regex, text, number, found):
     """``found(line number, line, column of the match)`` for each line of ``text`` (its first
     line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
     the whole text, the line only looked at again when a match spans lines."""
+    if not text:  # no line in no text (an empty file, the empty end of one of whole blocks)
+        return
     end = len(text) - 1 if text.endswith("\n") else len(text)  # no line after a last newline
     pos = counted = 0
     while pos <= end:
@@ -6955,8 +6957,15 @@ class _Workspace:
                 return
             number, _, rest = rest.partition(b":")
             column, _, text = rest.partition(b":")
-            if not (number.isdigit() and column.isdigit()):
+            if not number.isdigit():
                 return
+            # ripgrep prints no column for an empty match at the end of a last line without a
+            # line end: the line is all that follows, the match at its end ("10:30", whole,
+            # when a column of 10 would lie past the line "30" that ripgrep did not cut)
+            if not column.isdigit() or (int(column) - 1 > len(text)
+                                        and len(line) < _PROCESS_LINE_MAX_BYTES):
+                text = rest
+                column = b"%d" % (len(text.rstrip(b"\r")) + 1)
             if folder:
                 rel = os.fsdecode(name).removeprefix("./")
                 keep = checked.get(rel)

@@ -10436,6 +10436,22 @@ def test_an_empty_match_at_a_lines_end_is_shown_as_its_line(ws, engine):
     assert run_tool(tools, "search", pattern=r":\s*$") == lich.ToolResult(ok=True, output="a.py:1: def f():")
 
 
+def test_an_empty_match_at_a_files_end_is_on_its_last_line_and_an_empty_file_has_no_line(ws, engine):
+    """ripgrep printed no column for an empty match at the end of a last line without a line
+    end, and lich dropped the line; lich's own search found line 1 in an empty file, and a
+    line after the last one in a file of whole 16 MiB blocks."""
+    (ws / "code.js").write_text("let a = 1;\nlet b = 2\nlet c = 3")
+    (ws / "time.txt").write_text("10:30")
+    (ws / "empty.txt").write_text("")
+    (ws / "blocks.dat").write_bytes((b"x" * 1023 + b"\n") * 16384)
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern=";?$", glob="*.{js,txt}") == lich.ToolResult(ok=True, output=(
+        "code.js:1: let a = 1;\ncode.js:2: let b = 2\ncode.js:3: let c = 3\ntime.txt:1: 10:30"))
+    assert run_tool(tools, "search", pattern="^\\s*$") == lich.ToolResult(ok=True, output="no matches")
+    assert run_tool(tools, "search", pattern="^$", path="blocks.dat") == lich.ToolResult(
+        ok=True, output="no matches")
+
+
 SEARCH_A_LOCKED_TREE = """
 import sys
 sys.path.insert(0, sys.argv[1])
