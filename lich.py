@@ -7137,8 +7137,9 @@ class _Workspace:
         text = data.decode("utf-8", "surrogateescape")
         crlf = "\r\n" in text
 
-        spans = _places(text, old_text)
-        if not spans and crlf and "\n" in old_text:  # a line end matches \r\n once, or a lone \n
+        # a line end matches \r\n once, or a lone \n: in a file of both, old_text is counted
+        # wherever read_file shows it, not only where its own line ends are
+        if crlf and "\n" in old_text:
             import bisect
 
             ends, at = [], text.find("\r\n")  # where each \r\n's \n is once the \r's are gone
@@ -7148,6 +7149,8 @@ class _Workspace:
             spans = [(start + bisect.bisect_left(ends, start), end + bisect.bisect_left(ends, end))
                      for start, end in _places(text.replace("\r\n", "\n"),
                                                old_text.replace("\r\n", "\n"))]
+        else:
+            spans = _places(text, old_text)
         if not spans and _has_undecodable(text):
             raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "
                                f"the bytes read_file shows as \ufffd cannot be matched; use "

@@ -10589,6 +10589,21 @@ def test_edit_file_in_a_file_of_mixed_line_ends_keeps_those_of_the_text_it_repla
     assert (ws / "w.txt").read_bytes() == b"x\r\ny\r\ny2\r\nz\n"
 
 
+def test_edit_file_counts_old_text_under_either_line_end_in_a_file_of_mixed_ones(ws):
+    """read_file shows a block of CRLF lines and its LF copy alike, yet the edit replaced the
+    LF copy, the one old_text matched byte for byte, as if it occurred once."""
+    data = b"x = 1\r\ny = 2\r\nend\r\nx = 1\ny = 2\nend\n"
+    (ws / "mixed.txt").write_bytes(data)
+    tools = lich.coding_tools(ws, allow_write=True)
+    for old_text in ("x = 1\ny = 2", "x = 1\r\ny = 2"):
+        assert run_tool(tools, "edit_file", path="mixed.txt", old_text=old_text, new_text="x = 9") == lich.ToolResult(
+            ok=False, error=("old_text occurs 2 times in mixed.txt; include more of the surrounding text so that "
+                             "it occurs exactly once"))
+    assert (ws / "mixed.txt").read_bytes() == data
+    assert run_tool(tools, "edit_file", path="mixed.txt", old_text="end\nx = 1", new_text="END\nx = 1").ok
+    assert (ws / "mixed.txt").read_bytes() == b"x = 1\r\ny = 2\r\nEND\r\nx = 1\ny = 2\nend\n"
+
+
 WRITE_A_LOCKED_FILE = """
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
