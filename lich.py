@@ -7339,13 +7339,20 @@ class _HeadTail:
                 del self.tail[:-self.keep]
 
     def text(self):
-        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest."""
+        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest;
+        the bytes of a character the head or the tail cuts through are counted in the rest."""
         tail = self.tail[-self.keep:]
         omitted = self.total - len(self.head) - len(tail)
         if not omitted:
             return bytes(self.head + tail).decode("utf-8", "replace")
-        return (self.head.decode("utf-8", "replace") + f"\n[... {omitted} bytes omitted ...]\n"
-                + tail.decode("utf-8", "replace"))
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        head = decoder.decode(self.head)  # the start of a character cut at the end waits in it
+        start = 0  # the end of a character cut at the tail's start: continuation bytes
+        while start < min(len(tail), _UTF8_MAX_BYTES - 1) and tail[start] & 0xC0 == 0x80:
+            start += 1
+        omitted += len(decoder.getstate()[0]) + start
+        return (head + f"\n[... {omitted} bytes omitted ...]\n"
+                + tail[start:].decode("utf-8", "replace"))
 
 
 def _with_newline(text):

@@ -11076,6 +11076,16 @@ def test_bash_50_mb_of_output_is_streamed_and_capped(ws):
     assert growth_kib < 100 * 1024
 
 
+def test_bash_output_is_cut_between_characters(ws):
+    """The head was cut at its 20,000th byte and the tail began at its first, each inside an
+    "é": a U+FFFD stood at both cuts."""
+    tools = lich.coding_tools(ws, allow_shell=True)
+    script = "import sys; sys.stdout.write('a' + '\\u00e9' * 25000 + 'b')"  # 50,002 bytes
+    result = run_tool(tools, "bash", command=f"{sys.executable} -X utf8 -c \"{script}\"")
+    assert result == lich.ToolResult(
+        ok=True, output="a" + "é" * 9999 + "\n[... 10004 bytes omitted ...]\n" + "é" * 9999 + "b\n[exit code 0]")
+
+
 def test_bash_asks_approval(ws):
     declined = Approver(False)
     tools = lich.coding_tools(ws, allow_shell=True, approve=declined)
