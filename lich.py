@@ -6029,13 +6029,17 @@ def _gitignore_rules(text):
     rule on names alone its regular expression's fullmatch, else None), in a tuple."""
     rules = []
     for line in text.splitlines():
-        line = re.sub(r"(?<!\\)[ \t]+$", "", line)  # trailing blanks go, unless escaped
+        stripped = line.rstrip(" ")  # git drops trailing spaces (not tabs), but an escaped one
+        if stripped != line:  # (after an odd run of backslashes) and those before it stay
+            line = stripped + " " if (len(stripped) - len(stripped.rstrip("\\"))) % 2 else stripped
         if not line or line.startswith("#"):  # a name beginning with # or ! is written \# or \!
             continue
         negated = line.startswith("!")
         line = line[1:] if negated else line
         folders_only = line.endswith("/")
         line = line.rstrip("/")
+        if line.endswith("/**"):  # what is inside the folder, not the folder (a ! may take back a file)
+            line += "/*"
         anchored = "/" in line
         line = line.lstrip("/")
         if line:
@@ -6224,10 +6228,27 @@ def _same_in_ripgrep(pattern) -> bool:
     return True
 
 
+def _glob_within_ripgreps(glob, patterns) -> bool:
+    """Whether ripgrep's ``--glob glob`` keeps every file name that lich's glob (spelled out
+    as ``patterns``) matches: not with a "/", an unpaired bracket, a brace lich does not
+    spell out ({a}.txt is a name to lich, an error or an alternative to ripgrep), a "?" or a
+    negated or non-ASCII class (one byte to ripgrep, one character to lich), a leading "!"
+    (an exclusion to ripgrep), an empty alternative (dropped by ripgrep), or a pattern that
+    ends in "." (ripgrep matches no name with it)."""
+    return ("/" not in glob and "?" not in glob and not glob.startswith("!")
+            and glob.count("[") == glob.count("]")
+            and not ("[" in glob and (not glob.isascii() or re.search(r"\[[!^]", glob)))
+            and not re.search(r"[{,][,}]", glob)
+            and not any(c in each for each in patterns for c in "{}")
+            and not any(each.endswith(".") for each in patterns))
+
+
 def _search_text(regex, text, number, found):
     """``found(line number, line, column of the match)`` for each line of ``text`` (its first
     line numbered ``number``) in which ``regex`` (compiled MULTILINE) matches: one pass over
     the whole text, the line only looked at again when a match spans lines."""
+    if not text:  # no line in no text (an empty file, the empty end of one of whole blocks)
+        return
     end = len(text) - 1 if text.endswith("\n") else len(text)  # no line after a last newline
     pos = counted = 0
     while pos <= end:
@@ -6926,17 +6947,19 @@ class _Workspace:
                 "--no-ignore-messages", "--crlf"]
         for name in sorted(_SKIP_DIRS):
             argv += ["--glob", f"!{name}/"]
-        # ripgrep filters by the glob too (lich checks each path anyway) when it reads it as
-        # lich does: no unpaired bracket, and no brace lich does not spell out ({a}.txt is a
-        # name to lich, an error or an alternative to ripgrep)
-        if (glob and "/" not in glob and glob.count("[") == glob.count("]")
-                and not any(c in each for each in wanted.patterns for c in "{}")):
+        # ripgrep filters by the glob too (lich checks each path anyway) where it finds all
+        # that lich's glob finds
+        if glob and _glob_within_ripgreps(glob, wanted.patterns):
             argv += ["--glob", glob]
         rules = _gitignore_rules(gitignore) if gitignore else []
         ignore_file = None
         # From the root, ripgrep skips what is ignored; lich still checks each path, its rules
-        # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not.
-        if folder and not prefix and rules and "{" not in gitignore:
+        # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not;
+        # nor with a line that ends in a blank other than a space or in a backslash and
+        # spaces: ripgrep strips every trailing blank unless the line ends in "\ ", git
+        # only spaces, keeping one a backslash escapes.
+        if (folder and not prefix and rules and "{" not in gitignore
+                and not re.search(r"(?:\\|[^\S\r\n ]) *\r?$", gitignore, re.MULTILINE)):
             import tempfile
 
             handle, ignore_file = tempfile.mkstemp(prefix="lich-gitignore-")
@@ -6956,8 +6979,15 @@ class _Workspace:
                 return
             number, _, rest = rest.partition(b":")
             column, _, text = rest.partition(b":")
-            if not (number.isdigit() and column.isdigit()):
+            if not number.isdigit():
                 return
+            # ripgrep prints no column for an empty match at the end of a last line without a
+            # line end: the line is all that follows, the match at its end ("10:30", whole,
+            # when a column of 10 would lie past the line "30" that ripgrep did not cut)
+            if not column.isdigit() or (int(column) - 1 > len(text)
+                                        and len(line) < _PROCESS_LINE_MAX_BYTES):
+                text = rest
+                column = b"%d" % (len(text.rstrip(b"\r")) + 1)
             if folder:
                 rel = os.fsdecode(name).removeprefix("./")
                 keep = checked.get(rel)
@@ -7129,8 +7159,9 @@ class _Workspace:
         text = data.decode("utf-8", "surrogateescape")
         crlf = "\r\n" in text
 
-        spans = _places(text, old_text)
-        if not spans and crlf and "\n" in old_text:  # a line end matches \r\n once, or a lone \n
+        # a line end matches \r\n once, or a lone \n: in a file of both, old_text is counted
+        # wherever read_file shows it, not only where its own line ends are
+        if crlf and "\n" in old_text:
             import bisect
 
             ends, at = [], text.find("\r\n")  # where each \r\n's \n is once the \r's are gone
@@ -7140,6 +7171,8 @@ class _Workspace:
             spans = [(start + bisect.bisect_left(ends, start), end + bisect.bisect_left(ends, end))
                      for start, end in _places(text.replace("\r\n", "\n"),
                                                old_text.replace("\r\n", "\n"))]
+        else:
+            spans = _places(text, old_text)
         if not spans and _has_undecodable(text):
             raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "
                                f"the bytes read_file shows as \ufffd cannot be matched; use "
@@ -7328,13 +7361,20 @@ class _HeadTail:
                 del self.tail[:-self.keep]
 
     def text(self):
-        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest."""
+        """What was kept, decoded (undecodable bytes replaced), with a marker for the rest;
+        the bytes of a character the head or the tail cuts through are counted in the rest."""
         tail = self.tail[-self.keep:]
         omitted = self.total - len(self.head) - len(tail)
         if not omitted:
             return bytes(self.head + tail).decode("utf-8", "replace")
-        return (self.head.decode("utf-8", "replace") + f"\n[... {omitted} bytes omitted ...]\n"
-                + tail.decode("utf-8", "replace"))
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        head = decoder.decode(self.head)  # the start of a character cut at the end waits in it
+        start = 0  # the end of a character cut at the tail's start: continuation bytes
+        while start < min(len(tail), _UTF8_MAX_BYTES - 1) and tail[start] & 0xC0 == 0x80:
+            start += 1
+        omitted += len(decoder.getstate()[0]) + start
+        return (head + f"\n[... {omitted} bytes omitted ...]\n"
+                + tail[start:].decode("utf-8", "replace"))
 
 
 def _with_newline(text):

@@ -9812,6 +9812,24 @@ def test_search_honours_gitignore_classes_and_stars_and_takes_braces_as_git_does
                                   ["ab.md", "acb", "foobarx", "k.tmp", "m.py", "x.cfg", "z.cfg"]))
 
 
+@pytest.mark.parametrize("gitignore,found", [
+    ("foo/**\n!foo/keep.txt\n", ["foo/keep.txt", "top.txt", "top.txt\\"]),
+    ("foo/**/\n", ["foo/drop.txt", "foo/keep.txt", "top.txt", "top.txt\\"]),
+    ("top.txt\t\n", ["foo/drop.txt", "foo/keep.txt", "foo/sub/deep.txt", "top.txt", "top.txt\\"]),
+    ("top.txt\\\\ \n", ["foo/drop.txt", "foo/keep.txt", "foo/sub/deep.txt", "top.txt"]),
+], ids=["dir/** then !", "dir/**/", "trailing tab", "escaped backslash, space"])
+def test_a_gitignore_rule_ending_in_double_star_and_trailing_blanks_are_read_as_git_reads_them(
+        ws, engine, gitignore, found):
+    """foo/** ignored the folder foo too (no ! rule brought its files back; foo/**/ hid
+    them), and a trailing tab was stripped: git strips only spaces not escaped."""
+    (ws / ".gitignore").write_text(gitignore)
+    (ws / "foo" / "sub").mkdir(parents=True)
+    for rel in ["foo/keep.txt", "foo/drop.txt", "foo/sub/deep.txt", "top.txt", "top.txt\\"]:
+        (ws / rel).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="\n".join(f"{rel}:1: hit" for rel in found))
+
+
 def test_a_pathological_glob_is_matched_in_linear_time(ws):
     (ws / ("a" * 200)).write_text("")
     started = time.monotonic()
@@ -10003,6 +10021,21 @@ def test_a_glob_ripgrep_cannot_read_is_searched_by_lich_itself(ws, engine, glob)
     (ws / glob).write_text("needle\n")
     assert run_tool(lich.coding_tools(ws), "search", pattern="needle", glob=glob) == lich.ToolResult(
         ok=True, output=f"{glob}:1: needle")
+
+
+@pytest.mark.parametrize("glob,found", [
+    ("?.py", ["a.py", "é.py"]), ("[!a].py", ["é.py"]), ("*.", ["Makefile."]),
+    ("*.{md,}", ["Makefile.", "notes.md"]), ("{x,}b", ["b"]), ("!*.py", ["!x.py"]),
+], ids=["? of a non-ASCII name", "negated class", "ends in a dot", "empty alternative",
+        "empty first alternative", "leading !"])
+def test_a_glob_ripgrep_reads_more_narrowly_is_searched_by_lich_itself(ws, engine, glob, found):
+    """ripgrep filtered by the glob first and lost files lich's glob matches: its ? and
+    classes match a byte, it drops an empty alternative and finds no name ending in a dot,
+    and a leading ! excludes."""
+    for name in ["é.py", "a.py", "Makefile.", "!x.py", "notes.md", "b"]:
+        (ws / name).write_text("needle\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle", glob=glob) == lich.ToolResult(
+        ok=True, output="\n".join(f"{name}:1: needle" for name in found))
 
 
 def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
@@ -10484,6 +10517,22 @@ def test_an_empty_match_at_a_lines_end_is_shown_as_its_line(ws, engine):
     assert run_tool(tools, "search", pattern=r":\s*$") == lich.ToolResult(ok=True, output="a.py:1: def f():")
 
 
+def test_an_empty_match_at_a_files_end_is_on_its_last_line_and_an_empty_file_has_no_line(ws, engine):
+    """ripgrep printed no column for an empty match at the end of a last line without a line
+    end, and lich dropped the line; lich's own search found line 1 in an empty file, and a
+    line after the last one in a file of whole 16 MiB blocks."""
+    (ws / "code.js").write_text("let a = 1;\nlet b = 2\nlet c = 3")
+    (ws / "time.txt").write_text("10:30")
+    (ws / "empty.txt").write_text("")
+    (ws / "blocks.dat").write_bytes((b"x" * 1023 + b"\n") * 16384)
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "search", pattern=";?$", glob="*.{js,txt}") == lich.ToolResult(ok=True, output=(
+        "code.js:1: let a = 1;\ncode.js:2: let b = 2\ncode.js:3: let c = 3\ntime.txt:1: 10:30"))
+    assert run_tool(tools, "search", pattern="^\\s*$") == lich.ToolResult(ok=True, output="no matches")
+    assert run_tool(tools, "search", pattern="^$", path="blocks.dat") == lich.ToolResult(
+        ok=True, output="no matches")
+
+
 SEARCH_A_LOCKED_TREE = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -10619,6 +10668,21 @@ def test_edit_file_in_a_file_of_mixed_line_ends_keeps_those_of_the_text_it_repla
     (ws / "w.txt").write_bytes(b"x\r\ny\r\nz\n")
     assert run_tool(tools, "edit_file", path="w.txt", old_text="y", new_text="y\ny2").ok
     assert (ws / "w.txt").read_bytes() == b"x\r\ny\r\ny2\r\nz\n"
+
+
+def test_edit_file_counts_old_text_under_either_line_end_in_a_file_of_mixed_ones(ws):
+    """read_file shows a block of CRLF lines and its LF copy alike, yet the edit replaced the
+    LF copy, the one old_text matched byte for byte, as if it occurred once."""
+    data = b"x = 1\r\ny = 2\r\nend\r\nx = 1\ny = 2\nend\n"
+    (ws / "mixed.txt").write_bytes(data)
+    tools = lich.coding_tools(ws, allow_write=True)
+    for old_text in ("x = 1\ny = 2", "x = 1\r\ny = 2"):
+        assert run_tool(tools, "edit_file", path="mixed.txt", old_text=old_text, new_text="x = 9") == lich.ToolResult(
+            ok=False, error=("old_text occurs 2 times in mixed.txt; include more of the surrounding text so that "
+                             "it occurs exactly once"))
+    assert (ws / "mixed.txt").read_bytes() == data
+    assert run_tool(tools, "edit_file", path="mixed.txt", old_text="end\nx = 1", new_text="END\nx = 1").ok
+    assert (ws / "mixed.txt").read_bytes() == b"x = 1\r\ny = 2\r\nEND\r\nx = 1\ny = 2\nend\n"
 
 
 WRITE_A_LOCKED_FILE = """
@@ -11091,6 +11155,16 @@ def test_bash_50_mb_of_output_is_streamed_and_capped(ws):
         ok=True, output="a" * 20_000 + "\n[... 49960000 bytes omitted ...]\n" + "a" * 20_000
                         + "\n[exit code 0]")
     assert growth_kib < 100 * 1024
+
+
+def test_bash_output_is_cut_between_characters(ws):
+    """The head was cut at its 20,000th byte and the tail began at its first, each inside an
+    "é": a U+FFFD stood at both cuts."""
+    tools = lich.coding_tools(ws, allow_shell=True)
+    script = "import sys; sys.stdout.write('a' + '\\u00e9' * 25000 + 'b')"  # 50,002 bytes
+    result = run_tool(tools, "bash", command=f"{sys.executable} -X utf8 -c \"{script}\"")
+    assert result == lich.ToolResult(
+        ok=True, output="a" + "é" * 9999 + "\n[... 10004 bytes omitted ...]\n" + "é" * 9999 + "b\n[exit code 0]")
 
 
 def test_bash_asks_approval(ws):
