@@ -9824,10 +9824,11 @@ def _first_lines(lines, n) -> list:
     return lines[:n] + [f"… {_how_many(len(lines) - n, 'more line', 'more lines')}"]
 
 
-def _tool_outcome(call, result, elapsed, cancelled):
+def _tool_outcome(call, result, elapsed, cancelled, lich_tool):
     """(words after the tool's mark, preview lines) for a finished tool call; ``cancelled``:
-    it never ran."""
-    name, args = call.get("name"), _call_arguments_of(call)
+    it never ran; ``lich_tool``: it went to lich's own tool of its name, whose arguments and
+    output say lines and matches (an MCP server's edit_file has neither old_text nor new_text)."""
+    name, args = call.get("name") if lich_tool else None, _call_arguments_of(call)
     output = result.output or ""
     if not result.ok:
         reason = result.error.splitlines()[0] if result.error else "failed"
@@ -9919,8 +9920,10 @@ class _Progress:
             if started is not None and self.cli.approvals is not None:  # not the time asking took
                 started = max(started, self.cli.approvals.answered_at)
             elapsed = time.monotonic() - started if started is not None else 0.0
-            words, preview = _tool_outcome(event["call"], event["result"], elapsed, event["cancelled"])
-            term.tool_line("→ " + _tool_summary(event["call"]), room=len(_visible(words)) + 3)
+            call = event["call"]
+            words, preview = _tool_outcome(call, event["result"], elapsed, event["cancelled"],
+                                           self.cli.is_lich_tool(call.get("name")))
+            term.tool_line("→ " + _tool_summary(call), room=len(_visible(words)) + 3)
             term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":
             self.compressing = True
@@ -9975,14 +9978,17 @@ class _Approvals:
         self.answered_at = 0.0  # when the last question was answered: a tool's time begins then
 
     def __call__(self, call) -> bool:
+        # A diff, a command and a grant of a file only for lich's own tools: another tool of
+        # the name (an MCP server's edit_file) has other arguments, which the user must see.
         name, args = call.get("name"), _call_arguments_of(call)
-        key = self._key(name, args, call)
-        tools = ("write_file", "edit_file") if name in ("write_file", "edit_file") else (name,)
+        kind = name if self.cli.is_lich_tool(name) else None
+        key = self._key(kind, args, call)
+        tools = ("write_file", "edit_file") if kind in ("write_file", "edit_file") else (name,)
         if any(name in granted and exact in (None, key) for granted, exact, _ in self.grants):
             return True
-        what = "file" if name in ("write_file", "edit_file") else "command" if name == "bash" \
+        what = "file" if kind in ("write_file", "edit_file") else "command" if kind == "bash" \
             else "call"
-        body = self._body(name, args, call)
+        body = self._body(kind, args, call)
         if self.cli.drop_typed_ahead():
             self.cli.term.note("(what was typed before this question is dropped: it needs a "
                                "fresh answer)")
@@ -10007,26 +10013,27 @@ class _Approvals:
             self.grants.append(((name,), None, f"{name}: every call"))
         return answer in ("y", "yes", "a", "always", "t", "tool")
 
-    def _key(self, name, args, call):
-        if name == "bash":
+    def _key(self, kind, args, call):
+        """What an answer "always" covers; ``kind``: the name of lich's tool, else None."""
+        if kind == "bash":
             return str(args.get("command", ""))
-        if name in ("write_file", "edit_file"):
+        if kind in ("write_file", "edit_file"):
             return str(args.get("path", ""))
         return str(call.get("arguments") or "")
 
-    def _body(self, name, args, call):
-        if name == "bash":  # whole, but for runs of blank lines, which push its start away
+    def _body(self, kind, args, call):
+        if kind == "bash":  # whole, but for runs of blank lines, which push its start away
             command = re.sub(r"\n(?:[ \t\r]*\n){3,}", lambda run: (
                 f"\n\u22ee {run.group().count(chr(10)) - 1} blank lines\n"), str(args.get("command", "")))
             return ["$ " + _visible(command).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
-        if name == "edit_file":
+        if kind == "edit_file":
             before = self._text_of(path) or ""  # its \r\n read as \n, as edit_file matches old_text
             old, new = (str(args.get(key, "")).replace("\r\n", "\n") for key in ("old_text", "new_text"))
             if old and before.count(old) == 1:  # the file's own lines around the change
                 old, new = before, before.replace(old, new)
             return self._linked(path) + [_visible(line) for line in _diff_lines(old, new, path)]
-        if name == "write_file":
+        if kind == "write_file":
             return self._linked(path) + [_visible(line) for line in _diff_lines(
                 self._text_of(path), str(args.get("content", "")), path)]
         return [_visible(str(call.get("arguments") or "{}"))]
@@ -10592,6 +10599,8 @@ class _Cli:
     def _tools(self, root):
         tools = coding_tools(root, allow_write="write" in self.allow,
                              allow_shell="shell" in self.allow, approve=self.approvals)
+        # The combined runner routes a name to the first runner that offers it: these.
+        self.lich_tools = frozenset(spec["name"] for spec in tools.specs())
         if not self.mcp:
             return tools
         servers = [_ApprovedTools(m, self.approvals) if self.approvals else m for m in self.mcp]
@@ -10639,6 +10648,10 @@ class _Cli:
                 and not progress.compressing):
             return progress.delta(text)
         return False
+
+    def is_lich_tool(self, name) -> bool:
+        """Whether a call of ``name`` goes to lich's own tool (not an MCP server's)."""
+        return isinstance(name, str) and name in self.lich_tools
 
     def drop_typed_ahead(self) -> bool:
         """Throw away what was typed before a question was asked, so that no keystroke made

@@ -15054,6 +15054,29 @@ def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_
         "initialize", "notifications/initialized", "tools/list", "tools/list"]  # and no tools/call
 
 
+def test_an_mcp_tool_named_as_a_lich_tool_is_asked_about_and_shown_with_its_own_arguments(server, lich_model,
+                                                                                         workspace, fake_mcp):
+    """An MCP edit_file or bash was asked about as lich's own: an empty diff or "$ ", never
+    its arguments (the user approved what they could not see), then "✓ +0 -0"."""
+    command, log = fake_mcp
+    (workspace / "hello.py").write_text("print('hello')\n")
+    edit = json.dumps({"path": "hello.py", "edits": [{"oldText": "hello", "newText": "PWNED"}]})
+    queue(server, tool_reply(("c1", "edit_file", edit)), tool_reply(("c2", "bash", '{"cmd": "rm -rf ~"}')),
+          openai_reply("Not then."))
+    term = Pty("--mcp", " ".join(command), "--root", str(workspace), "--no-stream", "go",
+               env={"NO_COLOR": "1", "FAKE_TOOLS": "edit_file,bash"})
+    assert term.expect("[t] always edit_file: ").endswith(
+        f"→ edit_file hello.py\n  {edit}\n  allow? [y]es / [N]o / [a]lways this call / [t] always edit_file: ")
+    term.send("y")
+    assert term.expect("[t] always bash: ").endswith(
+        '\n→ edit_file hello.py ✓\n    pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}\n'
+        '→ bash rm -rf ~\n  {"cmd": "rm -rf ~"}\n  allow? [y]es / [N]o / [a]lways this call / [t] always bash: ')
+    term.send("n")
+    assert term.close() == 0
+    assert term.rest == "n\n→ bash rm -rf ~ ✗ the user declined this call\nNot then.\ntokens: 21 in, 9 out\n"
+    assert [m["params"]["name"] for m in received(log) if m.get("method") == "tools/call"] == ["edit_file"]
+
+
 @pytest.mark.parametrize("yes, always, tool", [("y", "a", "t"), ("Yes", "always", " TOOL ")],
                          ids=["letters", "words"])
 def test_interactive_approvals_show_the_change_and_grant_a_file_or_a_tool(server, lich_model, workspace, yes, always,
