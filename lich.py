@@ -7967,6 +7967,9 @@ class _HTTPServer:
                 _add_secret(str(value).rpartition(" ")[2], self)
         self.on_list_changed = on_list_changed
         self.session_id = None
+        # The server forgot our session and none was begun since (its renewal failed): a
+        # request without one would be refused, so it begins one first.
+        self.session_lost = False
         self.protocol = None
         self._local = threading.local()
         self._next_id = 1
@@ -8033,12 +8036,15 @@ class _HTTPServer:
                 with self._lock:  # not a session another thread has begun meanwhile
                     if self.session_id == sent_in:
                         self.session_id = None
+                        self.session_lost = True
                 raise _SessionExpired(f"the MCP server {self.name} ended the session")
             to = f" (to {_redact_url(_redact_secrets(location))[:_SNIPPET_MAX_CHARS]})" if location else ""
             raise _Gone(f"the MCP server {self.name} answered HTTP {status}{to}: {_snippet(body)}")
         raise _Gone(f"the MCP server {self.name} redirected more than {_MAX_REDIRECTS} times")
 
     def request(self, method, params, seconds, signal):
+        if self.session_lost and method != "initialize":
+            raise _SessionExpired(f"the MCP server {self.name} ended the session")
         with _Exchange(signal, seconds) as exchange:
             with self._lock:
                 if self._closed:
@@ -8060,6 +8066,8 @@ class _HTTPServer:
                     self._exchanges.discard(exchange)
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
+            if answer.get("error") is None:  # a refused handshake begins no session
+                self.session_lost = False
         return _rpc_result(answer)
 
     def _post_and_read(self, message, exchange):

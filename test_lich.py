@@ -11813,7 +11813,8 @@ net.Server.prototype.listen = function (...args) {
 def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False, forgotten=None):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
-    makes the next request find its session gone (answered ``forgotten``, by default a 404),
+    makes the next request find its session gone (answered ``forgotten``, by default a 404;
+    ``seen["expired"] = n``: the next n requests),
     ``slow`` answers once ``seen["release"]`` is set. A GET is refused with 405, or with
     ``stream`` (messages) answered by a stream that sends them once ``seen["release"]`` is
     set, then ends; ``pinged`` pings lich in its answer and answers once lich has.
@@ -11846,7 +11847,7 @@ def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False, 
                 seen["pinged"].set()
             return Reply(202, "")
         if seen["expired"]:
-            seen["expired"] = False
+            seen["expired"] -= 1
             return forgotten or Reply(404, "no such session")
         if method == "tools/list":
             listed = answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
@@ -12223,6 +12224,31 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
     asked = len([r for r in server.requests if r["method"] != "GET"])
     assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {server.url}/mcp was closed")
     assert len([r for r in server.requests if r["method"] != "GET"]) == asked  # nothing more was sent
+
+
+def test_a_session_whose_renewal_the_mcp_http_server_forgot_too_is_begun_again_by_the_next_request(server):
+    """A call that met a 404 in its new session too left none: every later call and listing
+    went without a session id, failed with HTTP 404, and no handshake was made again."""
+    seen = mcp_over_http(server)
+    respond = server.responder  # and a request without a session is refused, as the SDKs' servers do
+    server.responder = lambda request: (
+        Reply(400, {"jsonrpc": "2.0", "error": {"code": -32000, "message": "Bad Request: Missing session ID"}})
+        if request["method"] == "POST" and (request["json"] or {}).get("method") != "initialize"
+        and "mcp-session-id" not in request["headers"] else respond(request))
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        seen["expired"] = 2  # the call, then its retry in a new session
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {url} ended the session")
+        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow", "pinged"]
+        seen["expired"] = 2
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {url} ended the session")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
+    assert [(r["json"]["method"], r["headers"].get("mcp-session-id")) for r in server.requests
+            if r["method"] == "POST" and "id" in r["json"] and "method" in r["json"]] == [
+        ("initialize", None), ("tools/call", "s1"), ("initialize", None), ("tools/call", "s2"),
+        ("initialize", None), ("tools/list", "s3"),
+        ("tools/call", "s3"), ("initialize", None), ("tools/call", "s4"),
+        ("initialize", None), ("tools/call", "s5")]
 
 
 def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_once(server):
