@@ -9217,13 +9217,18 @@ def _int_at_least(text, low):
 
 
 def _state_home(environ) -> str:
-    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                           "state")
+    state = os.path.expanduser(environ.get("XDG_STATE_HOME") or "")
+    if not os.path.isabs(state):  # the XDG spec: a relative path is invalid and ignored
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "lich")
 
 
-def _default_session_dir(environ) -> str:
-    return environ.get("LICH_SESSION_DIR") or os.path.join(_state_home(environ), "sessions")
+def _sessions_home(given, environ) -> str:
+    """Where sessions go: --session-dir, else LICH_SESSION_DIR, else the state folder's. A
+    leading ~ is expanded: one in an env file or a systemd unit reaches lich as it is (a
+    folder named ~ was made in the current folder, the tools' root)."""
+    return os.path.expanduser(given or environ.get("LICH_SESSION_DIR")
+                              or os.path.join(_state_home(environ), "sessions"))
 
 
 def _shown_url(text) -> str:
@@ -10508,7 +10513,7 @@ class _Cli:
         self.schema = _output_schema(args.schema) if args.schema is not None else None
         self.streaming = not (args.no_stream or args.json or self.schema or args.batch)
         self.answer_on_stdout = term.stdout_tty and self.streaming
-        self.sessions_home = args.session_dir or _default_session_dir(environ)
+        self.sessions_home = _sessions_home(args.session_dir, environ)
         self.label = args.label  # else a resumed session's: a conversation keeps its name
         self.session_dir = None if args.no_session else self.sessions_home
         # A batch's sessions go in a folder of their own: -c and --list-sessions keep to chats
@@ -11387,7 +11392,7 @@ def _main(argv, main_thread) -> int:
     try:
         _check_modes(args)
         if args.list_sessions:
-            code = _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
+            code = _print_sessions(_sessions_home(args.session_dir, os.environ), term,
                                    as_json=args.json)
         else:
             cli = _Cli(args, os.environ, term, interrupts)

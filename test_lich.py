@@ -13914,6 +13914,27 @@ def test_default_session_dir(server, cli, tmp_path, env, expected):
     assert len(list((tmp_path / expected).iterdir())) == 1
 
 
+@pytest.mark.parametrize("args, env, expected", [
+    ((), {"LICH_SESSION_DIR": "~/lich-sessions"}, "HOME/lich-sessions"),
+    (("--session-dir", "~/x"), {}, "HOME/x"),
+    ((), {"XDG_STATE_HOME": "~/state"}, "HOME/state/lich/sessions"),
+    ((), {"XDG_STATE_HOME": "state"}, "HOME/.local/state/lich/sessions"),
+], ids=["env-tilde", "option-tilde", "xdg-tilde", "xdg-relative"])
+def test_a_session_dir_with_a_tilde_is_in_home_and_a_relative_xdg_state_home_is_ignored(server, cli, tmp_path, args,
+                                                                                       env, expected):
+    """A ~ no shell expanded (an env file, a systemd unit) made a folder named ~ in the
+    current folder, the tools' root; a relative XDG_STATE_HOME, which the spec calls invalid,
+    a folder there too."""
+    queue(server, openai_reply("ok"))
+    work = tmp_path / "work"
+    work.mkdir()
+    full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
+            **env}
+    assert cli("--no-stream", *args, "hi", env=full, cwd=work) == (0, "ok\n", USAGE_LINE)
+    assert len(list((tmp_path / expected).iterdir())) == 1 and list(work.iterdir()) == []
+    assert cli("--list-sessions", *args, env=full, cwd=work)[1].count("\n") == 1
+
+
 def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli, tmp_path):
     history = tmp_path / "sessions"
     history.mkdir()
