@@ -7861,9 +7861,12 @@ class _StdioServer:
         """Take in the lines read, one at a time: a reader stopped by an exception leaves
         the rest to the next one."""
         while self._lines:
-            message = _mcp_message(self._lines.popleft())  # anything else: MCP servers
-            if isinstance(message, dict):  # must not print anything else there
-                self._received(message)
+            # A batch (2025-03-26) is its messages, as over HTTP; what is no message is
+            # skipped (MCP servers must not print anything else there).
+            message = _mcp_message(self._lines.popleft())
+            for each in message if isinstance(message, list) else [message]:
+                if isinstance(each, dict):
+                    self._received(each)
 
     def _exit_message(self):
         """Why an exited server cannot answer, in its own last words (read to their end)."""

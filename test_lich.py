@@ -11179,6 +11179,8 @@ if stubborn:
         pids.write(f"{os.getpid()}\n")
 changed = False
 def send(message):
+    if os.environ.get("FAKE_BATCH"):  # each message a JSON-RPC batch of one, as 2025-03-26 allows
+        message = [message]
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
 def woken(name):  # once the test makes the file FAKE_WAKE-name (30 s at most)
@@ -11402,6 +11404,18 @@ def test_an_mcp_answer_whose_id_is_true_is_no_answer_to_request_1(fake_mcp, monk
     monkeypatch.setenv("FAKE_TRUE_ID", "1")
     with lich.mcp_tools(command) as tools:
         assert tools.protocol == "2025-11-25"
+
+
+def test_an_mcp_stdio_server_may_send_its_answers_and_requests_in_batches(fake_mcp, monkeypatch):
+    """A batch (an array, which lich read over HTTP) was dropped: the handshake waited for
+    its whole time limit."""
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_BATCH", "1")
+    monkeypatch.setenv("FAKE_PROTOCOL", "2025-03-26")
+    with lich.mcp_tools(command, timeout=5) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["first", "second"]
+        assert tools.run(tool_call("first")) == lich.ToolResult(  # the server's ping answered
+            ok=True, output='pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}')
 
 
 def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
