@@ -8321,7 +8321,7 @@ class MCPTools:
             raise RuntimeError(self._not_ours())
         tools = self._tools
         if tools is None:
-            tools, cursor, changes = [], None, self._changes
+            tools, cursor, changes, sent = [], None, self._changes, set()
             for _ in range(_MCP_MAX_PAGES):
                 try:
                     page = self._request("tools/list", {"cursor": cursor} if cursor else {}, None)
@@ -8343,6 +8343,14 @@ class MCPTools:
                     break
                 if not cursor:
                     break
+                if cursor in sent:  # a loop: its pages would repeat up to the page limit
+                    _log.warning("the MCP server %s gave a next cursor it had given before: lich "
+                                 "offers the tools of the pages it read", self.name)
+                    break
+                sent.add(cursor)
+            else:
+                _log.warning("the MCP server %s gave more than %d pages of tools: lich offers the "
+                             "tools of the first %d", self.name, _MCP_MAX_PAGES, _MCP_MAX_PAGES)
             tools = self._usable(tools)
             if changes == self._changes:  # else the list changed meanwhile: asked for again next
                 self._tools = tools

@@ -11923,7 +11923,7 @@ def mcp_http(server, result_of):
     return server.url + "/mcp"
 
 
-def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server):
+def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server, caplog):
     def result_of(body):
         if body["method"] == "initialize":
             return {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
@@ -11938,8 +11938,10 @@ def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_ho
                 "odd": "a result that is no object"}[body["params"]["name"]]
 
     url = mcp_http(server, result_of)
-    with lich.mcp_tools(url, prefix="p_") as tools:
+    with lich.mcp_tools(url, prefix="p_") as tools, caplog.at_level("WARNING", logger="lich"):
         assert [spec["name"] for spec in tools.specs()] == ["p_shapes"] + [f"p_t{i}" for i in range(1, 100)]
+        assert caplog.records[0].getMessage() == (f"the MCP server {url} gave more than 100 pages of tools: "
+                                                  "lich offers the tools of the first 100")
         assert [tools.run(tool_call(name)) for name in ("p_shapes", "p_structured", "p_failed", "p_odd", "q_shapes")] == [
             lich.ToolResult(ok=True, output="[image: image/png, 4 bytes]\n[resource: file:///a.txt]"),
             lich.ToolResult(ok=True, output='{"n": 1}'),
@@ -12043,6 +12045,20 @@ def test_an_mcp_next_cursor_that_is_no_string_ends_the_listing_with_a_warning(se
          "of the pages it read")]
     assert [r["json"]["method"] for r in server.requests if r["method"] == "POST" and "id" in r["json"]] == [
         "initialize", "tools/list"]
+
+
+def test_an_mcp_next_cursor_given_again_ends_the_listing_with_a_warning(server, caplog):
+    """A server whose every page gave the same next cursor was asked for it up to the page
+    limit: 99 warnings of a tool listed twice, and none that the listing had not ended."""
+    url = mcp_answering(server, tools=[{"name": "t"}], cursor="again")
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["t"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {url} gave a next cursor it had given before: lich offers the tools of the pages it read",
+        f"the MCP server {url} listed the tool 't' twice: lich offers the first"]
+    assert [(r["json"]["method"], r["json"]["params"]) for r in server.requests
+            if r["method"] == "POST" and "id" in r["json"]][1:] == [("tools/list", {}),
+                                                                    ("tools/list", {"cursor": "again"})]
 
 
 @pytest.mark.parametrize("instructions, kind", [(["Be kind."], "an array"), (5, "an integer"), ("Be kind.", None),
