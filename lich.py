@@ -3198,6 +3198,11 @@ class _HTTPChat:
         if not re.match(_HTTP_URL, self.base_url):
             raise ValueError(f"base_url must be an http:// or https:// URL, not "
                              f"{_redact_url(self.base_url)!r}")
+        try:  # "http://[::1" passes that match, and no request can be made of it
+            _host_of(self.base_url)
+        except ValueError as e:
+            raise ValueError(f"base_url must be an http:// or https:// URL, not "
+                             f"{_redact_url(self.base_url)!r}: {e}") from e
         self.timeout = timeout
         self.stream = stream
         _refuse_async(on_delta, "on_delta")

@@ -6433,6 +6433,16 @@ def test_a_base_url_that_is_not_http_is_refused():
         lich.OpenAIChat("m", base_url="localhost:11434/v1")
 
 
+@pytest.mark.parametrize("cls", [lich.OpenAIChat, lich.AnthropicChat], ids=["openai", "anthropic"])
+def test_a_base_url_whose_ipv6_host_is_not_closed_is_refused_naming_it_without_its_key(cls):
+    """It passed the check: OpenAIChat raised urllib's bare "Invalid IPv6 URL", AnthropicChat
+    was made and failed at its first call."""
+    with pytest.raises(ValueError) as info:
+        cls("m", api_key="k", base_url=f"http://user:{SECRET}@[::1/v1?key={SECRET}")
+    assert str(info.value) == ("base_url must be an http:// or https:// URL, not "
+                               "'http://[redacted]@[::1/v1?key=[redacted]': Invalid IPv6 URL")
+
+
 @pytest.mark.parametrize("body, expected", [
     pytest.param(openai_reply("Hello there.", usage=(12, 5)),
                  result("Hello there.", usage=(12, 5), model="gpt-test-1", stop="stop"),
@@ -13861,6 +13871,16 @@ def test_write_and_shell_tools_are_offered_only_when_allowed(server, lich_model,
 def test_usage_errors_exit_2(lich_model, cli, args, message):
     code, out, err = cli(*args)
     assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
+
+
+@pytest.mark.parametrize("args, env, shown", [
+    (["--base-url", "http://[::1"], {}, "http://[::1"),
+    ([], {"OPENAI_BASE_URL": "http://[::1/v1"}, "http://[::1/v1"),
+], ids=["option", "variable"])
+def test_a_base_url_whose_ipv6_host_is_not_closed_is_a_usage_error_naming_it(cli, args, env, shown):
+    """It was "lich: Invalid IPv6 URL", naming neither the option nor the value."""
+    assert cli("-m", "openai:x", *args, "hi", env={"OPENAI_API_KEY": "sk-x", **env}) == (
+        2, "", f"lich: base_url must be an http:// or https:// URL, not {shown!r}: Invalid IPv6 URL\n")
 
 
 def test_a_root_that_is_no_folder_is_a_usage_error_a_removed_current_folder_too(lich_model, cli, tmp_path,
