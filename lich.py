@@ -3218,6 +3218,11 @@ class _HTTPChat:
         if not re.match(_HTTP_URL, self.base_url):
             raise ValueError(f"base_url must be an http:// or https:// URL, not "
                              f"{_redact_url(self.base_url)!r}")
+        try:  # "http://[::1" passes that match, and no request can be made of it
+            _host_of(self.base_url)
+        except ValueError as e:
+            raise ValueError(f"base_url must be an http:// or https:// URL, not "
+                             f"{_redact_url(self.base_url)!r}: {e}") from e
         self.timeout = timeout
         self.stream = stream
         _refuse_async(on_delta, "on_delta")
@@ -7923,9 +7928,12 @@ class _StdioServer:
         """Take in the lines read, one at a time: a reader stopped by an exception leaves
         the rest to the next one."""
         while self._lines:
-            message = _mcp_message(self._lines.popleft())  # anything else: MCP servers
-            if isinstance(message, dict):  # must not print anything else there
-                self._received(message)
+            # A batch (2025-03-26) is its messages, as over HTTP; what is no message is
+            # skipped (MCP servers must not print anything else there).
+            message = _mcp_message(self._lines.popleft())
+            for each in message if isinstance(message, list) else [message]:
+                if isinstance(each, dict):
+                    self._received(each)
 
     def _exit_message(self):
         """Why an exited server cannot answer, in its own last words (read to their end)."""
@@ -8029,6 +8037,9 @@ class _HTTPServer:
                 _add_secret(str(value).rpartition(" ")[2], self)
         self.on_list_changed = on_list_changed
         self.session_id = None
+        # The server forgot our session and none was begun since (its renewal failed): a
+        # request without one would be refused, so it begins one first.
+        self.session_lost = False
         self.protocol = None
         self._local = threading.local()
         self._next_id = 1
@@ -8095,12 +8106,15 @@ class _HTTPServer:
                 with self._lock:  # not a session another thread has begun meanwhile
                     if self.session_id == sent_in:
                         self.session_id = None
+                        self.session_lost = True
                 raise _SessionExpired(f"the MCP server {self.name} ended the session")
             to = f" (to {_redact_url(_redact_secrets(location))[:_SNIPPET_MAX_CHARS]})" if location else ""
             raise _Gone(f"the MCP server {self.name} answered HTTP {status}{to}: {_snippet(body)}")
         raise _Gone(f"the MCP server {self.name} redirected more than {_MAX_REDIRECTS} times")
 
     def request(self, method, params, seconds, signal):
+        if self.session_lost and method != "initialize":
+            raise _SessionExpired(f"the MCP server {self.name} ended the session")
         with _Exchange(signal, seconds) as exchange:
             with self._lock:
                 if self._closed:
@@ -8122,6 +8136,8 @@ class _HTTPServer:
                     self._exchanges.discard(exchange)
         if method == "initialize":
             self.session_id = response.headers.get("mcp-session-id") or self.session_id
+            if answer.get("error") is None:  # a refused handshake begins no session
+                self.session_lost = False
         return _rpc_result(answer)
 
     def _post_and_read(self, message, exchange):
@@ -8372,7 +8388,7 @@ class MCPTools:
             raise RuntimeError(self._not_ours())
         tools = self._tools
         if tools is None:
-            tools, cursor, changes = [], None, self._changes
+            tools, cursor, changes, sent = [], None, self._changes, set()
             for _ in range(_MCP_MAX_PAGES):
                 try:
                     page = self._request("tools/list", {"cursor": cursor} if cursor else {}, None)
@@ -8394,6 +8410,14 @@ class MCPTools:
                     break
                 if not cursor:
                     break
+                if cursor in sent:  # a loop: its pages would repeat up to the page limit
+                    _log.warning("the MCP server %s gave a next cursor it had given before: lich "
+                                 "offers the tools of the pages it read", self.name)
+                    break
+                sent.add(cursor)
+            else:
+                _log.warning("the MCP server %s gave more than %d pages of tools: lich offers the "
+                             "tools of the first %d", self.name, _MCP_MAX_PAGES, _MCP_MAX_PAGES)
             tools = self._usable(tools)
             if changes == self._changes:  # else the list changed meanwhile: asked for again next
                 self._tools = tools
@@ -9281,13 +9305,18 @@ def _int_at_least(text, low):
 
 
 def _state_home(environ) -> str:
-    state = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                           "state")
+    state = os.path.expanduser(environ.get("XDG_STATE_HOME") or "")
+    if not os.path.isabs(state):  # the XDG spec: a relative path is invalid and ignored
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "lich")
 
 
-def _default_session_dir(environ) -> str:
-    return environ.get("LICH_SESSION_DIR") or os.path.join(_state_home(environ), "sessions")
+def _sessions_home(given, environ) -> str:
+    """Where sessions go: --session-dir, else LICH_SESSION_DIR, else the state folder's. A
+    leading ~ is expanded: one in an env file or a systemd unit reaches lich as it is (a
+    folder named ~ was made in the current folder, the tools' root)."""
+    return os.path.expanduser(given or environ.get("LICH_SESSION_DIR")
+                              or os.path.join(_state_home(environ), "sessions"))
 
 
 def _shown_url(text) -> str:
@@ -9896,10 +9925,11 @@ def _first_lines(lines, n) -> list:
     return lines[:n] + [f"… {_how_many(len(lines) - n, 'more line', 'more lines')}"]
 
 
-def _tool_outcome(call, result, elapsed, cancelled):
+def _tool_outcome(call, result, elapsed, cancelled, lich_tool):
     """(words after the tool's mark, preview lines) for a finished tool call; ``cancelled``:
-    it never ran."""
-    name, args = call.get("name"), _call_arguments_of(call)
+    it never ran; ``lich_tool``: it went to lich's own tool of its name, whose arguments and
+    output say lines and matches (an MCP server's edit_file has neither old_text nor new_text)."""
+    name, args = call.get("name") if lich_tool else None, _call_arguments_of(call)
     output = result.output or ""
     if not result.ok:
         reason = result.error.splitlines()[0] if result.error else "failed"
@@ -9991,8 +10021,10 @@ class _Progress:
             if started is not None and self.cli.approvals is not None:  # not the time asking took
                 started = max(started, self.cli.approvals.answered_at)
             elapsed = time.monotonic() - started if started is not None else 0.0
-            words, preview = _tool_outcome(event["call"], event["result"], elapsed, event["cancelled"])
-            term.tool_line("→ " + _tool_summary(event["call"]), room=len(_visible(words)) + 3)
+            call = event["call"]
+            words, preview = _tool_outcome(call, event["result"], elapsed, event["cancelled"],
+                                           self.cli.is_lich_tool(call.get("name")))
+            term.tool_line("→ " + _tool_summary(call), room=len(_visible(words)) + 3)
             term.tool_mark(words, event["result"].ok, preview)
         elif kind == "compress_start":
             self.compressing = True
@@ -10047,14 +10079,17 @@ class _Approvals:
         self.answered_at = 0.0  # when the last question was answered: a tool's time begins then
 
     def __call__(self, call) -> bool:
+        # A diff, a command and a grant of a file only for lich's own tools: another tool of
+        # the name (an MCP server's edit_file) has other arguments, which the user must see.
         name, args = call.get("name"), _call_arguments_of(call)
-        key = self._key(name, args, call)
-        tools = ("write_file", "edit_file") if name in ("write_file", "edit_file") else (name,)
+        kind = name if self.cli.is_lich_tool(name) else None
+        key = self._key(kind, args, call)
+        tools = ("write_file", "edit_file") if kind in ("write_file", "edit_file") else (name,)
         if any(name in granted and exact in (None, key) for granted, exact, _ in self.grants):
             return True
-        what = "file" if name in ("write_file", "edit_file") else "command" if name == "bash" \
+        what = "file" if kind in ("write_file", "edit_file") else "command" if kind == "bash" \
             else "call"
-        body = self._body(name, args, call)
+        body = self._body(kind, args, call)
         if self.cli.drop_typed_ahead():
             self.cli.term.note("(what was typed before this question is dropped: it needs a "
                                "fresh answer)")
@@ -10079,26 +10114,27 @@ class _Approvals:
             self.grants.append(((name,), None, f"{name}: every call"))
         return answer in ("y", "yes", "a", "always", "t", "tool")
 
-    def _key(self, name, args, call):
-        if name == "bash":
+    def _key(self, kind, args, call):
+        """What an answer "always" covers; ``kind``: the name of lich's tool, else None."""
+        if kind == "bash":
             return str(args.get("command", ""))
-        if name in ("write_file", "edit_file"):
+        if kind in ("write_file", "edit_file"):
             return str(args.get("path", ""))
         return str(call.get("arguments") or "")
 
-    def _body(self, name, args, call):
-        if name == "bash":  # whole, but for runs of blank lines, which push its start away
+    def _body(self, kind, args, call):
+        if kind == "bash":  # whole, but for runs of blank lines, which push its start away
             command = re.sub(r"\n(?:[ \t\r]*\n){3,}", lambda run: (
                 f"\n\u22ee {run.group().count(chr(10)) - 1} blank lines\n"), str(args.get("command", "")))
             return ["$ " + _visible(command).replace("\n", "\n    ")]
         path = str(args.get("path", ""))
-        if name == "edit_file":
+        if kind == "edit_file":
             before = self._text_of(path) or ""  # its \r\n read as \n, as edit_file matches old_text
             old, new = (str(args.get(key, "")).replace("\r\n", "\n") for key in ("old_text", "new_text"))
             if old and before.count(old) == 1:  # the file's own lines around the change
                 old, new = before, before.replace(old, new)
             return self._linked(path) + [_visible(line) for line in _diff_lines(old, new, path)]
-        if name == "write_file":
+        if kind == "write_file":
             return self._linked(path) + [_visible(line) for line in _diff_lines(
                 self._text_of(path), str(args.get("content", "")), path)]
         return [_visible(str(call.get("arguments") or "{}"))]
@@ -10565,7 +10601,7 @@ class _Cli:
         self.schema = _output_schema(args.schema) if args.schema is not None else None
         self.streaming = not (args.no_stream or args.json or self.schema or args.batch)
         self.answer_on_stdout = term.stdout_tty and self.streaming
-        self.sessions_home = args.session_dir or _default_session_dir(environ)
+        self.sessions_home = _sessions_home(args.session_dir, environ)
         self.label = args.label  # else a resumed session's: a conversation keeps its name
         self.session_dir = None if args.no_session else self.sessions_home
         # A batch's sessions go in a folder of their own: -c and --list-sessions keep to chats
@@ -10664,6 +10700,8 @@ class _Cli:
     def _tools(self, root):
         tools = coding_tools(root, allow_write="write" in self.allow,
                              allow_shell="shell" in self.allow, approve=self.approvals)
+        # The combined runner routes a name to the first runner that offers it: these.
+        self.lich_tools = frozenset(spec["name"] for spec in tools.specs())
         if not self.mcp:
             return tools
         servers = [_ApprovedTools(m, self.approvals) if self.approvals else m for m in self.mcp]
@@ -10711,6 +10749,10 @@ class _Cli:
                 and not progress.compressing):
             return progress.delta(text)
         return False
+
+    def is_lich_tool(self, name) -> bool:
+        """Whether a call of ``name`` goes to lich's own tool (not an MCP server's)."""
+        return isinstance(name, str) and name in self.lich_tools
 
     def drop_typed_ahead(self) -> bool:
         """Throw away what was typed before a question was asked, so that no keystroke made
@@ -11438,7 +11480,7 @@ def _main(argv, main_thread) -> int:
     try:
         _check_modes(args)
         if args.list_sessions:
-            code = _print_sessions(args.session_dir or _default_session_dir(os.environ), term,
+            code = _print_sessions(_sessions_home(args.session_dir, os.environ), term,
                                    as_json=args.json)
         else:
             cli = _Cli(args, os.environ, term, interrupts)

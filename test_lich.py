@@ -6514,6 +6514,16 @@ def test_a_base_url_that_is_not_http_is_refused():
         lich.OpenAIChat("m", base_url="localhost:11434/v1")
 
 
+@pytest.mark.parametrize("cls", [lich.OpenAIChat, lich.AnthropicChat], ids=["openai", "anthropic"])
+def test_a_base_url_whose_ipv6_host_is_not_closed_is_refused_naming_it_without_its_key(cls):
+    """It passed the check: OpenAIChat raised urllib's bare "Invalid IPv6 URL", AnthropicChat
+    was made and failed at its first call."""
+    with pytest.raises(ValueError) as info:
+        cls("m", api_key="k", base_url=f"http://user:{SECRET}@[::1/v1?key={SECRET}")
+    assert str(info.value) == ("base_url must be an http:// or https:// URL, not "
+                               "'http://[redacted]@[::1/v1?key=[redacted]': Invalid IPv6 URL")
+
+
 @pytest.mark.parametrize("body, expected", [
     pytest.param(openai_reply("Hello there.", usage=(12, 5)),
                  result("Hello there.", usage=(12, 5), model="gpt-test-1", stop="stop"),
@@ -11334,6 +11344,8 @@ if stubborn:
         pids.write(f"{os.getpid()}\n")
 changed = False
 def send(message):
+    if os.environ.get("FAKE_BATCH"):  # each message a JSON-RPC batch of one, as 2025-03-26 allows
+        message = [message]
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
 def woken(name):  # once the test makes the file FAKE_WAKE-name (30 s at most)
@@ -11557,6 +11569,18 @@ def test_an_mcp_answer_whose_id_is_true_is_no_answer_to_request_1(fake_mcp, monk
     monkeypatch.setenv("FAKE_TRUE_ID", "1")
     with lich.mcp_tools(command) as tools:
         assert tools.protocol == "2025-11-25"
+
+
+def test_an_mcp_stdio_server_may_send_its_answers_and_requests_in_batches(fake_mcp, monkeypatch):
+    """A batch (an array, which lich read over HTTP) was dropped: the handshake waited for
+    its whole time limit."""
+    command, _ = fake_mcp
+    monkeypatch.setenv("FAKE_BATCH", "1")
+    monkeypatch.setenv("FAKE_PROTOCOL", "2025-03-26")
+    with lich.mcp_tools(command, timeout=5) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["first", "second"]
+        assert tools.run(tool_call("first")) == lich.ToolResult(  # the server's ping answered
+            ok=True, output='pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}')
 
 
 def test_mcp_cancels_a_call_on_the_signal_and_on_its_timeout(fake_mcp):
@@ -11968,7 +11992,8 @@ net.Server.prototype.listen = function (...args) {
 def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False, forgotten=None):
     """Makes the loopback server a Streamable HTTP MCP server whose tools misbehave: ``html``
     answers a body that is not JSON, ``ask`` asks lich for sampling on its way, ``expire``
-    makes the next request find its session gone (answered ``forgotten``, by default a 404),
+    makes the next request find its session gone (answered ``forgotten``, by default a 404;
+    ``seen["expired"] = n``: the next n requests),
     ``slow`` answers once ``seen["release"]`` is set. A GET is refused with 405, or with
     ``stream`` (messages) answered by a stream that sends them once ``seen["release"]`` is
     set, then ends; ``pinged`` pings lich in its answer and answers once lich has.
@@ -12001,7 +12026,7 @@ def mcp_over_http(server, *, html_handshake=False, stream=None, unframed=False, 
                 seen["pinged"].set()
             return Reply(202, "")
         if seen["expired"]:
-            seen["expired"] = False
+            seen["expired"] -= 1
             return forgotten or Reply(404, "no such session")
         if method == "tools/list":
             listed = answer(body, {"tools": [{"name": name} for name in seen["tools"]]})
@@ -12063,7 +12088,7 @@ def mcp_http(server, result_of):
     return server.url + "/mcp"
 
 
-def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server):
+def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server, caplog):
     def result_of(body):
         if body["method"] == "initialize":
             return {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}}
@@ -12078,8 +12103,10 @@ def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_ho
                 "odd": "a result that is no object"}[body["params"]["name"]]
 
     url = mcp_http(server, result_of)
-    with lich.mcp_tools(url, prefix="p_") as tools:
+    with lich.mcp_tools(url, prefix="p_") as tools, caplog.at_level("WARNING", logger="lich"):
         assert [spec["name"] for spec in tools.specs()] == ["p_shapes"] + [f"p_t{i}" for i in range(1, 100)]
+        assert caplog.records[0].getMessage() == (f"the MCP server {url} gave more than 100 pages of tools: "
+                                                  "lich offers the tools of the first 100")
         assert [tools.run(tool_call(name)) for name in ("p_shapes", "p_structured", "p_failed", "p_odd", "q_shapes")] == [
             lich.ToolResult(ok=True, output="[image: image/png, 4 bytes]\n[resource: file:///a.txt]"),
             lich.ToolResult(ok=True, output='{"n": 1}'),
@@ -12183,6 +12210,20 @@ def test_an_mcp_next_cursor_that_is_no_string_ends_the_listing_with_a_warning(se
          "of the pages it read")]
     assert [r["json"]["method"] for r in server.requests if r["method"] == "POST" and "id" in r["json"]] == [
         "initialize", "tools/list"]
+
+
+def test_an_mcp_next_cursor_given_again_ends_the_listing_with_a_warning(server, caplog):
+    """A server whose every page gave the same next cursor was asked for it up to the page
+    limit: 99 warnings of a tool listed twice, and none that the listing had not ended."""
+    url = mcp_answering(server, tools=[{"name": "t"}], cursor="again")
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert [spec["name"] for spec in tools.specs()] == ["t"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {url} gave a next cursor it had given before: lich offers the tools of the pages it read",
+        f"the MCP server {url} listed the tool 't' twice: lich offers the first"]
+    assert [(r["json"]["method"], r["json"]["params"]) for r in server.requests
+            if r["method"] == "POST" and "id" in r["json"]][1:] == [("tools/list", {}),
+                                                                    ("tools/list", {"cursor": "again"})]
 
 
 @pytest.mark.parametrize("instructions, kind", [(["Be kind."], "an array"), (5, "an integer"), ("Be kind.", None),
@@ -12378,6 +12419,31 @@ def test_a_session_the_mcp_http_server_forgot_is_begun_again_when_listing_tools_
     asked = len([r for r in server.requests if r["method"] != "GET"])
     assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {server.url}/mcp was closed")
     assert len([r for r in server.requests if r["method"] != "GET"]) == asked  # nothing more was sent
+
+
+def test_a_session_whose_renewal_the_mcp_http_server_forgot_too_is_begun_again_by_the_next_request(server):
+    """A call that met a 404 in its new session too left none: every later call and listing
+    went without a session id, failed with HTTP 404, and no handshake was made again."""
+    seen = mcp_over_http(server)
+    respond = server.responder  # and a request without a session is refused, as the SDKs' servers do
+    server.responder = lambda request: (
+        Reply(400, {"jsonrpc": "2.0", "error": {"code": -32000, "message": "Bad Request: Missing session ID"}})
+        if request["method"] == "POST" and (request["json"] or {}).get("method") != "initialize"
+        and "mcp-session-id" not in request["headers"] else respond(request))
+    url = server.url + "/mcp"
+    with lich.mcp_tools(url) as tools:
+        seen["expired"] = 2  # the call, then its retry in a new session
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {url} ended the session")
+        assert [spec["name"] for spec in tools.specs()] == ["html", "ask", "expire", "slow", "pinged"]
+        seen["expired"] = 2
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=False, error=f"the MCP server {url} ended the session")
+        assert tools.run(tool_call("ask")) == lich.ToolResult(ok=True, output="asked")
+    assert [(r["json"]["method"], r["headers"].get("mcp-session-id")) for r in server.requests
+            if r["method"] == "POST" and "id" in r["json"] and "method" in r["json"]] == [
+        ("initialize", None), ("tools/call", "s1"), ("initialize", None), ("tools/call", "s2"),
+        ("initialize", None), ("tools/list", "s3"),
+        ("tools/call", "s3"), ("initialize", None), ("tools/call", "s4"),
+        ("initialize", None), ("tools/call", "s5")]
 
 
 def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_once(server):
@@ -14004,6 +14070,16 @@ def test_usage_errors_exit_2(lich_model, cli, args, message):
     assert (code, out, err.splitlines()[-1]) == (2, "", f"lich: error: {message}")
 
 
+@pytest.mark.parametrize("args, env, shown", [
+    (["--base-url", "http://[::1"], {}, "http://[::1"),
+    ([], {"OPENAI_BASE_URL": "http://[::1/v1"}, "http://[::1/v1"),
+], ids=["option", "variable"])
+def test_a_base_url_whose_ipv6_host_is_not_closed_is_a_usage_error_naming_it(cli, args, env, shown):
+    """It was "lich: Invalid IPv6 URL", naming neither the option nor the value."""
+    assert cli("-m", "openai:x", *args, "hi", env={"OPENAI_API_KEY": "sk-x", **env}) == (
+        2, "", f"lich: base_url must be an http:// or https:// URL, not {shown!r}: Invalid IPv6 URL\n")
+
+
 def test_a_root_that_is_no_folder_is_a_usage_error_a_removed_current_folder_too(lich_model, cli, tmp_path,
                                                                                 monkeypatch):
     assert cli("--root", str(tmp_path / "none"), "hi") == (2, "", f"lich: --root is not a folder: {tmp_path}/none\n")
@@ -14083,6 +14159,27 @@ def test_default_session_dir(server, cli, tmp_path, env, expected):
             **env}
     assert cli("--no-stream", "hi", env=full) == (0, "ok\n", USAGE_LINE)
     assert len(list((tmp_path / expected).iterdir())) == 1
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    ((), {"LICH_SESSION_DIR": "~/lich-sessions"}, "HOME/lich-sessions"),
+    (("--session-dir", "~/x"), {}, "HOME/x"),
+    ((), {"XDG_STATE_HOME": "~/state"}, "HOME/state/lich/sessions"),
+    ((), {"XDG_STATE_HOME": "state"}, "HOME/.local/state/lich/sessions"),
+], ids=["env-tilde", "option-tilde", "xdg-tilde", "xdg-relative"])
+def test_a_session_dir_with_a_tilde_is_in_home_and_a_relative_xdg_state_home_is_ignored(server, cli, tmp_path, args,
+                                                                                       env, expected):
+    """A ~ no shell expanded (an env file, a systemd unit) made a folder named ~ in the
+    current folder, the tools' root; a relative XDG_STATE_HOME, which the spec calls invalid,
+    a folder there too."""
+    queue(server, openai_reply("ok"))
+    work = tmp_path / "work"
+    work.mkdir()
+    full = {"LICH_MODEL": f"openai:m@{server.url}/v1", "LICH_SESSION_DIR": "", "HOME": str(tmp_path / "HOME"),
+            **env}
+    assert cli("--no-stream", *args, "hi", env=full, cwd=work) == (0, "ok\n", USAGE_LINE)
+    assert len(list((tmp_path / expected).iterdir())) == 1 and list(work.iterdir()) == []
+    assert cli("--list-sessions", *args, env=full, cwd=work)[1].count("\n") == 1
 
 
 def test_context_budget_compresses_and_zero_turns_it_off(server, lich_model, cli, tmp_path):
@@ -15249,6 +15346,29 @@ def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_
             "the user declined this call")
     assert [m["method"] for m in received(log) if "method" in m] == [
         "initialize", "notifications/initialized", "tools/list", "tools/list"]  # and no tools/call
+
+
+def test_an_mcp_tool_named_as_a_lich_tool_is_asked_about_and_shown_with_its_own_arguments(server, lich_model,
+                                                                                         workspace, fake_mcp):
+    """An MCP edit_file or bash was asked about as lich's own: an empty diff or "$ ", never
+    its arguments (the user approved what they could not see), then "✓ +0 -0"."""
+    command, log = fake_mcp
+    (workspace / "hello.py").write_text("print('hello')\n")
+    edit = json.dumps({"path": "hello.py", "edits": [{"oldText": "hello", "newText": "PWNED"}]})
+    queue(server, tool_reply(("c1", "edit_file", edit)), tool_reply(("c2", "bash", '{"cmd": "rm -rf ~"}')),
+          openai_reply("Not then."))
+    term = Pty("--mcp", " ".join(command), "--root", str(workspace), "--no-stream", "go",
+               env={"NO_COLOR": "1", "FAKE_TOOLS": "edit_file,bash"})
+    assert term.expect("[t] always edit_file: ").endswith(
+        f"→ edit_file hello.py\n  {edit}\n  allow? [y]es / [N]o / [a]lways this call / [t] always edit_file: ")
+    term.send("y")
+    assert term.expect("[t] always bash: ").endswith(
+        '\n→ edit_file hello.py ✓\n    pinged back: {"jsonrpc": "2.0", "id": "srv-ping", "result": {}}\n'
+        '→ bash rm -rf ~\n  {"cmd": "rm -rf ~"}\n  allow? [y]es / [N]o / [a]lways this call / [t] always bash: ')
+    term.send("n")
+    assert term.close() == 0
+    assert term.rest == "n\n→ bash rm -rf ~ ✗ the user declined this call\nNot then.\ntokens: 21 in, 9 out\n"
+    assert [m["params"]["name"] for m in received(log) if m.get("method") == "tools/call"] == ["edit_file"]
 
 
 @pytest.mark.parametrize("yes, always, tool", [("y", "a", "t"), ("Yes", "always", " TOOL ")],
