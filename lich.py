@@ -4254,6 +4254,7 @@ class OpenAIChat(_HTTPChat):
 
 
 _EMPTY_USER_MESSAGE = "(empty message)"  # what a user's message of nothing says to Anthropic
+_EMPTY_ERROR_RESULT = "(the tool failed without output)"  # and a failed tool's result of nothing
 # a tool the history called, defined for a request given none (Anthropic wants it defined)
 _NOT_OFFERED_NOW = "Not offered now: do not call it. Its earlier calls are in the conversation."
 
@@ -4489,9 +4490,12 @@ class AnthropicChat(_HTTPChat):
         if role == "system":
             return role, content, None
         if role == "tool":
-            role = "user"
+            role, failed = "user", bool(m.get("is_error"))
+            # Anthropic refuses an error result of no content (lich's own are JSON: a history
+            # built elsewhere, or a failover's, may hold one)
             blocks = [{"type": "tool_result", "tool_use_id": _anthropic_tool_id(m["tool_call_id"]),
-                       "content": content, "is_error": bool(m.get("is_error"))}]
+                       "content": content or (_EMPTY_ERROR_RESULT if failed else ""),
+                       "is_error": failed}]
         else:
             # Anthropic refuses a text of whitespace: an assistant's is left out, and a user's
             # says it was empty (left out, the assistant's last message would be a prefill)

@@ -6983,6 +6983,19 @@ def test_anthropic_defines_the_tools_a_history_called_when_a_request_is_given_no
     assert "tools" not in server.requests[-1]["json"]  # no call in the history: none defined
 
 
+def test_anthropic_is_sent_a_failed_tool_result_of_no_content_as_saying_so(server):
+    """It went as an empty tool_result with is_error true, which Anthropic refuses ("content
+    cannot be empty if is_error is true"): every later turn of such a history failed."""
+    server.reply(200, anthropic_reply(text_block("ok")))
+    anthropic_at(server, cache=False)([
+        user("go"), assistant("", ("t1", "x", "{}"), ("t2", "x", "{}")),
+        {"role": "tool", "tool_call_id": "t1", "name": "x", "content": "", "is_error": True},
+        {"role": "tool", "tool_call_id": "t2", "name": "x", "content": "", "is_error": False}])
+    assert server.requests[0]["json"]["messages"][2]["content"] == [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "(the tool failed without output)", "is_error": True},
+        {"type": "tool_result", "tool_use_id": "t2", "content": "", "is_error": False}]
+
+
 def test_anthropic_merges_same_role_turns_and_drops_empty_ones(server):
     server.reply(200, anthropic_reply(text_block("ok")))
     anthropic_at(server, max_tokens=300, cache=False)([
