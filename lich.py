@@ -2848,6 +2848,30 @@ def _watched_adapter_class():
     from urllib3 import connection, connectionpool
 
     class Watched:
+        sending_unbounded = False
+
+        def request(self, *args, **kwargs):
+            # urllib3 sends a request under its connect timeout (10 s at most), which a large
+            # body on a slow uplink outlasts; and until the answer is awaited the watchdog
+            # had no socket to cut. A watched request goes out on a socket handed over first,
+            # its time bounded by the exchange (the watchdog cuts it), not by a send timeout.
+            exchange = _exchanges_sending.get(threading.get_ident())
+            if exchange is None or (exchange.deadline is None and exchange.signal is None):
+                return super().request(*args, **kwargs)
+            if self.sock is None:
+                self.connect()  # under the connect timeout, a proxy's tunnel included
+            exchange.attach(self.sock)
+            self.sending_unbounded = True
+            try:
+                return super().request(*args, **kwargs)
+            finally:
+                self.sending_unbounded = False
+
+        def send(self, data):
+            if self.sending_unbounded:  # urllib3 sets the connect timeout again as it begins
+                self.sock.settimeout(None)
+            return super().send(data)
+
         def getresponse(self, *args, **kwargs):
             exchange = _exchanges_sending.get(threading.get_ident())
             if exchange is not None:

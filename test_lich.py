@@ -4629,6 +4629,63 @@ def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(serv
         release.set()
 
 
+def a_server_that_reads_nothing_for(seconds):
+    """(its URL, the requests it read whole, what ends its wait at once): a raw server that
+    takes a connection and reads nothing of it for ``seconds`` (a slow uplink, a stalled
+    server), then reads the request and answers it."""
+    listener, waiting = socket.create_server(("127.0.0.1", 0)), threading.Event()
+    read = []
+
+    def serve():
+        connection, _ = listener.accept()
+        with connection, listener:
+            waiting.wait(seconds)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                        re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
+                    more = connection.recv(1 << 20)
+                    if not more:
+                        return
+                    data += more
+                read.append(data.partition(b"\r\n\r\n")[2])
+                answer = json.dumps(openai_reply("sent")).encode()
+                connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                                   b"Connection: close\r\n\r\n%s" % (len(answer), answer))
+            except OSError:  # the client went away
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/v1", read, waiting.set
+
+
+BODY_PAST_SOCKET_BUFFERS = "x" * 20_000_000  # a long history: more than loopback's buffers hold
+
+
+def test_a_request_whose_body_takes_longer_to_send_than_the_connect_timeout_is_sent():
+    """urllib3 sent the body under the connect timeout (10 s at most): a large history on a
+    slow uplink failed every try with "cannot reach ...: Connection aborted"."""
+    url, read, _ = a_server_that_reads_nothing_for(1.0)
+    answer = lich.OpenAIChat("gpt-test", base_url=url, timeout=(0.3, 30))([user(BODY_PAST_SOCKET_BUFFERS)])
+    assert (answer.message["content"], len(read), json.loads(read[0])["messages"][0]["content"]) == (
+        "sent", 1, BODY_PAST_SOCKET_BUFFERS)
+
+
+def test_the_signal_cuts_a_request_whose_body_a_server_does_not_read():
+    """The watchdog got the socket only once the body was sent: a stalled server kept the
+    request until the connect timeout, whatever the signal said."""
+    url, _, release = a_server_that_reads_nothing_for(30)
+    signal = threading.Event()
+    threading.Timer(0.3, signal.set).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            lich.OpenAIChat("gpt-test", base_url=url, timeout=(5, 60))([user(BODY_PAST_SOCKET_BUFFERS)], signal=signal)
+        assert time.monotonic() - started < 2
+    finally:
+        release()
+
+
 def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
     import socket
 
