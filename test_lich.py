@@ -1183,6 +1183,16 @@ def test_session_not_found_is_a_lookup_error():
     assert str(lich.SessionNotFound("session not found: x")) == "session not found: x"
 
 
+def test_a_key_in_use_in_a_lich_log_messages_arguments_is_redacted(server, caplog):
+    # the log filter redacts a record's message as well as its traceback: an MCP
+    # server's tool named with a key (listed twice, so warned about) is quoted in one
+    keep_in_use(api_key=SECRET)
+    url = mcp_answering(server, tools=[{"name": SECRET}, {"name": SECRET}])
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        tools.specs()
+    assert "listed the tool '[redacted]' twice" in caplog.text and SECRET[3:11] not in caplog.text
+
+
 # ============================================================================
 # Data
 # ============================================================================
@@ -9068,6 +9078,17 @@ def test_a_hint_python_cannot_evaluate_is_named_at_registration():
         tools.register(lookup)
 
 
+def test_a_tools_default_that_is_no_json_number_is_left_out_of_its_schema():
+    tools = lich.Tools()
+
+    @tools.tool
+    def near(query: str, within: float = float("inf")) -> str:
+        """Search."""
+        return query
+
+    assert tools.specs()[0]["parameters"]["properties"]["within"] == {"type": "number"}  # was "default": inf
+
+
 # --- Tools ---
 
 
@@ -9668,6 +9689,19 @@ def test_a_tool_list_that_changes_into_a_clash_leaves_the_later_tool_out(caplog)
     assert caplog.messages == ["the tool name 'ping' is offered twice; the later one is left out"]
 
 
+def test_an_argument_given_to_a_tool_that_takes_none_says_it_takes_no_arguments():
+    # not "(ping takes )"
+    tools = lich.Tools()
+
+    @tools.tool
+    def ping() -> str:
+        """Answer pong."""
+        return "pong"
+
+    assert tools.run(tool_call("ping", '{"host": "x"}')) == lich.ToolResult(
+        ok=False, error="invalid arguments for ping: unknown argument 'host' (ping takes no arguments)")
+
+
 # --- workspace paths ---
 
 
@@ -9917,6 +9951,36 @@ def test_a_pathological_glob_is_matched_in_linear_time(ws):
     assert time.monotonic() - started < 1
     assert result == lich.ToolResult(ok=True, output="no files match *a*a*a*a*a*a*a*a*a*a*a*a*b under .")
     assert run_tool(lich.coding_tools(ws), "list_files", pattern="{" * 10 + "a,b" + "}" * 10 + "*").ok
+
+
+def test_a_gitignore_rules_trailing_blanks_go_and_its_comments_are_no_rules(ws, engine):
+    # trailing blanks kept, "secret.txt  " ignored nothing; a comment read as a rule,
+    # "#draft.txt" ignored the file named so
+    (ws / ".gitignore").write_text("secret.txt  \n#draft.txt\n")
+    for name in ("secret.txt", "#draft.txt", "kept.txt"):
+        (ws / name).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="#draft.txt:1: hit\nkept.txt:1: hit")
+
+
+def test_a_gitignore_rule_for_folders_leaves_a_file_of_that_name_searched(ws, engine):
+    # "logs/" is for folders only: the file named logs is searched
+    (ws / ".gitignore").write_text("logs/\n")
+    (ws / "logs").write_text("hit\n")
+    (ws / "d").mkdir()
+    (ws / "d" / "logs").mkdir()
+    (ws / "d" / "logs" / "x.txt").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="logs:1: hit")
+
+
+def test_a_glob_class_negated_with_a_caret_is_negated_as_with_a_bang(ws):
+    # "[^b]" is "not b", as "[!b]" is, not the class of "^" and "b"
+    for name in ("a.txt", "b.txt", "^.txt"):
+        (ws / name).write_text("hit\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "list_files", pattern="[^b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
+    assert run_tool(tools, "list_files", pattern="[!b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
 
 
 # --- file tools and search ---
@@ -11102,6 +11166,36 @@ def test_a_wide_tree_shared_among_search_workers_gives_every_match_once(ws, engi
         ok=True, output="p17/q/r/f.txt:2: needle 17\np17/top.txt:1: needle top 17")
 
 
+def test_exactly_200_matches_are_all_shown_with_no_line_of_more(ws, engine):
+    # 200 is the cap itself: every match shown, and no "... 0 more matches" line
+    (ws / "many.txt").write_text("hit\n" * 200)
+    lines = run_tool(lich.coding_tools(ws), "search", pattern="hit").output.split("\n")
+    assert lines == [f"many.txt:{i}: hit" for i in range(1, 201)]
+
+
+def test_search_on_one_cpu_passes_over_the_skipped_folders(ws, engine, monkeypatch):
+    # lich's own search passes over node_modules, .git, venv... also where one worker
+    # searches a folder whole (one CPU; or below the first 256 folders of a larger tree)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    for folder in ("node_modules", ".git", "__pycache__", ".venv", "venv", "src"):
+        (ws / folder).mkdir()
+        (ws / folder / "x.js").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="src/x.js:1: hit")
+
+
+def test_search_with_ripgrep_reads_no_ignore_files_of_its_own(ws, engine):
+    # ripgrep left to itself honours .ignore / .rgignore files (and nested .gitignore
+    # files), which lich's own search does not: the two engines must find the same
+    (ws / ".ignore").write_text("a.txt\n")
+    (ws / "sub").mkdir()
+    (ws / "sub" / ".rgignore").write_text("b.txt\n")
+    (ws / "a.txt").write_text("hit\n")
+    (ws / "sub" / "b.txt").write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="a.txt:1: hit\nsub/b.txt:1: hit")
+
+
 # --- shell ---
 
 
@@ -12244,17 +12338,6 @@ def test_mcp_tools_whose_schema_no_request_can_carry_are_skipped(server, caplog)
         "infinity, or nested over 100 levels): lich skips it" for name in ("far", "deep")]
 
 
-def test_a_tools_default_that_is_no_json_number_is_left_out_of_its_schema():
-    tools = lich.Tools()
-
-    @tools.tool
-    def near(query: str, within: float = float("inf")) -> str:
-        """Search."""
-        return query
-
-    assert tools.specs()[0]["parameters"]["properties"]["within"] == {"type": "number"}  # was "default": inf
-
-
 def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(server, caplog):
     url = mcp_answering(server, tools=[
         {"name": "a", "description": 5, "inputSchema": "no schema"}, {"name": "a", "description": "again"}, 7,
@@ -12811,79 +12894,6 @@ def test_the_real_everything_server_over_streamable_http_on_loopback(everything,
         server.wait()
 
 
-def test_an_argument_given_to_a_tool_that_takes_none_says_it_takes_no_arguments():
-    # not "(ping takes )"
-    tools = lich.Tools()
-
-    @tools.tool
-    def ping() -> str:
-        """Answer pong."""
-        return "pong"
-
-    assert tools.run(tool_call("ping", '{"host": "x"}')) == lich.ToolResult(
-        ok=False, error="invalid arguments for ping: unknown argument 'host' (ping takes no arguments)")
-
-
-def test_exactly_200_matches_are_all_shown_with_no_line_of_more(ws, engine):
-    # 200 is the cap itself: every match shown, and no "... 0 more matches" line
-    (ws / "many.txt").write_text("hit\n" * 200)
-    lines = run_tool(lich.coding_tools(ws), "search", pattern="hit").output.split("\n")
-    assert lines == [f"many.txt:{i}: hit" for i in range(1, 201)]
-
-
-def test_search_on_one_cpu_passes_over_the_skipped_folders(ws, engine, monkeypatch):
-    # lich's own search passes over node_modules, .git, venv... also where one worker
-    # searches a folder whole (one CPU; or below the first 256 folders of a larger tree)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    for folder in ("node_modules", ".git", "__pycache__", ".venv", "venv", "src"):
-        (ws / folder).mkdir()
-        (ws / folder / "x.js").write_text("hit\n")
-    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
-        ok=True, output="src/x.js:1: hit")
-
-
-def test_search_with_ripgrep_reads_no_ignore_files_of_its_own(ws, engine):
-    # ripgrep left to itself honours .ignore / .rgignore files (and nested .gitignore
-    # files), which lich's own search does not: the two engines must find the same
-    (ws / ".ignore").write_text("a.txt\n")
-    (ws / "sub").mkdir()
-    (ws / "sub" / ".rgignore").write_text("b.txt\n")
-    (ws / "a.txt").write_text("hit\n")
-    (ws / "sub" / "b.txt").write_text("hit\n")
-    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
-        ok=True, output="a.txt:1: hit\nsub/b.txt:1: hit")
-
-
-def test_a_gitignore_rules_trailing_blanks_go_and_its_comments_are_no_rules(ws, engine):
-    # trailing blanks kept, "secret.txt  " ignored nothing; a comment read as a rule,
-    # "#draft.txt" ignored the file named so
-    (ws / ".gitignore").write_text("secret.txt  \n#draft.txt\n")
-    for name in ("secret.txt", "#draft.txt", "kept.txt"):
-        (ws / name).write_text("hit\n")
-    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
-        ok=True, output="#draft.txt:1: hit\nkept.txt:1: hit")
-
-
-def test_a_gitignore_rule_for_folders_leaves_a_file_of_that_name_searched(ws, engine):
-    # "logs/" is for folders only: the file named logs is searched
-    (ws / ".gitignore").write_text("logs/\n")
-    (ws / "logs").write_text("hit\n")
-    (ws / "d").mkdir()
-    (ws / "d" / "logs").mkdir()
-    (ws / "d" / "logs" / "x.txt").write_text("hit\n")
-    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
-        ok=True, output="logs:1: hit")
-
-
-def test_a_glob_class_negated_with_a_caret_is_negated_as_with_a_bang(ws):
-    # "[^b]" is "not b", as "[!b]" is, not the class of "^" and "b"
-    for name in ("a.txt", "b.txt", "^.txt"):
-        (ws / name).write_text("hit\n")
-    tools = lich.coding_tools(ws)
-    assert run_tool(tools, "list_files", pattern="[^b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
-    assert run_tool(tools, "list_files", pattern="[!b].txt") == lich.ToolResult(ok=True, output="^.txt\na.txt")
-
-
 def test_an_mcp_calls_audio_and_unknown_content_are_each_named_on_a_line(server):
     # a kind lich does not know is named, not dropped; audio is told with its type and size
     url = mcp_answering(server, tools=[{"name": "t"}], calls={"t": {"content": [
@@ -12917,16 +12927,6 @@ def test_an_mcp_server_that_refuses_the_handshake_is_an_mcp_error_quoting_its_st
     assert str(info.value) == ("the MCP server python3 refused to start a session: not configured\n"
                                "refusing: no config file at /etc/demo.toml").replace(
         "python3", os.path.basename(sys.executable))
-
-
-def test_a_key_in_use_in_a_lich_log_messages_arguments_is_redacted(server, caplog):
-    # the log filter redacts a record's message as well as its traceback: an MCP
-    # server's tool named with a key (listed twice, so warned about) is quoted in one
-    keep_in_use(api_key=SECRET)
-    url = mcp_answering(server, tools=[{"name": SECRET}, {"name": SECRET}])
-    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
-        tools.specs()
-    assert "listed the tool '[redacted]' twice" in caplog.text and SECRET[3:11] not in caplog.text
 
 
 # ============================================================================
