@@ -6061,7 +6061,8 @@ def _gitignore_rules(text):
     """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments, and for a
     rule on names alone its regular expression's fullmatch, else None), in a tuple."""
     rules = []
-    for line in text.splitlines():
+    for line in text.split("\n"):  # git ends a rule at \n alone (a form feed is a name's)
+        line = line.removesuffix("\r")
         stripped = line.rstrip(" ")  # git drops trailing spaces (not tabs), but an escaped one
         if stripped != line:  # (after an odd run of backslashes) and those before it stay
             line = stripped + " " if (len(stripped) - len(stripped.rstrip("\\"))) % 2 else stripped

@@ -9963,6 +9963,16 @@ def test_a_gitignore_rules_trailing_blanks_go_and_its_comments_are_no_rules(ws, 
         ok=True, output="#draft.txt:1: hit\nkept.txt:1: hit")
 
 
+def test_a_gitignore_rule_ends_at_a_line_feed_alone_as_in_git(ws, engine):
+    """Lines were split as Python splits them, also at a form feed, \x1c or U+2028: the rule
+    for the name "a\x0cb" ignored the files a and b."""
+    (ws / ".gitignore").write_bytes(b"a\x0cb\nc\r\nd\xe2\x80\xa8e\n")
+    for name in ("a", "b", "a\x0cb", "c", "d", "e", "d\u2028e"):
+        (ws / name).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="a:1: hit\nb:1: hit\nd:1: hit\ne:1: hit")
+
+
 def test_a_gitignore_rule_for_folders_leaves_a_file_of_that_name_searched(ws, engine):
     # "logs/" is for folders only: the file named logs is searched
     (ws / ".gitignore").write_text("logs/\n")
