@@ -1909,7 +1909,7 @@ def open_session(session_dir, label=None) -> SessionHandle:
     The directory is created with mode 0700; the file is created exclusively, so two
     processes never share one: the counter moves on instead, across labels too.
     """
-    session_dir = os.fspath(session_dir)
+    session_dir = os.fsdecode(session_dir)  # a bytes path too, as os's functions take
     os.makedirs(session_dir, mode=0o700, exist_ok=True)
     label = _clean_label(label)
     with _session_names_lock:
@@ -2383,7 +2383,7 @@ def _recorded_messages(lines, path):
 
 def list_sessions(session_dir) -> list:
     """The paths of the session files in ``session_dir``, newest (by modification time) first."""
-    session_dir = os.fspath(session_dir)
+    session_dir = os.fsdecode(session_dir)  # a bytes path too: the paths are str
     found = []
     try:
         with os.scandir(session_dir) as entries:

@@ -4183,6 +4183,16 @@ def test_resolve_session_latest_exact_and_prefix(tmp_path):
     assert lich.resolve_session(str(d), "20260102T000000Z-1.jsonl") == os.path.join(str(d), "20260102T000000Z-1.jsonl")
 
 
+def test_a_session_folder_given_as_bytes_is_read_and_written_as_a_str_one(tmp_path):
+    """os's functions take a bytes path: open_session, list_sessions and resolve_session
+    failed on one with "endswith first arg must be bytes or a tuple of bytes"."""
+    folder = tmp_path / "s"
+    with lich.open_session(os.fsencode(folder), "x") as handle:
+        handle.append_meta({"event": "run_start"})
+    assert (os.path.dirname(handle.path), lich.list_sessions(os.fsencode(folder)),
+            lich.resolve_session(os.fsencode(folder), "latest")) == (str(folder), [handle.path], handle.path)
+
+
 @pytest.mark.parametrize("ref, message", [
     ("2026", "ambiguous session id: 2026"),
     ("2027", "session not found: 2027"),
