@@ -9340,6 +9340,25 @@ def _state_home(environ) -> str:
     return os.path.join(state, "lich")
 
 
+def _input_history(path) -> list:
+    """The chat input kept in the history file (JSON lines: a paste keeps its newlines), its
+    last _HISTORY_LINES; [] when there is none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()[-_HISTORY_LINES:]
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, str) and entry:
+            entries.append(entry)
+    return entries
+
+
 def _sessions_home(given, environ) -> str:
     """Where sessions go: --session-dir, else LICH_SESSION_DIR, else the state folder's. A
     leading ~ is expanded: one in an env file or a systemd unit reaches lich as it is (a
@@ -11020,6 +11039,9 @@ class _Cli:
                 _, history = self.run(line, history, session)
             return self.interrupts.exit_code
         finally:
+            # Leaving: a signal now only sets the code. A closing terminal's SIGHUP comes as
+            # its input ends, and raised here it cut the history file's writing short.
+            self.interrupts.noting = True
             if session is not None:
                 session.close()
             self._save_input_history(history_file)
@@ -11090,30 +11112,38 @@ class _Cli:
             # paste as keys: each of its lines would be sent as a message of its own.
             readline.parse_and_bind("set enable-bracketed-paste on")
         path = os.path.join(_state_home(self.environ), "history")
-        try:
-            with open(path, encoding="utf-8") as f:
-                for line in f.read().splitlines()[-_HISTORY_LINES:]:
-                    try:
-                        readline.add_history(json.loads(line))
-                    except (ValueError, TypeError):
-                        continue
-        except OSError:
-            pass
+        for entry in _input_history(path):
+            readline.add_history(entry)
+        self.typed_from = readline.get_current_history_length()  # what this chat adds follows
         return path
 
     def _save_input_history(self, path):
+        """Add this chat's input to the file: read again, so that another chat's input saved
+        meanwhile stays, and replaced whole, so that a failure mid-write leaves it as it was."""
         if path is None:
             return
         import readline
-        entries = [readline.get_history_item(i)
-                   for i in range(1, readline.get_current_history_length() + 1)]
+        import tempfile
+
+        typed = [readline.get_history_item(i)
+                 for i in range(self.typed_from + 1, readline.get_current_history_length() + 1)]
+        folder, written = os.path.dirname(path), None
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # prompts are private
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            entries = _input_history(path) + [entry for entry in typed if entry]
+            fd, written = tempfile.mkstemp(prefix=".history-", dir=folder)  # 0600: prompts are private
             with open(fd, "w", encoding="utf-8") as f:
-                f.writelines(json.dumps(entry) + "\n" for entry in entries[-_HISTORY_LINES:] if entry)
+                f.writelines(json.dumps(entry) + "\n" for entry in entries[-_HISTORY_LINES:])
+            os.replace(written, path)
+            written = None
         except OSError as e:
             _cli_log().debug("cannot save the input history: %s", e)
+        finally:
+            if written is not None:  # not replaced: the file stays as it was
+                try:
+                    os.unlink(written)
+                except OSError:
+                    pass
 
     def _command(self, line, history, session):
         """A chat command; returns the (history, session) to go on with."""

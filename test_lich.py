@@ -16589,6 +16589,45 @@ def test_a_terminal_that_hangs_up_mid_turn_ends_the_chat_with_the_turn_kept(serv
     assert [m["content"] for m in lich.read_session_messages(path)][-2:] == ["slow", "[interrupted by the user]"]
 
 
+def test_a_terminal_that_hangs_up_as_the_chat_leaves_keeps_the_input_history(server, lich_model, tmp_path):
+    """A closing terminal ends the input, and its SIGHUP came as lich wrote the history file:
+    raised there, it left the file empty, the input of every earlier chat lost."""
+    import signal as signals
+
+    history = tmp_path / "state" / "lich" / "history"
+    history.parent.mkdir(parents=True)
+    kept = "".join(json.dumps(f"earlier {n}") + "\n" for n in range(1000))
+    for attempt in range(3):
+        history.write_text(kept)
+        term = chat_pty(tmp_path=tmp_path)
+        term.expect(PROMPT)
+        term.send("/cost")
+        term.expect(PROMPT)
+        os.close(term.master)
+        term.proc.send_signal(signals.SIGHUP)
+        term.proc.send_signal(signals.SIGHUP)  # a closing terminal sends two
+        assert term.proc.wait(timeout=10) in (0, 128 + signals.SIGHUP)
+        assert history.read_text() == "".join(json.dumps(f"earlier {n}") + "\n" for n in range(1, 1000)) + '"/cost"\n'
+
+
+def test_two_chats_at_once_each_add_their_input_to_the_history(server, lich_model, tmp_path):
+    """The chat that left last wrote the history it had read at its start: the other's input
+    was lost."""
+    history = tmp_path / "state" / "lich" / "history"
+    history.parent.mkdir(parents=True)
+    history.write_text('"earlier"\n')
+    first, second = chat_pty(tmp_path=tmp_path), chat_pty(tmp_path=tmp_path)
+    for term, typed in ((first, "/cost"), (second, "/help")):
+        term.expect(PROMPT)
+        term.send(typed)
+        term.expect(PROMPT)
+    for term in (first, second):
+        term.send("/exit")
+        assert term.close() == 0
+    assert history.read_text() == '"earlier"\n"/cost"\n"/exit"\n"/help"\n"/exit"\n'
+    assert [p.name for p in history.parent.iterdir()] == ["history"]  # no file of a write left
+
+
 def test_a_terminal_gone_at_the_prompt_ends_the_chat_as_ctrl_d_does(server, lich_model, tmp_path):
     """Its input ends, and the newline after it fails (EIO): that OSError ended lich with 1."""
     term = chat_pty(tmp_path=tmp_path)
