@@ -2816,6 +2816,10 @@ class _Watchdog:
         with self._cond:
             self._exchanges.discard(exchange)
 
+    def running(self) -> bool:
+        """Whether this process has the thread (none could start at exit, on 3.12+)."""
+        return self._pid == os.getpid()
+
     def _run(self):
         while True:
             with self._cond:
@@ -2850,14 +2854,25 @@ def _watched_adapter_class():
     class Watched:
         sending_unbounded = False
 
+        def _new_conn(self):
+            # The socket goes to the exchange once it is connected: a TLS handshake or a
+            # proxy's CONNECT that never answers is cut as a request is
+            sock = super()._new_conn()
+            exchange = _exchanges_sending.get(threading.get_ident())
+            if exchange is not None:
+                exchange.attach(sock)
+            return sock
+
         def request(self, *args, **kwargs):
             # urllib3 sends a request under its connect timeout (10 s at most), which a large
-            # body on a slow uplink outlasts; and until the answer is awaited the watchdog
-            # had no socket to cut. A watched request goes out on a socket handed over first,
-            # its time bounded by the exchange (the watchdog cuts it), not by a send timeout.
+            # body on a slow uplink outlasts. A request of an exchange goes out on a socket
+            # handed over first, its time bounded by the exchange (the watchdog cuts it, and
+            # none is no limit), not by a send timeout.
             exchange = _exchanges_sending.get(threading.get_ident())
-            if exchange is None or (exchange.deadline is None and exchange.signal is None):
-                return super().request(*args, **kwargs)
+            limited = exchange is not None and (exchange.deadline is not None
+                                                or exchange.signal is not None)
+            if exchange is None or (limited and not _watchdog.running()):
+                return super().request(*args, **kwargs)  # unwatched (at exit): urllib3's timeouts hold
             if self.sock is None:
                 self.connect()  # under the connect timeout, a proxy's tunnel included
             exchange.attach(self.sock)
@@ -2891,6 +2906,15 @@ def _watched_adapter_class():
         ConnectionCls = HTTPSConnection
 
     class WatchedAdapter(requests.adapters.HTTPAdapter):
+        def cert_verify(self, conn, url, verify, cert):
+            # requests verifies no certificate for an http:// URL, the TLS of an https://
+            # proxy that carries it (a key and the proxy's password with it) included: that
+            # one is verified as an https:// URL's proxy is
+            proxy = getattr(conn, "proxy", None)
+            if verify and proxy is not None and proxy.scheme == "https" and url[:7].lower() == "http://":
+                url = "https://" + url[7:]
+            return super().cert_verify(conn, url, verify, cert)
+
         def init_poolmanager(self, *args, **kwargs):
             super().init_poolmanager(*args, **kwargs)
             self.poolmanager.pool_classes_by_scheme = {"http": HTTPPool, "https": HTTPSPool}
@@ -3417,18 +3441,15 @@ class _HTTPChat:
                                               data=body, headers=self._headers,
                                               timeout=self._timeouts, stream=True,
                                               allow_redirects=False)
-            # Not chained: requests' error quotes the URL whole, a key in its query too, and a
-            # traceback or any logger's exception() shows the cause (the message says why).
-            except requests.RequestException as e:
-                exchange.check()
-                raise self._transport_error(e, streaming=False) from None
-            except OSError as e:  # requests' own: a CA bundle that is not there
-                raise self._error(f"cannot reach {self._shown_url}: {_redact_secrets(str(e))}",
-                                  "network", retryable=False) from None
-            except ValueError as e:  # a session of the caller's: as on a redirect's bad Location
-                raise self._error(f"requests raised ValueError on the answer: "
-                                  f"{_redact_url(_redact_secrets(str(e)))}",
-                                  "invalid_response") from None
+            except (requests.RequestException, OSError, ValueError) as e:
+                failure = e
+            else:
+                failure = None
+            if failure is not None:
+                # Raised here, not in the handler, so that nothing is chained to it: requests'
+                # error quotes the URL whole, a key in its query too, and a traceback or any
+                # logger's exception() shows what an error holds (its message says why).
+                raise self._send_error(failure, exchange)
             status = response.status_code
             if 200 <= status < 300:
                 return response
@@ -3690,6 +3711,18 @@ class _HTTPChat:
             return AbortError("chat aborted")
         return self._error(f"timed out: no whole answer within {self.timeout}s from "
                            f"{self._shown_url}", "timeout")
+
+    def _send_error(self, e, exchange):
+        """The ProviderError (or _Cut) of an exception requests raised as the request went."""
+        if isinstance(e, _requests().RequestException):
+            exchange.check()
+            return self._transport_error(e, streaming=False)
+        if isinstance(e, OSError):  # requests' own: a CA bundle that is not there
+            return self._error(f"cannot reach {self._shown_url}: {_redact_secrets(str(e))}",
+                               "network", retryable=False)
+        # a session of the caller's: as on a redirect's bad Location
+        return self._error(f"requests raised ValueError on the answer: "
+                           f"{_redact_url(_redact_secrets(str(e)))}", "invalid_response")
 
     def _transport_error(self, e, *, streaming, reading=False):
         requests = _requests()
@@ -7205,7 +7238,7 @@ class _Workspace:
             spans = [(start + bisect.bisect_left(ends, start), end + bisect.bisect_left(ends, end))
                      for start, end in _places(text.replace("\r\n", "\n"),
                                                old_text.replace("\r\n", "\n"))]
-        else:
+        if not (crlf and "\n" in old_text) or not spans:  # an old_text ending in a CRLF's \r
             spans = _places(text, old_text)
         if not spans and _has_undecodable(text):
             raise _ToolFailure(f"old_text was not found in {path}, which is not valid UTF-8: "

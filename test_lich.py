@@ -4682,11 +4682,12 @@ def a_server_that_reads_nothing_for(seconds):
 BODY_PAST_SOCKET_BUFFERS = "x" * 20_000_000  # a long history: more than loopback's buffers hold
 
 
-def test_a_request_whose_body_takes_longer_to_send_than_the_connect_timeout_is_sent():
+@pytest.mark.parametrize("timeout", [(0.3, 30), (0.3, None)], ids=["a-limit", "no-limit"])
+def test_a_request_whose_body_takes_longer_to_send_than_the_connect_timeout_is_sent(timeout):
     """urllib3 sent the body under the connect timeout (10 s at most): a large history on a
     slow uplink failed every try with "cannot reach ...: Connection aborted"."""
     url, read, _ = a_server_that_reads_nothing_for(1.0)
-    answer = lich.OpenAIChat("gpt-test", base_url=url, timeout=(0.3, 30))([user(BODY_PAST_SOCKET_BUFFERS)])
+    answer = lich.OpenAIChat("gpt-test", base_url=url, timeout=timeout)([user(BODY_PAST_SOCKET_BUFFERS)])
     assert (answer.message["content"], len(read), json.loads(read[0])["messages"][0]["content"]) == (
         "sent", 1, BODY_PAST_SOCKET_BUFFERS)
 
@@ -4862,6 +4863,7 @@ def test_a_key_in_the_base_urls_query_is_in_no_line_of_an_unreachable_servers_tr
     assert str(info.value) == (f"openai: cannot reach http://127.0.0.1:{port}/v1/chat/completions?key=[redacted]: "
                                f"[Errno 111] Connection refused")
     assert (key in shown, key in caplog.text, "[redacted]" in shown) == (False, False, True)
+    assert (info.value.__cause__, info.value.__context__) == (None, None)  # nothing that holds it
 
 
 def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
@@ -5100,6 +5102,43 @@ def test_the_signal_cuts_an_https_exchange_through_an_https_proxy(certificate, m
     with pytest.raises(lich.AbortError):
         lich.OpenAIChat("gpt-test", base_url=f"https://127.0.0.1:{server_port}/v1", timeout=60)(USER, signal=signal)
     assert time.monotonic() - started < 3
+
+
+def test_the_signal_cuts_a_request_whose_proxy_never_answers_its_connect(monkeypatch):
+    """The watchdog got the socket only once the request was sent: a proxy that took the
+    CONNECT of an https:// server and said nothing held the call for the connect timeout."""
+    silent = socket.create_server(("127.0.0.1", 0))  # a proxy that reads CONNECT and never answers
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    signal = threading.Event()
+    set_after(signal, lambda: accepted)
+    started = time.monotonic()
+    try:
+        with pytest.raises(lich.AbortError):
+            lich.OpenAIChat("gpt-test", base_url="https://127.0.0.1:9/v1", timeout=(5, 60))(USER, signal=signal)
+        assert time.monotonic() - started < 2
+    finally:
+        for connection, _ in accepted:
+            connection.close()
+        silent.close()
+
+
+def test_an_https_proxys_certificate_is_verified_for_an_http_server_too(certificate, monkeypatch):
+    """requests verifies no certificate for an http:// URL, the TLS of the https:// proxy that
+    carries its request included: the key and the proxy's password went to whoever answered."""
+    heard = []
+    proxy_port = _tls_server(certificate, lambda tls: heard.append(tls.recv(65536)))
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"https://127.0.0.1:{proxy_port}")  # REQUESTS_CA_BUNDLE trusts it not
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
+    assert (info.value.kind, info.value.retryable, heard) == ("network", False, [])
+    assert re.fullmatch(  # urllib3 1.x tells no proxy's failure from the server's
+        rf"openai: cannot reach http://127\.0\.0\.1:9/v1/chat/completions( \(the proxy https://127\.0\.0\.1:{proxy_port}\))?: "
+        r"certificate verify failed: self[- ]signed certificate \(a private CA: set REQUESTS_CA_BUNDLE to its file\)",
+        str(info.value)), str(info.value)
 
 
 def test_a_thread_keeps_one_connection_however_often_the_proxy_variables_change(server, monkeypatch):
@@ -6395,17 +6434,6 @@ def test_on_delta_returning_a_coroutine_is_a_type_error_its_coroutine_closed(ser
             openai_at(server, stream=True, on_delta=on_delta)(USER)
         assert (str(info.value), len(on_delta.made), on_delta.states(), on_delta.ran) == (
             COROUTINE_REFUSED.format("on_delta"), 1, {"CORO_CLOSED"}, [])
-
-
-def test_on_retry_or_on_failover_returning_a_coroutine_is_a_type_error_its_coroutine_closed():
-    for name in ("on_retry", "on_failover"):
-        callback = CoroutinesMade()
-        first = ScriptedChat(lich.ProviderError("down", "server"), lich.ProviderError("down", "server"))
-        router = lich.Router([first, ScriptedChat(answer("ok"))], retries=1, base_delay=0.001, **{name: callback})
-        with pytest.raises(TypeError) as info:
-            router(USER)
-        assert (str(info.value), len(callback.made), callback.states(), callback.ran) == (
-            COROUTINE_REFUSED.format(name), 1, {"CORO_CLOSED"}, [])
 
 
 def test_on_delta_exceptions_reach_the_caller_unchanged(server):
@@ -8425,6 +8453,17 @@ def test_a_key_echoed_wholly_json_escaped_is_redacted(server):
     decoded = re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m.group(1), 16)), str(info.value))
     assert "bad key [redacted]" in decoded
     assert not any(KEY[i:i + 8] in decoded for i in range(len(KEY) - 7)), decoded
+
+
+def test_on_retry_or_on_failover_returning_a_coroutine_is_a_type_error_its_coroutine_closed():
+    for name in ("on_retry", "on_failover"):
+        callback = CoroutinesMade()
+        first = ScriptedChat(lich.ProviderError("down", "server"), lich.ProviderError("down", "server"))
+        router = lich.Router([first, ScriptedChat(answer("ok"))], retries=1, base_delay=0.001, **{name: callback})
+        with pytest.raises(TypeError) as info:
+            router(USER)
+        assert (str(info.value), len(callback.made), callback.states(), callback.ran) == (
+            COROUTINE_REFUSED.format(name), 1, {"CORO_CLOSED"}, [])
 
 
 # ============================================================================
@@ -10847,6 +10886,9 @@ def test_edit_file_counts_old_text_under_either_line_end_in_a_file_of_mixed_ones
     assert (ws / "mixed.txt").read_bytes() == data
     assert run_tool(tools, "edit_file", path="mixed.txt", old_text="end\nx = 1", new_text="END\nx = 1").ok
     assert (ws / "mixed.txt").read_bytes() == b"x = 1\r\ny = 2\r\nEND\r\nx = 1\ny = 2\nend\n"
+    (ws / "cr.txt").write_bytes(b"x\na\r\nb\n")  # an old_text that ends on a CRLF's \r: as it is
+    assert run_tool(tools, "edit_file", path="cr.txt", old_text="x\na\r", new_text="X\nA\r").ok
+    assert (ws / "cr.txt").read_bytes() == b"X\nA\r\nb\n"
 
 
 WRITE_A_LOCKED_FILE = """
