@@ -10193,7 +10193,10 @@ class _Approvals:
             self.grants.append((tools, key, f"{' and '.join(tools)}: {_visible(key)}"))
         elif answer in ("t", "tool"):
             self.grants.append(((name,), None, f"{name}: every call"))
-        return answer in ("y", "yes", "a", "always", "t", "tool")
+        approved = answer in ("y", "yes", "a", "always", "t", "tool")
+        if approved:  # the call runs now: its spinner again (the question stopped it), timed from here
+            term.start_spinner(_visible(_tool_summary(call)), self.answered_at)
+        return approved
 
     def _key(self, kind, args, call):
         """What an answer "always" covers; ``kind``: the name of lich's tool, else None."""

@@ -15355,6 +15355,18 @@ def test_a_one_shot_run_on_a_terminal_asks_and_shows_the_whole_command(server, l
     assert "Not run." in term.rest and not (workspace / "PWNED").exists()
 
 
+def test_an_approved_call_that_runs_for_seconds_shows_its_spinner_and_time_again(server, lich_model, workspace):
+    """The question stopped the spinner and nothing started it again: for the whole of a
+    long command, the last line on the screen was the answered question."""
+    queue(server, tool_reply(("c1", "bash", '{"command": "sleep 2"}')), openai_reply("Slept."))
+    term = Pty("--allow", "shell", "--no-stream", "--root", str(workspace), "wait", env={"NO_COLOR": "1"})
+    term.expect("[t] always bash: ")
+    term.send("y")
+    assert term.expect(" bash sleep 2 1 s").startswith("y\n\r⠋ bash sleep 2\x1b[K")  # at once, then its time
+    assert term.close() == 0
+    assert "Slept." in term.rest
+
+
 def test_an_approval_of_a_tall_command_keeps_its_start_in_sight(server, lich_model, workspace):
     """Blank lines pushed "rm -rf" off a terminal of 24 rows, above the question: a run of
     them is one line, and a command still taller says that its start is above."""
