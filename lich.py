@@ -10941,9 +10941,8 @@ class _Cli:
                           + (f"a --context-budget below {budget} compresses it sooner" if budget
                              else "compression is off (--context-budget 0)")
                           + ("; /compact compresses it now" if self.interactive else ""))
-            if not self.args.json and (progress.usage.get("input_tokens")
-                                       or progress.usage.get("output_tokens")):
-                term.note(_usage_line(progress.usage))  # what the calls before it used
+            if not self.args.json:
+                self._note_usage(progress.usage)  # what the calls before it used
             history = progress.history
             while history and history[-1].get("role") == "user":
                 history = history[:-1]  # as a resume reads it: no unanswered request
@@ -10978,6 +10977,8 @@ class _Cli:
                     _cli_log().warning("session recording stopped: %s", e)
         self._end_json("aborted", progress.usage, session)
         term.note("lich: stopped: interrupted")
+        if not self.args.json:
+            self._note_usage(progress.usage)  # what the calls before the stop used
 
     def _end_json(self, stopped_reason, usage, session, output=None):
         if self.args.json:
@@ -11016,8 +11017,12 @@ class _Cli:
             term.note(f"lich: {_DECLINED[run.result.stop_reason]}")
         elif run.stopped_reason == "final" and not (run.final.get("content") or "").strip():
             term.note("lich: the model's answer was empty")
-        if run.usage_total.get("input_tokens") or run.usage_total.get("output_tokens"):
-            term.note(_usage_line(run.usage_total))  # none when the provider said nothing
+        self._note_usage(run.usage_total)
+
+    def _note_usage(self, usage):
+        """The tokens a run's calls used, on stderr; none when the provider said nothing."""
+        if usage.get("input_tokens") or usage.get("output_tokens"):
+            self.term.note(_usage_line(usage))
 
     # -- modes
 
@@ -11677,10 +11682,14 @@ def _run_cli(cli) -> int:
 
 if __name__ == "__main__":
     _exit_code = main()
-    if _SIGINT_KILLS_AS_IT_LOADS:  # and as it ends: Python's shutdown has no word for one either
-        import signal as _signals
+    import signal as _signals
 
-        # but after SIGTERM or SIGHUP, whose code lich leaves with: a Ctrl-C then changes nothing
-        _told_to_end = _exit_code in {128 + getattr(_signals, name, 0) for name in ("SIGTERM", "SIGHUP")}
-        _signals.signal(_signals.SIGINT, _signals.SIG_IGN if _told_to_end else _signals.SIG_DFL)
+    _ENDING = [getattr(_signals, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(_signals, name)]
+    if _exit_code in {128 + number for number in _ENDING[1:]}:
+        # After SIGTERM or SIGHUP, whose code lich leaves with, another (a closing terminal
+        # sends two) or a Ctrl-C changes nothing as Python shuts down
+        for _number in _ENDING:
+            _signals.signal(_number, _signals.SIG_IGN)
+    elif _SIGINT_KILLS_AS_IT_LOADS:  # and as it ends: Python's shutdown has no word for one either
+        _signals.signal(_signals.SIGINT, _signals.SIG_DFL)
     sys.exit(_exit_code)

@@ -15480,7 +15480,8 @@ def test_ctrl_c_or_ctrl_d_at_the_approval_of_an_mcp_call_makes_no_call_and_says_
         term.signal_at_prompt(signals.SIGINT, approval=True)
         assert term.close() == 130
         assert term.rest == ("\ninterrupted; stopping (Ctrl-C again to quit)\n"
-                             "→ first ✗ interrupted before the user answered\nlich: stopped: interrupted\n")
+                             "→ first ✗ interrupted before the user answered\nlich: stopped: interrupted\n"
+                             "tokens: 7 in, 3 out\n")
         assert len(server.requests) == 1
     else:
         term.send("\x04")
@@ -17299,7 +17300,7 @@ def test_ctrl_c_kills_a_running_shell_tool(server, lich_model, tmp_path, workspa
     assert (code, out) == (130, ""), err
     assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)",
                                 "→ bash echo $$ > pid; sleep 30 & wait ✗ the command was aborted and killed",
-                                "lich: stopped: interrupted"]
+                                "lich: stopped: interrupted", "tokens: 7 in, 3 out"]  # it said none
     with pytest.raises(ProcessLookupError):
         os.kill(shell, 0)
     [path] = sessions_in(tmp_path)
@@ -17337,7 +17338,8 @@ def test_ctrl_c_during_an_mcp_call_says_it_was_aborted_not_that_it_never_ran(ser
     code, out, err = child.wait(timeout=10)
     assert (code, out) == (130, ""), err
     assert err.splitlines() == ["interrupted; stopping (Ctrl-C again to quit)", "→ sleep ✗ aborted",
-                                "→ first ✗ not run: interrupted", "lich: stopped: interrupted"]
+                                "→ first ✗ not run: interrupted", "lich: stopped: interrupted",
+                                "tokens: 7 in, 3 out"]
 
 
 def test_resume_latest_in_a_chat_takes_the_latest_session_of_any_folder(server, lich_model, tmp_path, cli):
