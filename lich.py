@@ -9195,6 +9195,7 @@ _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _BATCH_CHAT_RETRIES = 8  # as run_batch's spec chats: a batch's many workers meet rate limits
 _INTERRUPTED_NOTE = "[interrupted by the user]"
+_BROKE_OFF_NOTE = "[the answer broke off]"  # and of one whose stream failed after some text
 _NO_MODEL_HELP = (
     "no model configured: pass -m/--model or set LICH_MODEL (e.g. openai:gpt-4.1-mini or "
     "anthropic:claude-sonnet-4-5), or set OPENAI_API_KEY or ANTHROPIC_API_KEY; for a local "
@@ -10931,7 +10932,13 @@ class _Cli:
             if refusal is not None:  # refused before any call: the chat cannot go on
                 raise refusal from None
             _cli_log().debug("the run failed", exc_info=True)
-            if session is not None:
+            # An answer that broke off after some of it was shown stays, as after a Ctrl-C;
+            # a request that got nothing is dropped (sent again, it is the same)
+            broke_off = bool("".join(progress.received).strip())
+            if broke_off:
+                term.end_answer()
+                self._close_turn(progress, session, _BROKE_OFF_NOTE)
+            elif session is not None:
                 session.forget_unwritten()
             self._end_json(None, progress.usage, session)  # None: it raised, as BatchResult says
             term.error(_describe_error(exc))
@@ -10963,11 +10970,19 @@ class _Cli:
         term = self.term
         term.stop_spinner()
         term.end_answer()
+        self._close_turn(progress, session, _INTERRUPTED_NOTE)
+        self._end_json("aborted", progress.usage, session)
+        term.note("lich: stopped: interrupted")
+        if not self.args.json:
+            self._note_usage(progress.usage)  # what the calls before the stop used
+
+    def _close_turn(self, progress, session, note_text):
+        """End a turn that was cut short with an assistant message: what the model said
+        before (shown on the screen), then ``note_text``; in the chat and in the session."""
         last = progress.history[-1] if progress.history else {}
         if last.get("role") in ("user", "tool"):
             said = "".join(progress.received).strip()  # what the model said before the stop
-            note = {"role": "assistant",
-                    "content": f"{said}\n\n{_INTERRUPTED_NOTE}" if said else _INTERRUPTED_NOTE}
+            note = {"role": "assistant", "content": f"{said}\n\n{note_text}" if said else note_text}
             progress.history.append(note)
             if session is not None:
                 try:
@@ -10975,10 +10990,6 @@ class _Cli:
                     session.answered()
                 except Exception as e:
                     _cli_log().warning("session recording stopped: %s", e)
-        self._end_json("aborted", progress.usage, session)
-        term.note("lich: stopped: interrupted")
-        if not self.args.json:
-            self._note_usage(progress.usage)  # what the calls before the stop used
 
     def _end_json(self, stopped_reason, usage, session, output=None):
         if self.args.json:

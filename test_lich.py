@@ -16614,6 +16614,29 @@ def test_sigterm_and_ctrl_c_at_once_end_lich_with_128_plus_its_number(cli, monke
         128 + signals.SIGTERM, "", "told to end (signal 15); stopping\nlich: stopped: interrupted\n")
 
 
+def test_a_chat_answer_that_broke_off_stays_in_the_chat_and_the_session_as_shown(server, lich_model, tmp_path):
+    """The prompt and the text shown of its answer were dropped, from the next request and
+    from the session: the model was asked to go on from what it had not been told."""
+    queue(server, Reply(200, chunks=[openai_sse(delta_chunk(content="Cut off in the mid"), done=False)]),
+          stream_reply("Going on."))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    term.send("tell me")
+    assert term.expect(PROMPT) == ("tell me\nCut off in the mid\nlich: error: invalid_response: openai: invalid "
+                                   "response: stream ended before [DONE]\n› ")
+    term.send("go on")
+    term.expect("Going on.")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    said = [(m["role"], m["content"]) for m in server.requests[-1]["json"]["messages"][1:]]
+    assert said == [("user", "tell me"), ("assistant", "Cut off in the mid\n\n[the answer broke off]"),
+                    ("user", "go on")]
+    [path] = sessions_in(tmp_path)
+    assert [(m["role"], m["content"]) for m in lich.read_session_messages(path)][1:] == [
+        *said, ("assistant", "Going on.")]
+
+
 def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
     import signal as signals
 
