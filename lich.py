@@ -10673,6 +10673,8 @@ def _describe_error(exc) -> str:
 class _Cli:
     """One invocation of the command line: its options resolved into a chat, tools, a terminal."""
 
+    typed = None  # the chat's input lines, once readline keeps a history
+
     def __init__(self, args, environ, term, interrupts):
         self.args = args
         self.term = term
@@ -11143,8 +11145,12 @@ class _Cli:
         try:
             if to_stderr:
                 self.term.typed(prompt)
-                return input()
-            return input(prompt)
+                line = input()
+            else:
+                line = input(prompt)
+            if line and self.typed is not None:  # what readline adds to its history
+                self.typed.append(line)
+            return line
         except EOFError:
             self.term.typed("\n")
             return None
@@ -11166,23 +11172,36 @@ class _Cli:
         path = os.path.join(_state_home(self.environ), "history")
         for entry in _input_history(path):
             readline.add_history(entry)
-        self.typed_from = readline.get_current_history_length()  # what this chat adds follows
+        # What this chat adds, kept here: readline's own count stops growing at an
+        # inputrc's history-size
+        self.typed = []
         return path
 
     def _save_input_history(self, path):
-        """Add this chat's input to the file: read again, so that another chat's input saved
-        meanwhile stays, and replaced whole, so that a failure mid-write leaves it as it was."""
-        if path is None:
+        """Add this chat's input to the file: read again (under a lock of its folder), so
+        that another chat's input saved meanwhile stays, and replaced whole, so that a
+        failure mid-write leaves it as it was. A link is followed; a read-only file is left."""
+        if path is None or not self.typed:
             return
-        import readline
         import tempfile
 
-        typed = [readline.get_history_item(i)
-                 for i in range(self.typed_from + 1, readline.get_current_history_length() + 1)]
-        folder, written = os.path.dirname(path), None
+        path = os.path.realpath(path)  # a link to a dotfiles repository's file stays a link
+        folder, written, lock = os.path.dirname(path), None, None
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            entries = _input_history(path) + [entry for entry in typed if entry]
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                return
+            lock = os.open(folder, os.O_RDONLY)
+            try:  # two chats closed at once: one adds its input after the other's
+                import fcntl
+
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except (ImportError, OSError):  # Windows; a file system without locks
+                pass
+            entries = _input_history(path)
+            for entry in self.typed:
+                if not entries or entries[-1] != entry:  # as readline adds them
+                    entries.append(entry)
             fd, written = tempfile.mkstemp(prefix=".history-", dir=folder)  # 0600: prompts are private
             with open(fd, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(entry) + "\n" for entry in entries[-_HISTORY_LINES:])
@@ -11196,6 +11215,8 @@ class _Cli:
                     os.unlink(written)
                 except OSError:
                     pass
+            if lock is not None:
+                os.close(lock)
 
     def _command(self, line, history, session):
         """A chat command; returns the (history, session) to go on with."""

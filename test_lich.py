@@ -16688,6 +16688,29 @@ def test_a_terminal_that_hangs_up_as_the_chat_leaves_keeps_the_input_history(ser
         assert history.read_text() == "".join(json.dumps(f"earlier {n}") + "\n" for n in range(1, 1000)) + '"/cost"\n'
 
 
+def test_the_input_history_keeps_a_chats_input_past_readlines_history_size_and_through_a_link(
+        server, lich_model, tmp_path):
+    """The input was counted by readline's history, which stops growing at an inputrc's
+    history-size: a full file got none of a chat's input, in that chat and every later one.
+    A link to the file was replaced by a file of its own."""
+    kept = tmp_path / "dotfiles" / "history"
+    kept.parent.mkdir()
+    kept.write_text("".join(json.dumps(f"earlier {n}") + "\n" for n in range(5)))
+    history = tmp_path / "state" / "lich" / "history"
+    history.parent.mkdir(parents=True)
+    history.symlink_to(kept)
+    inputrc = tmp_path / "inputrc"
+    inputrc.write_text("set history-size 3\n")
+    term = chat_pty(tmp_path=tmp_path, env={"INPUTRC": str(inputrc)})
+    term.expect(PROMPT)
+    term.send("/cost")
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert (history.is_symlink(), kept.read_text()) == (
+        True, "".join(json.dumps(f"earlier {n}") + "\n" for n in range(5)) + '"/cost"\n"/exit"\n')
+
+
 def test_two_chats_at_once_each_add_their_input_to_the_history(server, lich_model, tmp_path):
     """The chat that left last wrote the history it had read at its start: the other's input
     was lost."""
