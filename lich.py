@@ -2855,8 +2855,9 @@ def _watched_adapter_class():
         sending_unbounded = False
 
         def _new_conn(self):
-            # The socket goes to the exchange once it is connected: a TLS handshake or a
-            # proxy's CONNECT that never answers is cut as a request is
+            # The socket goes to the exchange once it is connected: a proxy's CONNECT that
+            # never answers is cut as a request is (a TLS handshake is not: wrapping the
+            # socket detaches the one the exchange holds)
             sock = super()._new_conn()
             exchange = _exchanges_sending.get(threading.get_ident())
             if exchange is not None:
@@ -9386,7 +9387,7 @@ def _input_history(path) -> list:
     for line in lines:
         try:
             entry = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(entry, str) and entry:
             entries.append(entry)
