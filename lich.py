@@ -11591,6 +11591,12 @@ def _main(argv, main_thread) -> int:
         logger.setLevel(logging.DEBUG)
     interrupts = _Interrupts()
     handlers = {}
+    undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
+    # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.
+    # Before lich's handlers: a SIGTERM or SIGHUP between them and the try below ended lich
+    # as a Ctrl-C (130).
+    was_dumpable = _set_dumpable(False) if undumpable else None
+    cli = None
     if main_thread:
         def terminated(signum, frame):
             if interrupts.terminate(signum):
@@ -11606,10 +11612,6 @@ def _main(argv, main_thread) -> int:
             # one ignored stays so (nohup, a shell's trap '' HUP): its user asked for that
             if number is not None and signals.getsignal(number) is not signals.SIG_IGN:
                 handlers[number] = signals.signal(number, terminated)
-    undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
-    # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.
-    was_dumpable = _set_dumpable(False) if undumpable else None
-    cli = None
     try:
         _check_modes(args)
         if args.list_sessions:
