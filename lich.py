@@ -8105,6 +8105,7 @@ class _HTTPServer:
         self.session_lost = False
         self.protocol = None
         self._local = threading.local()
+        self._sessions = weakref.WeakSet()  # every thread's, for close()
         self._next_id = 1
         self._lock = threading.Lock()
         self._closed = False  # close() was called: calls fail, as over stdio
@@ -8114,7 +8115,10 @@ class _HTTPServer:
         self._streams = set()  # the GET streams' exchanges, which a new session's cuts
 
     def _http(self):
-        return _http_session_of_this_thread(self._local, self.url)
+        session = _http_session_of_this_thread(self._local, self.url)
+        with self._lock:  # closed with the server, its pooled sockets with it, in every thread
+            self._sessions.add(session)
+        return session
 
     def _sent(self, method, headers, **options):
         """``method`` (post, get, delete) sent with ``headers`` and the server's cookies, kept
@@ -8379,6 +8383,10 @@ class _HTTPServer:
                 self._sent("delete", self._headers(), timeout=_MCP_CLOSE_SECONDS)
             except _requests().RequestException:
                 pass
+        with self._lock:
+            sessions = list(self._sessions)
+        for session in sessions:  # left to the collector, urllib3 1.x's said "unclosed socket"
+            session.close()
 
 
 class MCPTools:
