@@ -9190,6 +9190,8 @@ _RECAP_LINE_CHARS = 120         # and the most characters of each of those lines
 _TOOL_ELAPSED_SECONDS = 1.0     # a tool running longer shows its elapsed time
 _INSTRUCTIONS_MAX_BYTES = 256 << 10  # of AGENTS.md / CLAUDE.md, what goes into the system prompt
 _HISTORY_LINES = 1000           # chat input lines kept between chats
+_HISTORY_LOCK_SECONDS = 2       # a leaving chat's wait for another's writing of the history
+_HISTORY_LOCK_STEP_SECONDS = 0.01
 _DIFF_MAX_BYTES = 1 << 20       # of a file about to be overwritten, what its diff is made from
 _ANSWER_BYTES = 4096            # an approval's answer: a line, read at most this long at once
 _POLL_SECONDS = 0.1             # how often a waiting CLI looks at its run, the signal, stdin
@@ -9400,6 +9402,32 @@ def _input_history(path) -> list:
         if isinstance(entry, str) and entry:
             entries.append(entry)
     return entries
+
+
+def _history_lock(folder):
+    """A descriptor of ``folder`` locked (``flock``) for the input history's writing, or None
+    where there is no such lock (Windows, a folder that cannot be read, a file system
+    without locks) or it stays taken past _HISTORY_LOCK_SECONDS (a chat stopped mid-save):
+    the file is then written unlocked, as a leaving chat must not wait for ever."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    deadline = time.monotonic() + _HISTORY_LOCK_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(_HISTORY_LOCK_STEP_SECONDS)
+                continue
+        except OSError:
+            pass
+        os.close(fd)
+        return None
 
 
 def _sessions_home(given, environ) -> str:
@@ -11200,13 +11228,7 @@ class _Cli:
             os.makedirs(folder, mode=0o700, exist_ok=True)
             if os.path.exists(path) and not os.access(path, os.W_OK):
                 return
-            lock = os.open(folder, os.O_RDONLY)
-            try:  # two chats closed at once: one adds its input after the other's
-                import fcntl
-
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except (ImportError, OSError):  # Windows; a file system without locks
-                pass
+            lock = _history_lock(folder)  # two chats closed at once: one adds after the other
             entries = _input_history(path)
             for entry in self.typed:
                 if not entries or entries[-1] != entry:  # as readline adds them
@@ -11598,29 +11620,33 @@ def _main(argv, main_thread) -> int:
     if args.verbose:
         logger.setLevel(logging.DEBUG)
     interrupts = _Interrupts()
-    handlers = {}
+    handlers = {}  # each signal's handler before lich's, given back at the end
     undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
-    # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.
-    # Before lich's handlers: a SIGTERM or SIGHUP between them and the try below ended lich
-    # as a Ctrl-C (130).
-    was_dumpable = _set_dumpable(False) if undumpable else None
-    cli = None
-    if main_thread:
-        def terminated(signum, frame):
-            if interrupts.terminate(signum):
-                interrupts.arrived()
+    was_dumpable = cli = None
 
-        def interrupted(signum, frame):
+    def terminated(signum, frame):
+        if interrupts.terminate(signum):
             interrupts.arrived()
 
-        if signals.getsignal(signals.SIGINT) is signals.default_int_handler:  # not a SIG_IGN
-            handlers[signals.SIGINT] = signals.signal(signals.SIGINT, interrupted)
-        for name in ("SIGTERM", "SIGHUP"):
-            number = getattr(signals, name, None)
-            # one ignored stays so (nohup, a shell's trap '' HUP): its user asked for that
-            if number is not None and signals.getsignal(number) is not signals.SIG_IGN:
-                handlers[number] = signals.signal(number, terminated)
+    def interrupted(signum, frame):
+        interrupts.arrived()
+
+    # Within the try, so that a signal as they are set ends lich with its own code (a SIGTERM
+    # there ended it as a Ctrl-C, 130) and the finally gives everything back.
     try:
+        # A tool cannot read the keys from /proc/<lich>/environ; main() gives back what it found.
+        was_dumpable = _set_dumpable(False) if undumpable else None
+        if main_thread:
+            if signals.getsignal(signals.SIGINT) is signals.default_int_handler:  # not a SIG_IGN
+                handlers[signals.SIGINT] = signals.default_int_handler
+                signals.signal(signals.SIGINT, interrupted)
+            for name in ("SIGTERM", "SIGHUP"):
+                number = getattr(signals, name, None)
+                # one ignored stays so (nohup, a shell's trap '' HUP): its user asked for that
+                previous = signals.getsignal(number) if number is not None else signals.SIG_IGN
+                if previous is not signals.SIG_IGN:
+                    handlers[number] = previous
+                    signals.signal(number, terminated)
         _check_modes(args)
         if args.list_sessions:
             code = _print_sessions(_sessions_home(args.session_dir, os.environ), term,
@@ -11653,8 +11679,8 @@ def _main(argv, main_thread) -> int:
         if cli is not None:
             cli.close()
         term.stop_spinner()
-        for number, previous in handlers.items():
-            signals.signal(number, previous)
+        for number, previous in handlers.items():  # None: a handler Python did not install
+            signals.signal(number, previous if previous is not None else signals.SIG_DFL)
         if was_dumpable:
             _set_dumpable(True)
         logger.removeHandler(handler)

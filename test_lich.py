@@ -16655,6 +16655,32 @@ def test_a_chat_answer_that_broke_off_stays_in_the_chat_and_the_session_as_shown
         *said, ("assistant", "Going on.")]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_a_sigterm_as_lich_sets_its_handlers_ends_it_with_143_and_gives_everything_back(monkeypatch, tmp_path):
+    """lich set its handlers before the try that reads their code: a SIGTERM as it set the
+    next one ended it as a Ctrl-C (130), and left its handlers in place and the process
+    undumpable."""
+    import ctypes
+    import signal as signals
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    setting, sent = signals.signal, []
+
+    def set_and_be_told_to_end(number, handler):  # the SIGTERM comes as the next handler is set
+        previous = setting(number, handler)
+        if number == signals.SIGTERM and not sent:
+            sent.append(number)
+            os.kill(os.getpid(), signals.SIGTERM)
+        return previous
+
+    before = signals.getsignal(signals.SIGTERM)
+    monkeypatch.setattr(signals, "signal", set_and_be_told_to_end)
+    code = lich.main(["--yolo", "--list-sessions", "--session-dir", str(tmp_path / "none")])
+    monkeypatch.undo()
+    assert (code, sent, signals.getsignal(signals.SIGTERM), prctl(3, 0, 0, 0, 0)) == (
+        143, [signals.SIGTERM], before, 1)  # PR_GET_DUMPABLE
+
+
 def test_sigterm_ends_a_chat_at_the_prompt_and_after_stopping_a_turn(server, lich_model, tmp_path):
     import signal as signals
 
@@ -16727,6 +16753,28 @@ def test_the_input_history_keeps_a_chats_input_past_readlines_history_size_and_t
     assert term.close() == 0
     assert (history.is_symlink(), kept.read_text()) == (
         True, "".join(json.dumps(f"earlier {n}") + "\n" for n in range(5)) + '"/cost"\n"/exit"\n')
+
+
+def test_a_chat_leaving_while_another_holds_the_historys_lock_saves_its_input_after_a_while(
+        server, lich_model, tmp_path):
+    """It waited on the lock for as long as the holder kept it (a chat stopped by Ctrl-Z as
+    it saved), and neither SIGTERM nor SIGHUP could end it."""
+    import fcntl
+
+    folder = tmp_path / "state" / "lich"
+    folder.mkdir(parents=True)
+    held = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        term = chat_pty(tmp_path=tmp_path)
+        term.expect(PROMPT)
+        term.send("/cost")
+        term.expect(PROMPT)
+        term.send("/exit")
+        assert term.close() == 0
+    finally:
+        os.close(held)
+    assert (folder / "history").read_text() == '"/cost"\n"/exit"\n'
 
 
 def test_two_chats_at_once_each_add_their_input_to_the_history(server, lich_model, tmp_path):
