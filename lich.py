@@ -5084,6 +5084,8 @@ def _hint_schema(hint):
         inner = _hint_schema(rest[0])
         return None if inner is None else _nullable_schema(inner)
     if origin is typing.Literal:
+        if not args:  # Literal[()]: no value a call could give
+            return None
         by_kind = {}  # its values by JSON type, in their order
         for value in args:
             kind = _LITERAL_KINDS.get(type(value))

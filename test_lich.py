@@ -8827,12 +8827,13 @@ def _bad_dict_keys(x: Dict[int, str]): pass  # noqa: UP006
 def _bad_union(x: Union[int, str]): pass
 def _bad_nested(x: List[set]): pass  # noqa: UP006
 def _bad_literal(x: Literal[b"raw"]): pass
+def _empty_literal(x: Literal[()]): pass  # it raised "not enough values to unpack"
 
 
 @pytest.mark.parametrize("fn", [_bad_set, _bad_tuple, _bad_class, _bad_dict_keys, _bad_union,
-                                _bad_nested, _bad_literal],
+                                _bad_nested, _bad_literal, _empty_literal],
                          ids=["set", "tuple", "class", "Dict[int, str]", "Union[int, str]",
-                              "List[set]", "Literal[bytes]"])
+                              "List[set]", "Literal[bytes]", "Literal[()]"])
 def test_tools_inexpressible_hint_is_a_type_error_naming_function_and_parameter(fn):
     with pytest.raises(TypeError) as info:
         lich.Tools().register(fn)
