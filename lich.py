@@ -1586,7 +1586,11 @@ def _check_loop_keywords(caller, names, taken=()):
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
 
 
-_CHECKED_RUN_OPTIONS = ("max_turns", "output_schema", "context_budget_tokens", "compress_threshold")
+def _check_loop_options(loop_params):
+    """``_check_run_options`` of the options given among a run's ``loop_params``."""
+    _check_run_options(**{name: loop_params[name] for name in (
+        "max_turns", "output_schema", "context_budget_tokens", "compress_threshold")
+        if name in loop_params})
 
 
 def _check_run_options(max_turns, output_schema=None, context_budget_tokens=None,
@@ -2060,8 +2064,7 @@ def run_agent(prompt, *, chat, tools=None, history=None, session=None, session_d
         raise TypeError(f"prompt must be a str, not {type(prompt).__name__}")
     if "max_turns" not in loop_params:
         raise TypeError("run_agent() missing 1 required keyword-only argument: 'max_turns'")
-    _check_run_options(**{name: loop_params[name] for name in _CHECKED_RUN_OPTIONS
-                          if name in loop_params})
+    _check_loop_options(loop_params)
     previous = list(history or ())
     seeded = seed_system_prompt(previous + [{"role": "user", "content": prompt}],
                                 loop_params.pop("system_prompt", None))
@@ -9063,8 +9066,7 @@ def run_batch(tasks, *, chat, tools=None, workers=8, executor=None, session_dir=
     _check_loop_keywords("run_batch", loop_params, taken=("emitter",))
     if "max_turns" not in loop_params:  # as run_agent says it
         raise TypeError("run_batch() missing 1 required keyword-only argument: 'max_turns'")
-    _check_run_options(**{name: loop_params[name] for name in _CHECKED_RUN_OPTIONS
-                          if name in loop_params})
+    _check_loop_options(loop_params)
     _refuse_async(on_result, "on_result")
     if not hasattr(tools, "specs"):  # a tools(task) that makes each task's ToolRunner
         _refuse_async(tools, "tools")
