@@ -5148,7 +5148,10 @@ def _parse_docstring(doc):
     start = next((i for i, line in enumerate(lines) if line.strip().lower() in _ARGS_HEADERS),
                  None)
     if start is not None:
-        header_indent = len(lines[start]) - len(lines[start].lstrip())
+        # A header on the docstring's first line lost its indentation, and its entries
+        # theirs, to ``inspect.getdoc``: there the next section's name or a line of prose
+        # ends the section, not a line as far left as the header.
+        header_indent = len(lines[start]) - len(lines[start].lstrip()) if start else -1
         entry_indent = None
         current = None
         for line in lines[start + 1:]:
@@ -5156,15 +5159,17 @@ def _parse_docstring(doc):
             if not stripped:
                 continue
             indent = len(line) - len(line.lstrip())
-            if indent <= header_indent:
+            if indent <= header_indent or (not start and stripped.lower() in _DOC_SECTIONS):
                 break  # the next section
             if entry_indent is None:
                 entry_indent = indent
             match = re.match(_ARG_DOC_RE, stripped) if indent <= entry_indent else None
             if match:
                 current = described[match.group(1)] = [match.group(2)] if match.group(2) else []
-            elif current is not None:
+            elif current is not None and (start or indent > entry_indent):
                 current.append(stripped)
+            elif not start:
+                break  # prose after the entries
     return " ".join(paragraph), {name: " ".join(words) for name, words in described.items()}
 
 

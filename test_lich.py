@@ -8706,6 +8706,14 @@ def _doc_args_only(a: int, b: int):
     """
 
 
+def _doc_args_first_line(a: int, b: int):
+    """Args:
+        a: The first,
+            counted from 1.
+        b: The second.
+    """
+
+
 def _doc_optional(limit: Optional[int] = 20, mode: Literal["fast", 1] = "fast"):
     """Find things.
 
@@ -8748,6 +8756,11 @@ _DOC_CASES = [
     ("reST fields", _doc_rest, {}, "Read a file.", obj_schema({"path": {"type": "string"}}, ["path"])),
     ("Args only", _doc_args_only, {}, "", obj_schema({
         "a": {"type": "integer", "description": "The first."},
+        "b": {"type": "integer", "description": "The second."}}, ["a", "b"])),
+    # inspect.getdoc strips the first line's indentation, and with no other section the
+    # entries lose theirs too
+    ("Args on the first line", _doc_args_first_line, {}, "", obj_schema({
+        "a": {"type": "integer", "description": "The first, counted from 1."},
         "b": {"type": "integer", "description": "The second."}}, ["a", "b"])),
     ("description given", _doc_google, {"description": "Custom."}, "Custom.", obj_schema({
         "path": {"type": "string", "description": "The file, relative to the root."},
