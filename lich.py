@@ -9227,16 +9227,16 @@ _DEFAULT_SYSTEM_PROMPT = (
     "{answer}")
 _PLAIN_ANSWER = "Answer concisely in plain text."
 _SCHEMA_ANSWER = "Your final answer is one JSON value, as the answer's schema asks."
-_CHAT_COMMANDS = {
-    "/model": "/model [SPEC]       show the model, or switch to SPEC for the next turns",
-    "/allow": "/allow [revoke N|all]  show what was allowed always, or take it back",
-    "/compact": "/compact            compress the conversation now",
-    "/cost": "/cost               tokens used in this chat",
-    "/resume": "/resume [ID|latest] continue a recorded session (latest of this folder)",
-    "/sessions": "/sessions           list recent sessions",
-    "/clear": "/clear              start a new conversation and session file",
-    "/help": "/help               this text",
-    "/exit": "/exit               leave (/quit and Ctrl-D too)",
+_CHAT_COMMANDS = {  # name: (what it takes, what it does)
+    "/model": ("[SPEC]", "show the model, or switch to SPEC for the next turns"),
+    "/allow": ("[revoke N|all]", "show what was allowed always, or take it back"),
+    "/compact": ("", "compress the conversation now"),
+    "/cost": ("", "tokens used in this chat"),
+    "/resume": ("[ID|latest]", "continue a recorded session (latest of this folder)"),
+    "/sessions": ("", "list recent sessions"),
+    "/clear": ("", "start a new conversation and session file"),
+    "/help": ("", "this text"),
+    "/exit": ("", "leave (/quit and Ctrl-D too)"),
 }
 _CHAT_KEYS = ('Enter sends; a line ending in \\ goes on to the next; """ on a line of its own '
               'opens and closes a block; pasted text is one message. Ctrl-C stops a turn, twice '
@@ -11263,8 +11263,14 @@ class _Cli:
         term = self.term
         command, _, rest = line.partition(" ")
         rest = rest.strip()
-        if command == "/help":
-            term.line("\n".join(["commands:", *("  " + text for text in _CHAT_COMMANDS.values()),
+        if rest and command in _CHAT_COMMANDS and not _CHAT_COMMANDS[command][0]:
+            # "/clear the cache" was likely meant for the model: nothing is done
+            term.error(f"{command} takes nothing after it; /help lists the commands")
+        elif command == "/help":
+            usages = [f"{name} {takes}".strip() for name, (takes, _) in _CHAT_COMMANDS.items()]
+            width = max(map(len, usages))
+            term.line("\n".join(["commands:", *(f"  {usage:<{width}}  {text}" for usage, (_, text)
+                                                 in zip(usages, _CHAT_COMMANDS.values())),
                                  _CHAT_KEYS]))
         elif command == "/model":
             try:

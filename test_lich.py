@@ -16376,8 +16376,21 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     term.send("/cost")
     assert term.expect(PROMPT).endswith("tokens: 7 in, 3 out in this chat\n› ")
     term.send("/help")
-    shown = term.expect(PROMPT)
-    assert all(command in shown for command in ("/model", "/allow", "/compact", "/cost", "/resume", "/exit"))
+    assert term.expect(PROMPT).endswith(
+        "/help\ncommands:\n"
+        "  /model [SPEC]          show the model, or switch to SPEC for the next turns\n"
+        "  /allow [revoke N|all]  show what was allowed always, or take it back\n"
+        "  /compact               compress the conversation now\n"
+        "  /cost                  tokens used in this chat\n"
+        "  /resume [ID|latest]    continue a recorded session (latest of this folder)\n"
+        "  /sessions              list recent sessions\n"
+        "  /clear                 start a new conversation and session file\n"
+        "  /help                  this text\n"
+        "  /exit                  leave (/quit and Ctrl-D too)\n"
+        'Enter sends; a line ending in \\ goes on to the next; """ on a line of its own opens and '
+        "closes a block; pasted text is one message. Ctrl-C stops a turn, twice quits.\n› ")
+    term.send("/clear the cache")  # likely meant for the model: the conversation stays
+    assert term.expect(PROMPT).endswith("lich: /clear takes nothing after it; /help lists the commands\n› ")
     term.send("/model openai:second@" + server.url + "/v1")
     assert term.expect(PROMPT).endswith(f"model: openai:second@{server.url}/v1\n› ")
     host = server.url.split("://")[1]
@@ -16394,6 +16407,8 @@ def test_chat_commands_model_cost_compact_help_and_a_near_miss(server, tmp_path,
     term.send("/exit")
     assert term.close() == 0
     assert [r["json"]["model"] for r in server.requests] == ["first", "second", "second"]
+    assert [m["content"] for m in server.requests[1]["json"]["messages"][1:]] == [
+        "first question", "one", "second question"]
     assert server.requests[-1]["json"]["messages"][-1] == {
         "role": "user", "content": "/usr/bin/env: 'python': No such file or directory"}
 
