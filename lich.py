@@ -11116,6 +11116,7 @@ class _Cli:
             while not self.interrupts.terminating:  # SIGTERM or SIGHUP: the turn stopped, leave
                 if first is not None:
                     line, first = first, None
+                    self._show_as_typed(line)
                 else:
                     line = self._read_message()
                 if line is None:
@@ -11150,13 +11151,7 @@ class _Cli:
         """One message typed at the prompt (None at end of input): a line ending in ``\\``
         goes on, ``\"\"\"`` opens and closes a block; a paste is one message (readline's
         bracketed paste)."""
-        to_stderr = not self.term.stdout_tty  # the prompt must not go into piped stdout
-        prompt, more_prompt = "› ", "… "
-        try:  # input() cannot show what the terminal's encoding cannot hold: it would raise
-            (prompt + more_prompt).encode(getattr(sys.stderr if to_stderr else sys.stdout,
-                                                  "encoding", None) or "utf-8")
-        except (UnicodeEncodeError, LookupError):
-            prompt, more_prompt = "> ", "... "
+        to_stderr, prompt, more_prompt = self._prompts()
         while True:
             try:
                 line = self._input(prompt, to_stderr)
@@ -11178,6 +11173,26 @@ class _Cli:
             except KeyboardInterrupt:
                 self.term.typed("\n")  # off the prompt's line, for the note or the shell's prompt
                 self._interrupted_at_the_prompt()
+
+    def _prompts(self):
+        """(whether the prompt goes to stderr, the prompt, the prompt of a line that goes on)."""
+        to_stderr = not self.term.stdout_tty  # the prompt must not go into piped stdout
+        prompt, more_prompt = "› ", "… "
+        try:  # input() cannot show what the terminal's encoding cannot hold: it would raise
+            (prompt + more_prompt).encode(getattr(sys.stderr if to_stderr else sys.stdout,
+                                                  "encoding", None) or "utf-8")
+        except (UnicodeEncodeError, LookupError):
+            prompt, more_prompt = "> ", "... "
+        return to_stderr, prompt, more_prompt
+
+    def _show_as_typed(self, message):
+        """``-i``'s first prompt, shown as if typed at the prompt, where the prompt goes."""
+        to_stderr, prompt, more_prompt = self._prompts()
+        shown = prompt + message.replace("\n", "\n" + more_prompt)
+        if to_stderr:
+            self.term.typed(shown + "\n")
+        else:
+            self.term.line(shown)
 
     def _interrupted_at_the_prompt(self):
         """Ctrl-C, SIGTERM or SIGHUP while the chat waits for (or does) what was typed: the

@@ -16354,7 +16354,9 @@ def test_ctrl_c_in_a_chat_turn_keeps_the_turn_as_the_session_has_it(server, lich
 def test_a_chat_can_start_with_a_first_prompt(server, lich_model, tmp_path):
     queue(server, stream_reply("First answer."), stream_reply("Second."))
     term = chat_pty("-i", "first question", tmp_path=tmp_path)
-    assert "First answer.\n" in term.expect(PROMPT)
+    assert term.expect(PROMPT).endswith("/help for commands, Ctrl-D to leave\n› ")
+    shown = term.expect(PROMPT)
+    assert re.sub(r"\r[^\r]*\x1b\[K", "", shown) == "first question\nFirst answer.\n› "  # as typed, no spinner
     term.send("more")
     assert "Second.\n" in term.expect(PROMPT)
     term.send("/exit")
