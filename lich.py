@@ -4090,11 +4090,11 @@ class _OpenAIStream:
                 slot[2].append(arguments)
 
     def reasoning(self):
-        thought = "".join(self.thoughts)
+        thought = _paired_surrogates("".join(self.thoughts))  # an emoji split between events
         for item in self.details:
             for key, pieces in item.items():
                 if isinstance(pieces, _Pieces):
-                    item[key] = "".join(pieces)
+                    item[key] = _paired_surrogates("".join(pieces))
         return _openai_reasoning(thought, self.details)
 
     def calls(self):
@@ -4461,7 +4461,7 @@ class _AnthropicStream:
     def reasoning(self):
         if not self.thinking:
             return None
-        return {"thinking": [{key: value if key == "type" else "".join(value)
+        return {"thinking": [{key: value if key == "type" else _paired_surrogates("".join(value))
                               for key, value in block.items()} for block in self.thinking.values()]}
 
     def calls(self):

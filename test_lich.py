@@ -6767,6 +6767,22 @@ def test_an_emoji_split_between_the_events_of_tool_arguments_comes_whole(server)
     assert json.loads(call["arguments"]) == {"content": "hi \U0001f600"}
 
 
+def test_an_emoji_split_between_the_events_of_reasoning_comes_whole(server):
+    server.reply(200, openai_sse(
+        delta_chunk(content=None, reasoning_content="hm \ud83d"), delta_chunk(content=None, reasoning_content="\ude00"),
+        delta_chunk(tool_calls=[call_delta(0, "{}", id="call_1", name="get_date")]), delta_chunk(finish="tool_calls")),
+        content_type="text/event-stream")
+    assert openai_at(server, stream=True)(USER).message["reasoning_content"] == "hm \U0001f600"
+    server.reply(200, anthropic_sse(
+        message_start(), block_start(0, {"type": "thinking", "thinking": "", "signature": ""}),
+        block_delta(0, type="thinking_delta", thinking="hm \ud83d"), block_delta(0, type="thinking_delta", thinking="\ude00"),
+        block_delta(0, type="signature_delta", signature="sig"), {"type": "content_block_stop", "index": 0},
+        block_start(1, tool_use_block("t1", "get_date", {})), {"type": "content_block_stop", "index": 1},
+        message_delta("tool_use", 9), {"type": "message_stop"}), content_type="text/event-stream")
+    assert anthropic_at(server, stream=True)(USER).message["thinking"] == [
+        {"type": "thinking", "thinking": "hm \U0001f600", "signature": "sig"}]
+
+
 def test_a_high_surrogate_at_the_end_of_a_stream_is_not_lost(server):
     server.reply(200, 'data: {"choices": [{"index": 0, "delta": {"content": "cut \\ud83d"}, '
                       '"finish_reason": "stop"}]}\n\ndata: [DONE]\n\n', content_type="text/event-stream")
