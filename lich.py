@@ -9701,6 +9701,13 @@ def _json_text(value) -> str:
     return text
 
 
+def _is_utf8(encoding) -> bool:
+    try:
+        return codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
+    except LookupError:
+        return False
+
+
 class _Terminal:
     """Everything the CLI shows: the answer on stdout; progress, notes and errors on stderr.
 
@@ -9769,7 +9776,21 @@ class _Terminal:
             if self.stdout_tty and self._status_open:  # a batch's result, on the status's screen
                 self._stderr("\r\033[K")  # the next status is drawn under it
                 self._status_open = False
-            self._write(sys.stdout, _json_text(value) + "\n")
+            self._write(sys.stdout, self._stdout_json(value) + "\n")
+
+    def json_answer(self, value):
+        """A structured answer on stdout: one line of JSON."""
+        self.answer(self._stdout_json(value))
+
+    def _stdout_json(self, value):
+        """``value`` as JSON that stdout's encoding can carry: where it is not UTF-8 (an
+        ASCII locale, PYTHONIOENCODING), what is not ASCII is written as JSON's \\u escapes
+        (Python's own, \\xe9, would make the line no JSON)."""
+        text = _json_text(value)
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        if text.isascii() or _is_utf8(encoding):
+            return text
+        return re.sub(r"[^\x00-\x7f]+", lambda m: json.dumps(m.group())[1:-1], text)
 
     # -- stderr: everything else
 
@@ -11055,7 +11076,7 @@ class _Cli:
             return
         if self.schema is not None:
             if run.stopped_reason == "final":
-                term.answer(_json_text(run.output))
+                term.json_answer(run.output)
         elif self.answer_on_stdout:
             term.end_answer()
         elif run.final is not None:

@@ -15096,6 +15096,24 @@ def test_json_lines_hold_a_lone_surrogate_as_every_json_reader_takes_it(server, 
     assert "\\ud83d" not in out  # jq 1.6 refuses the whole line over the escape
 
 
+def test_json_lines_and_a_structured_answer_are_json_on_a_stdout_that_is_not_utf8(server, lich_model, tmp_path):
+    """Under PYTHONIOENCODING=ascii (or an ASCII locale) Python's own escapes (\\xe9) made
+    the lines no JSON, and Latin-1 made them no UTF-8."""
+    text = "caf\u00e9 \U0001f600 \u05e9\u2028!"
+    for encoding in ("ascii", "latin-1"):
+        queue(server, openai_reply(text))
+        code, out, _ = Process(*LICH, "--json", "--session-dir", tmp_path, text, env={"PYTHONIOENCODING": encoding}).wait()
+        [final] = [json.loads(line) for line in out.splitlines() if json.loads(line)["type"] == "final"]
+        assert (code, final["message"]["content"], out.isascii()) == (0, text, True)
+        queue(server, openai_reply('{"name": "Zo\u00eb \U0001f600"}'))
+        assert Process(*LICH, "-q", "--schema", '{"type": "object"}', "who?", env={"PYTHONIOENCODING": encoding}).wait() == (
+            0, '{"name": "Zo\\u00eb \\ud83d\\ude00"}\n', "")
+        code, out, _ = Process(*LICH, "--list-sessions", "--json", "--session-dir", tmp_path,
+                               env={"PYTHONIOENCODING": encoding}).wait()
+        assert (code, out.isascii(), [json.loads(line)["prompt"] for line in out.splitlines()]) == (
+            0, True, [text.replace("\u2028", " ")] * (1 if encoding == "ascii" else 2))  # a listing's prompt is one line
+
+
 # --- what runs show ---
 
 
