@@ -9505,6 +9505,16 @@ def _read_piped(on_wait=None):
     return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
 
 
+def _argument_text(argument) -> str:
+    """Text given as an argument, read as UTF-8 as stdin is: where Python decoded the
+    command line in an ASCII locale (LC_ALL=C with UTF-8 mode off), each byte that is not
+    ASCII came as a lone surrogate, and the model got U+FFFD for it."""
+    try:
+        return os.fsencode(argument).decode("utf-8") if not argument.isascii() else argument
+    except UnicodeError:  # bytes that are not UTF-8: as Python read them
+        return argument
+
+
 def _prompt_with_stdin(prompt, piped) -> str:
     """The prompt, with piped text before it as context in a fenced block."""
     if piped is None or not piped.strip():
@@ -11656,6 +11666,8 @@ def _main(argv, main_thread) -> int:
         args = _build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
+    if args.prompt is not None:
+        args.prompt = _argument_text(args.prompt)
     import logging
     import signal as signals
 

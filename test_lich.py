@@ -15114,6 +15114,15 @@ def test_json_lines_and_a_structured_answer_are_json_on_a_stdout_that_is_not_utf
             0, True, [text.replace("\u2028", " ")] * (1 if encoding == "ascii" else 2))  # a listing's prompt is one line
 
 
+def test_a_prompt_argument_is_read_as_utf8_in_an_ascii_locale(server, lich_model):
+    """With UTF-8 mode off in the C locale, Python decodes argv as ASCII: the model got
+    U+FFFD for every byte of "résumé" that is not ASCII, where piped text came whole."""
+    queue(server, openai_reply("ok"))
+    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
+    assert Process(*LICH, "-q", "r\u00e9sum\u00e9 \U0001f600", env=env).wait() == (0, "ok\n", "")
+    assert server.requests[-1]["json"]["messages"][-1] == {"role": "user", "content": "r\u00e9sum\u00e9 \U0001f600"}
+
+
 # --- what runs show ---
 
 
