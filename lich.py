@@ -5625,15 +5625,21 @@ def _not_a_folder(shown, real):
         raise _ToolFailure(f"path ends with '/' but is not a directory: {shown}")
 
 
-def _unencodable(text):
-    """What in ``text`` no file name or process argument can hold, in words (a NUL
-    character, or a lone surrogate that stands for no byte, as ``\\udcff`` does); or None."""
+def _unencodable(text, limit):
+    """What in ``text`` no file name or process argument can hold, in words, ``limit``
+    saying why ("which no file name holds"); or None. That is a NUL character, a lone
+    surrogate that stands for no byte (as ``\\udcff`` does), or in an ASCII locale with
+    UTF-8 mode off, any character that is not ASCII."""
     if "\0" in text:
-        return "a NUL character"
+        return f"a NUL character, {limit}"
     try:
         os.fsencode(text)
     except UnicodeEncodeError as e:
-        return f"a lone surrogate ({ascii(e.object[e.start])[1:-1]})"
+        char = e.object[e.start]
+        if "\ud800" <= char <= "\udfff":
+            return f"a lone surrogate ({ascii(char)[1:-1]}), {limit}"
+        return (f"{char!r}, which this file system encoding ({sys.getfilesystemencoding()}) "
+                f"cannot hold (run Python with LC_ALL=C.UTF-8 or PYTHONUTF8=1)")
     return None
 
 
@@ -5752,10 +5758,9 @@ class _Root:
 
     def resolve(self, path):
         """The real path of ``path`` (relative to the root), which must lie inside the root."""
-        unheld = _unencodable(path)
+        unheld = _unencodable(path, "which no file name holds")
         if unheld:
-            raise _ToolFailure(f"path contains {unheld}, which no file name holds: "
-                               f"{_shown_path(repr(path))}")
+            raise _ToolFailure(f"path contains {unheld}: {_shown_path(repr(path))}")
         if path == "~" or path.startswith("~/"):  # written as it stands, a folder named ~
             raise _ToolFailure(f"path begins with ~, which is not expanded here: give the path "
                                f"from the workspace root (./~ names a file called ~): "
@@ -6789,9 +6794,9 @@ class _Matches:
 def _check_argument(name, text):
     """_ToolFailure unless ``text`` can be one argument of a process: nothing
     ``_unencodable``, and within the length Linux gives one argument."""
-    unheld = _unencodable(text)
+    unheld = _unencodable(text, "which a process argument cannot hold")
     if unheld:
-        raise _ToolFailure(f"{name} contains {unheld}, which a process argument cannot hold")
+        raise _ToolFailure(f"{name} contains {unheld}")
     size = len(os.fsencode(text))
     if size > _ARGUMENT_MAX_BYTES:
         raise _ToolFailure(f"{name} is {size:,} bytes, over the {_ARGUMENT_MAX_BYTES:,} a process "

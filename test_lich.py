@@ -9930,6 +9930,22 @@ def test_write_file_refusals_write_nothing_and_ask_nobody(ws, tmp_path, path, er
     assert not (ws / "~").exists() and not (ws / "file:").exists()
 
 
+def test_a_name_an_ascii_locale_cannot_hold_is_refused_for_what_it_is(tmp_path):
+    """With UTF-8 mode off in the C locale, "é" was called "a lone surrogate (\\xe9)"."""
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import lich\n"
+              "tools = lich.coding_tools(sys.argv[2], allow_write=True, allow_shell=True)\n"
+              "for name, arguments in [('write_file', {'path': 'r\\xe9sum\\xe9.txt', 'content': 'x'}),\n"
+              "                        ('bash', {'command': 'echo \\xe9'})]:\n"
+              "    print(tools.run(lich.ToolCall(id='c1', name=name, arguments=arguments)).error)\n")
+    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"}
+    assert Process("-c", script, HERE, tmp_path, env=env).wait() == (0, (
+        "path contains '\u00e9', which this file system encoding (ascii) cannot hold (run Python with "
+        "LC_ALL=C.UTF-8 or PYTHONUTF8=1): 'r\u00e9sum\u00e9.txt'\n"
+        "command contains '\u00e9', which this file system encoding (ascii) cannot hold (run Python with "
+        "LC_ALL=C.UTF-8 or PYTHONUTF8=1)\n"), "")
+    assert os.listdir(tmp_path) == []
+
+
 def test_file_tools_facing_loops_fifos_and_devices_answer_without_hanging(tmp_path, ws):
     _make_links(ws, tmp_path)
     os.mkfifo(ws / "pipe")
