@@ -10423,6 +10423,11 @@ class _LazySession:
                                 f"file in {self.session_dir}: {reason}")
                 self.waiting = None
                 return
+            kept = _label_of(self.handle.path)
+            if self.label and kept != self.label:  # --resume finds it by what it kept
+                named = f"is labelled {kept}" if kept else "has no label"
+                self.term.note(f"the session {named}: a label keeps ASCII letters, digits, "
+                               f"_, . and - only")
         waiting, self.waiting = self.waiting, []
         for method, record in waiting:
             try:

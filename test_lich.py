@@ -15855,14 +15855,21 @@ def test_resume_in_a_chat_shows_the_last_exchange(server, lich_model, tmp_path, 
 
 
 def test_sessions_options(server, lich_model, cli, tmp_path):
-    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"))
-    assert cli("--no-stream", "--label", "my run", "hi") == (0, "one\n", USAGE_LINE)
+    queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"), openai_reply("four"),
+          openai_reply("five"))
+    assert cli("--no-stream", "--label", "my run", "hi") == (  # what --resume finds it by
+        0, "one\n", "the session is labelled my-run: a label keeps ASCII letters, digits, _, . and - only\n"
+        + USAGE_LINE)
     assert cli("--no-stream", "--no-session", "hi") == (0, "two\n", USAGE_LINE)
     other = tmp_path / "elsewhere"
     assert cli("--no-stream", "--session-dir", str(other), "hi") == (0, "three\n", USAGE_LINE)
     [labelled] = sessions_in(tmp_path)
     assert labelled.name.endswith("-my-run.jsonl")
     assert len(list(other.iterdir())) == 1
+    assert cli("--no-stream", "--session-dir", str(other), "--label", "\u65e5\u672c", "hi") == (
+        0, "four\n", "the session has no label: a label keeps ASCII letters, digits, _, . and - only\n" + USAGE_LINE)
+    assert cli("--no-stream", "--resume", "my-run", "again") == (  # no note of its label: it kept it
+        0, "five\n", f"resumed {labelled.stem}: 3 messages\nyou: hi\nlich: one\n" + USAGE_LINE)
 
 
 def test_resume_by_id_prefix_latest_and_continue(server, lich_model, cli, tmp_path):
