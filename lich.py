@@ -5213,6 +5213,8 @@ def _docstring(fn):
     bytecode compiled so), read from the source when it is at hand, so that the model still
     gets each tool's description. Without it, a warning says that the descriptions are gone."""
     doc = inspect.getdoc(fn)
+    if doc == type.__call__.__doc__ and getattr(fn, "__doc__", None) is None:
+        doc = None  # "Call self as a function.": what getdoc finds for any bare __call__
     if doc is not None or (sys.flags.optimize < 2 and _docstring.__doc__ is not None):
         return doc
     import ast

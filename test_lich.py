@@ -9313,6 +9313,13 @@ def test_a_tool_wrapped_by_a_decorator_class_keeps_its_functions_description():
         {"name": "fetch", "description": "Fetch a page.", "parameters": obj_schema({"url": {"type": "string"}}, ["url"])}]
 
 
+class _Greeter:  # at module level, where inspect.getdoc finds type.__call__'s words for __call__
+    """Greet someone."""
+
+    def __call__(self, name: str) -> str:
+        return name
+
+
 def test_a_callable_objects_tool_is_described_by_its_calls_docstring():
     class Index:
         """A helper holding an index (an internal detail)."""
@@ -9334,10 +9341,12 @@ def test_a_callable_objects_tool_is_described_by_its_calls_docstring():
     tools = lich.Tools()
     tools.register(Index(), name="search")
     tools.register(Plain(), name="hello")
+    tools.register(_Greeter(), name="greet")  # it was "Call self as a function."
     assert tools.specs() == [
         {"name": "search", "description": "Search the index.",
          "parameters": obj_schema({"q": {"type": "string", "description": "The query."}}, ["q"])},
-        {"name": "hello", "description": "Say hello.", "parameters": obj_schema({"name": {"type": "string"}}, ["name"])}]
+        {"name": "hello", "description": "Say hello.", "parameters": obj_schema({"name": {"type": "string"}}, ["name"])},
+        {"name": "greet", "description": "Greet someone.", "parameters": obj_schema({"name": {"type": "string"}}, ["name"])}]
 
 
 class _ReprFails:
