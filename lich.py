@@ -6712,8 +6712,12 @@ class _SearchWorkers:
         if not (sys.executable and boot
                 and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
             return None  # no Python to start here (an embedding host): search in this process
+        # -B and pycache_prefix as this process has them: no __pycache__ beside a vendored lich.py
+        flags = ["-B"] if sys.flags.dont_write_bytecode else []
+        if getattr(sys, "pycache_prefix", None):
+            flags += ["-X", f"pycache_prefix={sys.pycache_prefix}"]
         try:  # -I and "/": no module of the searched folder (a json.py) is ever imported
-            worker = subprocess.Popen([sys.executable, "-I", "-c", _WORKER_BOOT, *boot],
+            worker = subprocess.Popen([sys.executable, "-I", *flags, "-c", _WORKER_BOOT, *boot],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, start_new_session=True,
                                       env=_tool_environment(), cwd="/")

@@ -11139,6 +11139,24 @@ def test_a_search_worker_imports_nothing_from_the_folder_it_searches(ws, tmp_pat
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("flags", [["-B"], ["-X", "pycache_prefix={cache}"]], ids=["-B", "pycache_prefix"])
+def test_a_search_worker_writes_bytecode_only_where_its_python_was_told(ws, tmp_path, flags):
+    """A vendored lich.py got a __pycache__ beside it from the worker: -B and the prefix
+    were not passed on (-I drops PYTHONDONTWRITEBYTECODE)."""
+    vendored = tmp_path / "app"
+    vendored.mkdir()
+    (vendored / "lich.py").write_bytes((HERE / "lich.py").read_bytes())
+    (ws / "a.txt").write_text("hello needle\n")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import lich\n"
+              "print(lich.coding_tools(sys.argv[2]).run(lich.ToolCall(id='c1', name='search', "
+              "arguments={'pattern': 'needle'})).output)\n")
+    flags = [flag.format(cache=tmp_path / "cache") for flag in flags]
+    env = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)  # lich's own search
+                                   if not os.path.exists(os.path.join(p, "rg")))}
+    assert Process(*flags, "-c", script, vendored, ws, env=env).wait() == (0, "a.txt:1: hello needle\n", "")
+    assert sorted(os.listdir(vendored)) == ["lich.py"]
+
+
 SPECS_OF_TOOLS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
