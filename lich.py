@@ -2987,6 +2987,25 @@ def _sent_with_cookies(send, url, jar, **options):
     return response
 
 
+class _SessionsOfAThread(dict):
+    """url -> (variables, requests session) of one thread. Those it holds are closed when
+    the thread ends and its locals go, or at exit (urllib3 1.x leaves a dropped pool's
+    sockets to the garbage collector, which warns of each), but not by a forked child: they
+    are the parent's."""
+
+    def __init__(self):
+        super().__init__()
+        self.pid = os.getpid()
+        self.open = []  # its sessions, for the finalizer, which must not hold the dict
+        weakref.finalize(self, _close_http_sessions, self.open, self.pid)  # at exit too
+
+
+def _close_http_sessions(sessions, pid):
+    if os.getpid() == pid:
+        for session in sessions:
+            session.close()
+
+
 def _http_session_of_this_thread(local, url):
     """The requests session kept in ``local`` (a ``threading.local``) for ``url`` and the
     proxy and CA variables as they are now, made on first use and made again in a forked
@@ -2994,16 +3013,17 @@ def _http_session_of_this_thread(local, url):
     one socket read each other's answers). It keeps no cookies: its users keep their own
     (a session many chats share must not send one chat's to another)."""
     sessions = getattr(local, "sessions", None)
-    if sessions is None or local.sessions_pid != os.getpid():
-        sessions = local.sessions = {}
-        local.sessions_pid = os.getpid()
+    if sessions is None or sessions.pid != os.getpid():
+        sessions = local.sessions = _SessionsOfAThread()
     variables = tuple(map(os.environ.get, _CONNECTION_VARIABLES))
     made, session = sessions.get(url, (None, None))
     if made != variables:  # new, or the variables changed: the old session's sockets go
         if session is not None:
             session.close()
+            sessions.open.remove(session)
         session = _new_http_session(url)
         sessions[url] = variables, session
+        sessions.open.append(session)
     return session
 
 

@@ -4296,6 +4296,22 @@ def test_a_run_error_holding_a_key_in_use_is_recorded_redacted(tmp_path):
 # ============================================================================
 
 
+def test_a_thread_that_ends_closes_the_connections_it_kept(server):
+    """Its requests session went with its locals, sockets left to the garbage collector:
+    urllib3 1.x's said "unclosed socket" for each thread of a batch."""
+    server.reply(200, openai_reply("ok"))
+    answers = []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=lambda: answers.append(openai_at(server)(USER).message["content"]))
+        thread.start()
+        thread.join()
+        del thread
+        gc.collect()
+    assert answers == ["ok"]
+    assert [str(w.message) for w in warned if w.category is ResourceWarning] == []
+
+
 @pytest.mark.parametrize("make", [lich.OpenAIChat, functools.partial(lich.AnthropicChat, api_key="k")],
                          ids=["openai", "anthropic"])
 @pytest.mark.parametrize("timeout, error, said", [
