@@ -7236,7 +7236,11 @@ class _Workspace:
             self._approve(call)
             real = self.root.resolve(path)  # the file may have changed while the user read
         with _file_lock(real):  # read and written with no other write of it between
-            self.root.write(real, path, self._edited(real, path, old_text, new_text))
+            edited, mixed = self._edited(real, path, old_text, new_text)
+            self.root.write(real, path, edited)
+        if mixed:  # a Latin-1 file, say: its new characters are not in its encoding
+            return (f"replaced 1 occurrence of old_text in {path}; note: the file is not "
+                    f"UTF-8, and new_text's characters that are not ASCII were written as UTF-8")
         return f"replaced 1 occurrence of old_text in {path}"
 
     def bash(self, command: str, call: ToolCall, signal: threading.Event) -> ToolResult:
@@ -7252,7 +7256,8 @@ class _Workspace:
         return _run_shell(command, self.root.path, self.shell_timeout, signal)
 
     def _edited(self, real, path, old_text, new_text):
-        """The bytes of the file with its one ``old_text`` replaced; _ToolFailure otherwise.
+        """(the bytes of the file with its one ``old_text`` replaced, whether a file that is
+        not UTF-8 got characters that are not ASCII); _ToolFailure otherwise.
 
         In a file with CRLF line ends, ``old_text`` matches across them as across LF (what
         read_file shows), and ``new_text`` is written with the line ends of the text it
@@ -7308,7 +7313,8 @@ class _Workspace:
         except UnicodeEncodeError as e:
             raise _ToolFailure(f"new_text cannot be written as UTF-8: {e}") from None
         return (text[:start].encode("utf-8", "surrogateescape") + new
-                + text[end:].encode("utf-8", "surrogateescape"))
+                + text[end:].encode("utf-8", "surrogateescape"),
+                not new.isascii() and _has_undecodable(text))
 
     def _approve(self, call):
         try:

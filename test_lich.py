@@ -10549,8 +10549,12 @@ def test_edit_file_keeps_the_files_own_bytes_but_writes_only_utf8_of_its_own(ws)
     assert run_tool(tools, "edit_file", path="mixed.py", old_text="'x'", new_text="'A\udce9B'") == lich.ToolResult(
         ok=False, error=("new_text cannot be written as UTF-8: 'utf-8' codec can't encode character '\\udce9' in "
                          "position 2: surrogates not allowed"))
-    assert run_tool(tools, "edit_file", path="mixed.py", old_text="'x'", new_text="'é'").ok
+    assert run_tool(tools, "edit_file", path="mixed.py", old_text="'x'", new_text="'é'") == lich.ToolResult(
+        ok=True, output=("replaced 1 occurrence of old_text in mixed.py; note: the file is not UTF-8, and "
+                         "new_text's characters that are not ASCII were written as UTF-8"))
     assert (ws / "mixed.py").read_bytes() == b"caf\xe9 = 1\nname = '\xc3\xa9'\n"
+    assert run_tool(tools, "edit_file", path="mixed.py", old_text="name", new_text="label") == lich.ToolResult(
+        ok=True, output="replaced 1 occurrence of old_text in mixed.py")  # ASCII is the same in both
 
 
 def test_edit_file_says_why_text_shown_as_a_replacement_character_is_not_found(ws):
