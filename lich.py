@@ -10103,7 +10103,12 @@ def _tool_summary(call) -> str:
 
 
 def _lines(text) -> list:
-    return text.splitlines() if text else []
+    """The lines of a tool's text as files count them: split at \\n (and \\r\\n) only, not at
+    the other breaks str.splitlines knows (U+2028, a form feed), which a file holds in a line."""
+    if not text:
+        return []
+    lines = text.replace("\r\n", "\n").split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 _SKIPPED = {"turn_budget_exhausted": "not run: the turn budget ran out",

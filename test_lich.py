@@ -15469,6 +15469,16 @@ def test_the_progress_of_a_resumed_batch_counts_the_tasks_done_before(batch_serv
 # --- approvals ---
 
 
+def test_tool_lines_count_a_files_lines_not_other_breaks(server, lich_model, cli, workspace):
+    """U+2028 and a form feed are in a line of a file, but str.splitlines broke there: '+3 -1'."""
+    (workspace / "doc.txt").write_text("one\n")
+    queue(server, tool_reply(("c1", "write_file", json.dumps({"path": "new.txt", "content": "a\u2028b\x0cc\r\n"})),
+                             ("c2", "edit_file", json.dumps({"path": "doc.txt", "old_text": "one",
+                                                             "new_text": "o\u2028n\x0ce"}))), openai_reply("done"))
+    assert cli("--yolo", "--no-stream", "--root", str(workspace), "make it") == (
+        0, "done\n", "→ write_file new.txt ✓ +1 line\n→ edit_file doc.txt ✓ +1 -1\ntokens: 14 in, 6 out\n")
+
+
 def test_one_shot_runs_allowed_tools_without_asking(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
                              ("c2", "bash", '{"command": "echo shell-ran"}')), openai_reply("done"))
