@@ -9248,6 +9248,9 @@ _STDIN_WAIT_NOTE = ("lich: waiting for stdin to end: what it brings is added to 
                     "</dev/null to add nothing)")
 _CLOSE_SECONDS = 6.0            # the most lich waits on its way out for MCP servers and the tracer
 _SPINNER_FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+# lich's own marks as a stderr that cannot show them (PYTHONIOENCODING=ascii) writes them
+_ASCII_MARKS = str.maketrans({"→": "->", "✓": "ok", "✗": "x", "…": "...", "›": ">",
+                              "·": "-", **dict(zip(_SPINNER_FRAMES, "|/-\\|/-\\|/"))})
 _SPINNER_INTERVAL = 0.1
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE, _EXIT_BUDGET, _EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 _BATCH_CHAT_RETRIES = 8  # as run_batch's spec chats: a batch's many workers meet rate limits
@@ -9779,6 +9782,7 @@ class _Terminal:
         self._answer_to = None     # where streamed text goes
         self._spinner = None       # (stop Event, thread)
         self._stdout_encoder = None  # stdout's encoding, made once (see _write)
+        self._stderr_marks = None  # whether stderr can show lich's marks, known on first use
         self._lock = threading.RLock()
 
     # -- stdout: the answer
@@ -10003,7 +10007,13 @@ class _Terminal:
 
     def _stderr(self, text):
         if sys.stderr is not None:  # None: closed as lich started (2>&-), nothing is shown
-            self._write(sys.stderr, text)
+            if self._stderr_marks is None:
+                try:
+                    "".join(map(chr, _ASCII_MARKS)).encode(getattr(sys.stderr, "encoding", None) or "utf-8")
+                    self._stderr_marks = True
+                except (UnicodeEncodeError, LookupError):
+                    self._stderr_marks = False
+            self._write(sys.stderr, text if self._stderr_marks else text.translate(_ASCII_MARKS))
 
     def _write(self, stream, text):
         if stream is None:  # stdout closed as lich started (>&-): as if its reader went away

@@ -15479,6 +15479,16 @@ def test_tool_lines_count_a_files_lines_not_other_breaks(server, lich_model, cli
         0, "done\n", "→ write_file new.txt ✓ +1 line\n→ edit_file doc.txt ✓ +1 -1\ntokens: 14 in, 6 out\n")
 
 
+def test_lichs_marks_are_ascii_on_a_stderr_that_cannot_show_them(server, lich_model, workspace):
+    """Under PYTHONIOENCODING=ascii they came as Python's escapes: '\\u2192 write_file ... \\u2713'."""
+    queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
+                             ("c2", "read_file", '{"path": "missing.txt"}')), openai_reply("done"))
+    assert Process(*LICH, "--yolo", "--no-stream", "--root", workspace, "make it",
+                   env={"PYTHONIOENCODING": "ascii"}).wait() == (
+        0, "done\n", ("-> write_file new.txt ok +1 line\n-> read_file missing.txt x no such file or directory: "
+                      "missing.txt\ntokens: 14 in, 6 out\n"))
+
+
 def test_one_shot_runs_allowed_tools_without_asking(server, lich_model, cli, workspace):
     queue(server, tool_reply(("c1", "write_file", '{"path": "new.txt", "content": "made"}'),
                              ("c2", "bash", '{"command": "echo shell-ran"}')), openai_reply("done"))
