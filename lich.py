@@ -1623,8 +1623,10 @@ def _parse_output(text, schema):
     """(value, None) when ``text`` is JSON valid under ``schema``, else (None, what is wrong).
 
     A Markdown code fence around the JSON is tolerated: models add one unasked; so is a
-    ``<think>`` block before it, the thinking a server left in the text.
+    ``<think>`` block before it, the thinking a server left in the text, and a byte order
+    mark (U+FEFF) before it all.
     """
+    text = text[1:] if text.startswith("\ufeff") else text
     thinking = re.match(_THINKING_FIRST, text)
     if thinking is not None:
         text = text[thinking.end():]

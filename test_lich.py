@@ -2379,7 +2379,8 @@ def test_a_structured_answers_integers_stay_as_written_where_the_schema_says_num
 @pytest.mark.parametrize("text", [
     '```json\r\n{"city": "Lima", "temp": 19}\r\n```', '```json\n{"city": "Lima", "temp": 19}```',
     '```json {"city": "Lima", "temp": 19} ```', '```\n{"city": "Lima", "temp": 19}\n```\n',
-], ids=["crlf", "fence-on-the-json-line", "one-line", "no-language"])
+    '\ufeff{"city": "Lima", "temp": 19}', '\ufeff```json\n{"city": "Lima", "temp": 19}\n```',
+], ids=["crlf", "fence-on-the-json-line", "one-line", "no-language", "byte-order-mark", "byte-order-mark-fenced"])
 def test_a_structured_answer_in_a_code_fence_of_any_common_shape_is_taken(text):
     outcome = lich.run_conversation(ScriptedChat(assistant(text)), None, [user("weather?")], max_turns=1,
                                     output_schema=SCHEMA)
