@@ -4935,7 +4935,8 @@ class Limiter:
                         raise AbortError("aborted while waiting for the limiter")
                     if (self.max_concurrent is not None
                             and len(self._in_flight) >= self.max_concurrent
-                            and all(held[0] == call[0] for held in self._in_flight)):
+                            # a copy: a call that ends discards itself without the lock
+                            and all(held[0] == call[0] for held in list(self._in_flight))):
                         raise RuntimeError(
                             f"a call through this Limiter (max_concurrent={self.max_concurrent}) "
                             f"from inside its own calls in one thread would wait for ever: that "

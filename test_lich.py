@@ -278,6 +278,16 @@ def eventually(check, seconds=5.0, what="it never happened"):
 SET_AFTER_MISSED = []  # the checks of set_after that never held: the test that set them fails
 
 
+def frames_of(thread, caller):
+    """The functions ``thread`` is in below ``caller``, innermost first: the last is the one
+    ``caller`` called (empty when ``thread`` is not in ``caller``)."""
+    frame, names = sys._current_frames().get(thread.ident), []
+    while frame is not None and frame.f_code.co_name != caller:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names if frame is not None else []
+
+
 def set_after(signal, check, delay=0.1):
     """Set ``signal`` ``delay`` seconds after ``check()`` holds (looked at every 10 ms, for
     5 s at most), from a thread of its own: a signal for what has begun, not at a guessed time.
@@ -8282,6 +8292,50 @@ def test_a_limited_chat_called_from_inside_its_own_call_fails_rather_than_waitin
     inner = roomier.wrap(ScriptedChat(answer("inner")))
     assert roomier.wrap(guarded)([user("go")]).message == answer("outer")  # a slot was free
     assert inner.chat.calls[0]["messages"] == [user("is this fine?")]
+
+
+def test_a_call_that_ends_while_a_waiting_one_looks_at_the_calls_in_flight_fails_neither():
+    """A call gives its slot back without the limiter's lock: when it did as a waiting call
+    went through the calls in flight (to see whether its own thread held them all), the
+    waiting call raised 'Set changed size during iteration' (1 in ~5,000 calls with threads
+    switching every microsecond). Here the waiting thread is held at that moment by a trace
+    function, while the other call ends."""
+    limiter = lich.Limiter(max_concurrent=1)
+    holding, release, looking, resume = (threading.Event() for _ in range(4))
+    answers = []
+
+    def held(messages, **options):
+        holding.set()
+        release.wait(5)
+        return lich.ChatResult(answer("first"))
+
+    def trace(frame, event, arg):  # held at the start of the look through the calls in flight
+        if event == "call" and frame.f_code.co_name == "<genexpr>" and frame.f_code.co_filename == lich.__file__:
+            looking.set()
+            resume.wait(5)
+        # no local trace: the frame runs on untraced
+
+    def waiting():
+        sys.settrace(trace)
+        try:
+            answers.append(limiter.wrap(ScriptedChat(answer("second")))([user("b")]).message["content"])
+        except Exception as e:
+            answers.append(repr(e))
+        finally:
+            sys.settrace(None)
+
+    first = threading.Thread(target=lambda: answers.append(limiter.wrap(held)([user("a")]).message["content"]))
+    first.start()
+    assert holding.wait(5)  # the first call holds the slot
+    second = threading.Thread(target=waiting)
+    second.start()
+    assert looking.wait(5), "the waiting call did not look through the calls in flight"
+    release.set()  # the first call ends: it gives its slot back, then waits for the lock the second holds
+    eventually(lambda: "_release" in frames_of(first, "<lambda>") or not first.is_alive())
+    resume.set()
+    second.join(5)
+    first.join(5)
+    assert sorted(answers) == ["first", "second"]
 
 
 def test_limiter_serves_calls_in_the_order_they_came():
@@ -16669,16 +16723,6 @@ def test_a_quick_second_ctrl_c_lets_the_stopped_run_end_its_spans_and_its_sessio
     assert [r.get("meta", {}).get("event") or r["message"]["role"] for r in records] == [
         "run_start", "system", "user", "assistant", "tool", "run_error", "assistant"]
     assert records[-1]["message"]["content"] == "[interrupted by the user]"
-
-
-def frames_of(thread, caller):
-    """The functions ``thread`` is in below ``caller``, innermost first: the last is the one
-    ``caller`` called (empty when ``thread`` is not in ``caller``)."""
-    frame, names = sys._current_frames().get(thread.ident), []
-    while frame is not None and frame.f_code.co_name != caller:
-        names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    return names if frame is not None else []
 
 
 def test_sigterm_as_a_run_ends_still_exits_128_plus_its_number(cli, monkeypatch):
