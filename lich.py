@@ -1626,7 +1626,7 @@ def _parse_output(text, schema):
     ``<think>`` block before it, the thinking a server left in the text, and a byte order
     mark (U+FEFF) before it all.
     """
-    text = text[1:] if text.startswith("\ufeff") else text
+    text = text.removeprefix("\ufeff")
     thinking = re.match(_THINKING_FIRST, text)
     if thinking is not None:
         text = text[thinking.end():]
