@@ -1903,7 +1903,9 @@ def _session_stems(session_dir: str, stamp: str) -> list:
         if name.startswith(start)) if found]
 
 
-_SESSION_COUNTER = re.compile(r"(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX))
+_SESSION_CLAIM_SUFFIX = ".claim"  # a session file's name while its counter is claimed
+_SESSION_COUNTER = re.compile(r"(\d+)(?:-[^/]*)?" + re.escape(_SESSION_SUFFIX)
+                              + f"(?:{re.escape(_SESSION_CLAIM_SUFFIX)})?")
 
 
 _session_names_lock = _ForkSafeLock()  # threads of one process never take one counter at once
@@ -1930,17 +1932,26 @@ def _new_session(session_dir, label):
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
     for _ in range(_SESSION_NAME_ATTEMPTS):
         path = os.path.join(session_dir, f"{stamp}-{counter}{suffix}")
+        # Claimed under a name that list_sessions does not list, and renamed once it is
+        # ours: a file that steps aside was listed, and gone when it was read.
+        claim = path + _SESSION_CLAIM_SUFFIX
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = os.open(claim, flags, 0o600)
         except FileExistsError:
             counter += 1
             continue
         # Another process may have taken this counter under another label meanwhile:
         # whoever sees a second claim steps aside, so two never both keep one.
         if _session_stems(session_dir, stamp).count(counter) == 1:
+            try:
+                os.rename(claim, path)
+            except BaseException:
+                os.close(fd)
+                os.unlink(claim)
+                raise
             return SessionHandle(path, fd)
         os.close(fd)
-        os.unlink(path)
+        os.unlink(claim)
         counter += 1
     raise FileExistsError(f"no free session name for {stamp} after {_SESSION_NAME_ATTEMPTS} tries")
 
