@@ -17794,6 +17794,7 @@ README_PRINTS = {
     "ConsoleSpanExporter()": lambda out, server: spans_printed(out) == [
         ("chat gpt-4.1-mini", True), ("execute_tool read_file", True), ("chat gpt-4.1-mini", True),
         ("invoke_agent", False)],
+    "class Approved:": "['the tool said: 42', 'the tool said: 42', 'the tool said: 42', 'the tool said: 42']\n",
     "asyncio.to_thread(lich.run_agent": "answer to Hello from asyncio.\n",
 }
 
@@ -17817,7 +17818,6 @@ def test_the_readmes_examples_run_as_written(server, tmp_path, key):
         mcp_over_http(remote)
         server.responder = readme_model
         (tmp_path / "README.md").write_text("# demo\n")
-        (tmp_path / "src").mkdir()
         (tmp_path / "example.py").write_text(example.replace("https://mcp.example.com/mcp", f"{remote.url}/mcp"))
         code, out, err = Process(tmp_path / "example.py", cwd=tmp_path, env=env).wait(timeout=120)
     finally:
