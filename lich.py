@@ -9450,10 +9450,12 @@ def _state_home(environ) -> str:
 
 def _input_history(path) -> list:
     """The chat input kept in the history file (JSON lines: a paste keeps its newlines), its
-    last _HISTORY_LINES; [] when there is none."""
+    last _HISTORY_LINES; [] when there is none. A line that is no JSON string is an entry as
+    it stands: the first chats of lich wrote readline's plain lines there, and the file is
+    written again from what is read here."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()[-_HISTORY_LINES:]
+            lines = [line for line in f.read().split("\n") if line.strip()][-_HISTORY_LINES:]
     except OSError:
         return []
     entries = []
@@ -9461,9 +9463,8 @@ def _input_history(path) -> list:
         try:
             entry = json.loads(line)
         except (ValueError, RecursionError):
-            continue
-        if isinstance(entry, str) and entry:
-            entries.append(entry)
+            entry = None
+        entries.append(entry if isinstance(entry, str) and entry else line)
     return entries
 
 

@@ -17021,6 +17021,24 @@ def test_a_chat_leaving_while_another_holds_the_historys_lock_saves_its_input_af
     assert (folder / "history").read_text() == '"/cost"\n"/exit"\n'
 
 
+def test_an_input_history_of_plain_lines_is_kept_and_recalled(server, lich_model, tmp_path):
+    """The first chats of lich wrote readline's plain lines: those were skipped as no JSON,
+    and the leaving chat wrote the file again without them, the earlier input lost."""
+    history = tmp_path / "state" / "lich" / "history"
+    history.parent.mkdir(parents=True)
+    history.write_text('fix the bug in parser.py\n42\n"a json line"\n')
+    queue(server, stream_reply("on it"))
+    term = chat_pty(tmp_path=tmp_path)
+    term.expect(PROMPT)
+    os.write(term.master, b"\x1b[A\x1b[A\x1b[A\r")  # up three times: the oldest line
+    term.expect(PROMPT)
+    term.send("/exit")
+    assert term.close() == 0
+    assert server.requests[-1]["json"]["messages"][-1]["content"] == "fix the bug in parser.py"
+    assert history.read_text() == ('"fix the bug in parser.py"\n"42"\n"a json line"\n"fix the bug in parser.py"\n'
+                                   '"/exit"\n')
+
+
 def test_two_chats_at_once_each_add_their_input_to_the_history(server, lich_model, tmp_path):
     """The chat that left last wrote the history it had read at its start: the other's input
     was lost."""
