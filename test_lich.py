@@ -11334,8 +11334,11 @@ import lich
 
 
 def parent_of(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):  # a process of the machine that ended meanwhile
+        return None
 
 
 tools = lich.coding_tools(sys.argv[2])
