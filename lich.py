@@ -2623,11 +2623,19 @@ def _sse_events(chunks, check, kept=None):
     pending = []  # pieces of a line whose end has not arrived
     pending_size = total = 0
     event = data = None
+    after_cr = False  # the last chunk ended in \r: a \n that begins the next ends no line
     for chunk in chunks:
         check()
         total += len(chunk)
         if total > _BODY_MAX_BYTES:
             raise _StreamTooLong(f"the stream exceeds {_BODY_MAX_BYTES} bytes")
+        if after_cr and chunk:
+            after_cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:  # CRLF, or a lone CR, ends a line as LF does (the SSE spec's three)
+            after_cr = chunk[-1:] == b"\r"
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         if b"\n" not in chunk:
             pending.append(chunk)
             pending_size += len(chunk)
@@ -2642,8 +2650,6 @@ def _sse_events(chunks, check, kept=None):
         pending = [last] if last else []
         pending_size = len(last)
         for line in lines:
-            if line[-1:] == b"\r":
-                line = line[:-1]
             if not line:
                 if data is not None:
                     yield event, bytes(data)
@@ -2667,7 +2673,7 @@ def _sse_events(chunks, check, kept=None):
                     and len(line) < 16:  # milliseconds: more digits than Python reads is no wait
                 kept["retry"] = int(line[6:].strip())
     check()  # a socket cut by the signal or the clock ends the chunks as if the stream ended
-    line = b"".join(pending).rstrip(b"\r")
+    line = b"".join(pending)
     if line[:5] == b"data:":  # a last line without its newline
         value = line[6:] if line[5:6] == b" " else line[5:]
         data = value if data is None else bytes(data) + b"\n" + value

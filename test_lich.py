@@ -6868,6 +6868,21 @@ def test_openai_stream_text_deltas_usage_and_request_flags(server):
         "stream_options": {"include_usage": True}}
 
 
+@pytest.mark.parametrize("line_end", ["\r\n", "\r"], ids=["crlf", "cr"])
+def test_a_stream_whose_lines_end_in_crlf_or_cr_reads_as_one_with_lf(server, line_end):
+    """The SSE spec ends a line at CRLF, LF or a lone CR: a stream of lone CRs was 'SSE data
+    is not JSON'. Cut anywhere, a CRLF split between two pieces is one line end."""
+    body = openai_sse(delta_chunk(content="Hel"), delta_chunk(content="lo"), delta_chunk(finish="stop"),
+                      {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
+    body = _as_bytes(body).replace(b"\n", line_end.encode())
+    for size in (1, 2, 3, 7, len(body)):
+        server.reply(200, chunks=pieces(body, size), content_type="text/event-stream")
+        deltas = []
+        assert openai_at(server, stream=True, on_delta=deltas.append)(USER) == result(
+            "Hello", usage=(9, 2), model="gpt-test-1", stop="stop")
+        assert deltas == ["Hel", "lo"]
+
+
 def test_openai_stream_assembles_split_parallel_tool_calls(server):
     body = openai_sse(
         delta_chunk(role="assistant", content=None,
