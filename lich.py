@@ -5971,13 +5971,19 @@ _STAR = "*"
 
 def _expand_braces(pattern):
     """The patterns ``{a,b}`` alternatives spell out (nested ones too): the first brace that
-    closes and holds a comma of its own is spelled out, and each of its patterns in turn.
+    closes and holds a comma of its own is spelled out, and each of its patterns in turn (a
+    brace or comma escaped with "\\" is a character).
     One pass finds it (a brace closes at the first "}" that balances it; a comma is its
     innermost open brace's), so a glob of thousands of braces takes no quadratic time."""
     opened, commas, groups = [], {}, 0
     first = None  # (the first brace that closes holding a comma, where it closes)
+    escaped = False
     for i, c in enumerate(pattern):
-        if c == "{":
+        if escaped:  # \{, \, and \} are themselves (the tokens read them so), no alternative
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "{":
             opened.append(i)
             commas[i] = []
         elif c == "," and opened:
@@ -6009,40 +6015,105 @@ def _expand_braces(pattern):
     return expanded
 
 
-def _glob_tokens(segment):
-    """A glob path segment as tokens: "*", "?", a character, or (negated, set of ranges)."""
-    tokens = []
-    i, n = 0, len(segment)
-    while i < n:
-        c = segment[i]
+# [[:name:]] in a class, as git's wildmatch reads it: ASCII alone (and git's isspace has no
+# \v or \f)
+_GLOB_CLASSES = {
+    "alnum": (("0", "9"), ("A", "Z"), ("a", "z")), "alpha": (("A", "Z"), ("a", "z")),
+    "blank": (("\t", "\t"), (" ", " ")), "cntrl": (("\0", "\x1f"), ("\x7f", "\x7f")),
+    "digit": (("0", "9"),), "graph": (("!", "~"),), "lower": (("a", "z"),),
+    "print": ((" ", "~"),), "punct": (("!", "/"), (":", "@"), ("[", "`"), ("{", "~")),
+    "space": (("\t", "\n"), ("\r", "\r"), (" ", " ")), "upper": (("A", "Z"),),
+    "xdigit": (("0", "9"), ("A", "F"), ("a", "f")),
+}
+_NO_CHARACTER = (False, ())  # a class of nothing: the token no name gets past
+
+
+def _glob_class(pattern, i):
+    """The class that opens at ``pattern[i]``, read as git's wildmatch reads it: (its token,
+    where its "]" is), or None where no "]" closes it. A "]" first is one of it, "\\"
+    escapes (a range's ends too), "a-" before "]" is a and -, and an unknown [:name:]
+    makes the class match nothing (git gives up on the whole pattern there)."""
+    j = i + 1
+    negated = pattern[j:j + 1] in ("!", "^")
+    j += negated
+    ranges, previous, known, n = [], None, True, len(pattern)
+    first = j
+    while j < n and (j == first or pattern[j] != "]"):
+        c = pattern[j]
+        if c == "\\":
+            j += 1
+            if j == n:
+                return None
+            c = previous = pattern[j]
+            ranges.append((c, c))
+        elif c == "-" and previous is not None and j + 1 < n and pattern[j + 1] != "]":
+            j += 1 + (pattern[j + 1] == "\\")
+            if j == n:
+                return None
+            ranges.append((previous, pattern[j]))  # z-a: nothing (z itself was one already)
+            previous = None
+        elif c == "[" and pattern[j + 1:j + 2] == ":":
+            close = pattern.find("]", j + 2)
+            if close < 0:
+                return None
+            if close > j + 2 and pattern[close - 1] == ":":
+                name = pattern[j + 2:close - 1]
+                known = known and name in _GLOB_CLASSES
+                ranges.extend(_GLOB_CLASSES.get(name, ()))
+                j, previous = close, None
+            else:  # no ":]" before the "]": the "[" is a character of the class
+                ranges.append(("[", "["))
+                previous = "["
+        else:
+            ranges.append((c, c))
+            previous = c
+        j += 1
+    if j >= n:
+        return None
+    return ((negated, tuple(ranges)) if known else _NO_CHARACTER), j
+
+
+def _glob_segments(pattern, gitignore=False):
+    """A glob's "/"-separated segments, each "**" or tokens: "*", "?", a character, or
+    (negated, set of ranges) for a class. "\\x" is x ("\\/" a "/"), a "/" inside a class
+    separates nothing. A class left open is a "[" and a trailing lone "\\" a "\\" in a
+    glob; in a .gitignore (``gitignore``) either makes the pattern match nothing, as in git."""
+    segments, tokens, raw = [], [], ""  # raw: the segment's characters, to tell "**" apart
+    i, n = 0, len(pattern)
+    closes = True  # a class may yet close: once one ran to the end, no "[" after it is read
+    # as one, or each would read to the end again ("[" * 8000 took 15 s)
+    while i <= n:
+        c = pattern[i:i + 1]  # "" past the end, which ends the last segment
+        if c in ("/", "") or c == "\\" and pattern[i + 1:i + 2] == "/":
+            segments.append("**" if len(raw) > 1 and not raw.strip("*") else tokens)  # *** is ** too
+            tokens, raw = [], ""
+            i += 1 + (c == "\\")
+            continue
+        raw += c
         if c == "\\" and i + 1 < n:  # an escaped character stands for itself (a set of one)
             i += 1
-            tokens.append((False, ((segment[i], segment[i]),)))
+            raw += pattern[i]
+            tokens.append((False, ((pattern[i], pattern[i]),)))
+        elif c == "\\" and gitignore:
+            tokens.append(_NO_CHARACTER)
         elif c == "*":
             if not tokens or tokens[-1] != _STAR:  # ** inside a name is *
                 tokens.append(_STAR)
         elif c == "[":
-            j = i + 1
-            negated = j < n and segment[j] in "!^"
-            j += negated
-            end = segment.find("]", j + 1 if j < n and segment[j] == "]" else j)
-            if end < 0:
+            found = _glob_class(pattern, i) if closes else None
+            if found is None and gitignore:
+                return [[_NO_CHARACTER]]
+            if found is None:
+                closes = False
                 tokens.append(c)
             else:
-                body, ranges, k = segment[j:end], [], 0
-                while k < len(body):
-                    if k + 2 < len(body) and body[k + 1] == "-":
-                        ranges.append((body[k], body[k + 2]))
-                        k += 3
-                    else:
-                        ranges.append((body[k], body[k]))
-                        k += 1
-                tokens.append((negated, tuple(ranges)))
-                i = end
+                tokens.append(found[0])
+                raw += "]"
+                i = found[1]
         else:
             tokens.append(c)
         i += 1
-    return tokens
+    return segments
 
 
 def _token_matches(token, c):
@@ -6106,16 +6177,15 @@ class _Glob:
     """A glob test ``(path relative to the folder, file name) -> bool``: ``**`` spans folders,
     ``*`` and ``?`` stay within a name, ``[...]`` is a class and ``{a,b}`` an alternative; a
     pattern without "/" tests the file name at any depth. Matching never backtracks
-    without bound, whatever the pattern. ``braces=False`` reads braces as themselves, as
-    git reads a .gitignore."""
+    without bound, whatever the pattern. ``gitignore=True`` reads a .gitignore's pattern as
+    git does: braces are themselves, and "./" is no prefix (git matches no name with it)."""
 
-    def __init__(self, pattern, braces=True):
-        while pattern.startswith("./"):
+    def __init__(self, pattern, gitignore=False):
+        while pattern.startswith("./") and not gitignore:
             pattern = pattern[2:]
         self.by_name = "/" not in pattern
-        self.patterns = _expand_braces(pattern) if braces else [pattern]  # braces spelled out
-        self.alternatives = [[s if s == "**" else _glob_tokens(s) for s in each.split("/")]
-                             for each in self.patterns]
+        self.patterns = [pattern] if gitignore else _expand_braces(pattern)  # braces spelled out
+        self.alternatives = [_glob_segments(each, gitignore) for each in self.patterns]
 
     def __call__(self, rel, name):
         parts = [name] if self.by_name else rel.split("/")
@@ -6150,8 +6220,11 @@ def _name_pattern(tokens):
 @functools.lru_cache(maxsize=8)  # a search worker is given the same text batch after batch
 def _gitignore_rules(text):
     """The rules of a .gitignore: (negated, folders only, anchored, _Glob segments, and for a
-    rule on names alone its regular expression's fullmatch, else None), in a tuple."""
+    rule on names alone its regular expression's fullmatch, else None), in a tuple. Git
+    matches bytes ("?" or a class takes one byte of a name's UTF-8): the rules are read as
+    Latin-1, a byte a character, and so are the names (see _ignored)."""
     rules = []
+    text = text.encode("utf-8", "surrogateescape").decode("latin-1")
     for line in text.split("\n"):  # git ends a rule at \n alone (a form feed is a name's)
         line = line.removesuffix("\r")
         stripped = line.rstrip(" ")  # git drops trailing spaces (not tabs), but an escaped one
@@ -6161,15 +6234,18 @@ def _gitignore_rules(text):
             continue
         negated = line.startswith("!")
         line = line[1:] if negated else line
+        # git drops one "/" at the end (for folders only) and one at the start (anchored): the
+        # rest stays, so that build// and //build match no name
         folders_only = line.endswith("/")
-        line = line.rstrip("/")
-        if line.endswith("/**"):  # what is inside the folder, not the folder (a ! may take back a file)
+        line = line.removesuffix("/")
+        # dir/** (or dir/***): what is inside the folder, not the folder (a ! may take back a file)
+        if line.endswith("**") and line.rstrip("*").endswith("/"):
             line += "/*"
         anchored = "/" in line
-        line = line.lstrip("/")
+        line = line.removeprefix("/")
         if line:
             try:
-                alternatives = _Glob(line, braces=False).alternatives
+                alternatives = _Glob(line, gitignore=True).alternatives
             except _ToolFailure:
                 continue
             names = None  # the common rule (*.pyc, build/): one regex a name, not the walk
@@ -6187,6 +6263,9 @@ def _gitignore_rules(text):
 
 def _ignored(rules, rel, name, is_dir):
     """Whether the .gitignore ``rules`` ignore the path ``rel`` from the root (last rule wins)."""
+    if not rel.isascii():  # the bytes, as the rules are read (see _gitignore_rules)
+        rel = rel.encode("utf-8", "surrogateescape").decode("latin-1")
+        name = name.encode("utf-8", "surrogateescape").decode("latin-1")
     ignored = False
     for negated, folders_only, anchored, alternatives, names in rules:
         if folders_only and not is_dir:
@@ -6358,9 +6437,11 @@ def _glob_within_ripgreps(glob, patterns) -> bool:
     as ``patterns``) matches: not with a "/", an unpaired bracket, a brace lich does not
     spell out ({a}.txt is a name to lich, an error or an alternative to ripgrep), a "?" or a
     negated or non-ASCII class (one byte to ripgrep, one character to lich), a leading "!"
-    (an exclusion to ripgrep), an empty alternative (dropped by ripgrep), or a pattern that
-    ends in "." (ripgrep matches no name with it)."""
+    (an exclusion to ripgrep), an empty alternative (dropped by ripgrep), a pattern that
+    ends in "." (ripgrep matches no name with it), a "\\" (ripgrep reads its escapes
+    otherwise, in a class above all) or a [:alpha:] (no class to ripgrep)."""
     return ("/" not in glob and "?" not in glob and not glob.startswith("!")
+            and "\\" not in glob and "[:" not in glob
             and glob.count("[") == glob.count("]")
             and not ("[" in glob and (not glob.isascii() or re.search(r"\[[!^]", glob)))
             and not re.search(r"[{,][,}]", glob)
@@ -7086,9 +7167,12 @@ class _Workspace:
         # being the exact ones. Not with braces: ripgrep reads {a,b} as alternatives, git not;
         # nor with a line that ends in a blank other than a space or in a backslash and
         # spaces: ripgrep strips every trailing blank unless the line ends in "\ ", git
-        # only spaces, keeping one a backslash escapes.
+        # only spaces, keeping one a backslash escapes; nor with a "?" or a negated class
+        # (a character to ripgrep, a byte to git), nor with a "\/" or a class holding "\",
+        # ":" (git's escapes and [:alpha:]) or what is not ASCII, which ripgrep reads otherwise.
         if (folder and not prefix and rules and "{" not in gitignore
-                and not re.search(r"(?:\\|[^\S\r\n ]) *\r?$", gitignore, re.MULTILINE)):
+                and not re.search(r"(?:\\|[^\S\r\n ]) *\r?$", gitignore, re.MULTILINE)
+                and not re.search(r"\?|\\/|\[(?:[!^]|[^\n]*(?:[\\:]|[^\x00-\x7f]))", gitignore)):
             import tempfile
 
             handle, ignore_file = tempfile.mkstemp(prefix="lich-gitignore-")

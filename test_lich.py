@@ -10168,6 +10168,50 @@ def test_a_gitignore_rule_ending_in_double_star_and_trailing_blanks_are_read_as_
         ok=True, output="\n".join(f"{rel}:1: hit" for rel in found))
 
 
+@pytest.mark.parametrize("gitignore,files,found", [
+    ("./build\n", ["build/f.txt", "x"], ["build/f.txt", "x"]),
+    ("build//\n", ["build/f.txt", "x"], ["build/f.txt", "x"]),
+    ("//build\n", ["build/f.txt", "x"], ["build/f.txt", "x"]),
+    ("[[:alpha:]]\n", ["1", "a", "a]"], ["1", "a]"]),
+    ("[[:digit:]][[:space:]]x\n", ["1 x", "1x", "a x"], ["1x", "a x"]),
+    ("[a\\-c]\n", ["-", "a", "b"], ["b"]),
+    ("foo\\\n", ["foo", "foo\\"], ["foo", "foo\\"]),
+    ("[a/b]\n", ["b/f.txt", "x"], ["x"]),
+    ("?\n", ["b", "ĉ"], ["ĉ"]),
+    ("[é]\n", ["e", "é"], ["e", "é"]),
+    ("***/x\n", ["a/b/x", "a/x", "x", "y"], ["y"]),
+    ("a\\/b\n", ["a/b", "a/c"], ["a/c"]),
+], ids=["./ prefix", "two trailing /", "two leading /", "[:alpha:]", "[:digit:] [:space:]",
+        "escape in a class", "trailing lone backslash", "/ in a class", "? is a byte",
+        "class of bytes", "*** is **", "escaped /"])
+def test_gitignore_lines_are_read_as_git_reads_them(ws, engine, gitignore, files, found):
+    """As git 2.39 lists them (git ls-files -o --exclude-standard): "./" was dropped and
+    every "/" at either end, [:alpha:] and a "\\" in a class were characters of it, a
+    trailing "\\" ignored what it named, lich's own search split [a/b] at its "/", and "?"
+    and a class took a character where git takes a byte of the name's UTF-8."""
+    (ws / ".gitignore").write_text(gitignore, encoding="utf-8")
+    for rel in files:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text("hit\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="hit") == lich.ToolResult(
+        ok=True, output="\n".join(f"{rel}:1: hit" for rel in found))
+
+
+@pytest.mark.parametrize("glob,found", [
+    ("\\{a,b}", ["{a,b}"]), ("{a\\,b,c}", ["a,b", "c"]), ("[a\\-c]", ["-", "a", "c"]),
+    ("[[:alpha:]]", ["a", "b", "c", "d"]), ("[!a-c[:punct:]]*", ["d"]),
+], ids=["escaped brace", "escaped comma", "escape in a class", "[:alpha:]", "negated, [:punct:]"])
+def test_a_globs_escapes_and_classes_are_read_alike_by_list_files_and_search(ws, engine, glob, found):
+    """\\{a,b} was spelled out as a and b by list_files and read by ripgrep as the name
+    {a,b}; ripgrep, given [a\\-c] or [[:alpha:]], filtered by its own reading of them."""
+    for name in ["-", "a", "a,b", "b", "c", "d", "{a,b}"]:
+        (ws / name).write_text("hit\n")
+    tools = lich.coding_tools(ws)
+    assert run_tool(tools, "list_files", pattern=glob) == lich.ToolResult(ok=True, output="\n".join(found))
+    assert run_tool(tools, "search", pattern="hit", glob=glob) == lich.ToolResult(
+        ok=True, output="\n".join(f"{name}:1: hit" for name in found))
+
+
 def test_a_pathological_glob_is_matched_in_linear_time(ws):
     (ws / ("a" * 200)).write_text("")
     started = time.monotonic()
