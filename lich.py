@@ -8654,7 +8654,7 @@ class MCPTools:
     def _usable(self, listed) -> list:
         """The listed tools lich can offer: objects with a string name, each name once (a
         provider refuses a name offered twice); the others skipped with a warning."""
-        usable, names = [], set()
+        usable, names, offered = [], set(), {}  # offered: the name given -> the server's
         for tool in listed:
             name = tool.get("name") if isinstance(tool, dict) else None
             if not isinstance(tool, dict):
@@ -8666,12 +8666,17 @@ class MCPTools:
             elif name in names:
                 _log.warning("the MCP server %s listed the tool %r twice: lich offers the first",
                              self.name, name)
+            elif self._offered_name(name) in offered:  # "a.b" is offered as "a_b_<digest>"
+                _log.warning("the MCP server %s listed the tools %r and %r, which lich would "
+                             "offer under one name, %r: lich offers the first", self.name,
+                             offered[self._offered_name(name)], name, self._offered_name(name))
             elif not _sendable_schema(tool.get("inputSchema")):
                 _log.warning("the MCP server %s listed the tool %r with an input schema that no "
                              "request can carry (a NaN or an infinity, or nested over %d levels): "
                              "lich skips it", self.name, name, _MCP_SCHEMA_MAX_DEPTH)
             else:
                 names.add(name)
+                offered[self._offered_name(name)] = name
                 usable.append(tool)
         return usable
 

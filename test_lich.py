@@ -12677,6 +12677,22 @@ def test_mcp_tools_of_bad_shapes_are_skipped_a_name_listed_twice_offered_once(se
         f"the MCP server {url} listed the tool 'a' twice: lich offers the first"]
 
 
+def test_two_mcp_tools_lich_would_offer_under_one_name_are_offered_once(server, caplog):
+    """"a.b" is offered as "a_b_" and a digest of it: a tool the server lists under that very
+    name was offered too, the request offered one name twice, and a call of it ran "a.b"."""
+    with lich.mcp_tools(mcp_answering(server, tools=[{"name": "a.b"}])) as tools:
+        [offered] = [spec["name"] for spec in tools.specs()]
+    ran = {"a.b": {"content": [{"type": "text", "text": "a.b ran"}]},
+           offered: {"content": [{"type": "text", "text": f"{offered} ran"}]}}
+    url = mcp_answering(server, tools=[{"name": "a.b"}, {"name": offered}], calls=ran)
+    with caplog.at_level("WARNING", logger="lich"), lich.mcp_tools(url) as tools:
+        assert ([spec["name"] for spec in tools.specs()], tools.run(tool_call(offered))) == (
+            [offered], lich.ToolResult(ok=True, output="a.b ran"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the MCP server {url} listed the tools 'a.b' and {offered!r}, which lich would offer under one name, "
+        f"{offered!r}: lich offers the first"]
+
+
 @pytest.mark.parametrize("cursor, kind", [(2, "an integer"), ({"page": 2}, "an object")], ids=["integer", "object"])
 def test_an_mcp_next_cursor_that_is_no_string_ends_the_listing_with_a_warning(server, caplog, cursor, kind):
     url = mcp_answering(server, tools=[{"name": "t"}], cursor=cursor)
