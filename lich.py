@@ -6834,7 +6834,7 @@ class _SearchWorkers:
                 and os.path.basename(sys.executable).lower().startswith(("python", "pypy"))):
             return None  # no Python to start here (an embedding host): search in this process
         # -B and pycache_prefix as this process has them: no __pycache__ beside a vendored lich.py
-        flags = ["-B"] if sys.flags.dont_write_bytecode else []
+        flags = ["-B"] if sys.dont_write_bytecode else []  # set by -B, or by the host in code
         if getattr(sys, "pycache_prefix", None):
             flags += ["-X", f"pycache_prefix={sys.pycache_prefix}"]
         try:  # -I and "/": no module of the searched folder (a json.py) is ever imported
@@ -10223,11 +10223,11 @@ def _tool_summary(call) -> str:
 
 
 def _lines(text) -> list:
-    """The lines of a tool's text as files count them: split at \\n (and \\r\\n) only, not at
-    the other breaks str.splitlines knows (U+2028, a form feed), which a file holds in a line."""
+    """The lines of a tool's text: split at \\n, \\r\\n and a lone \\r (a progress bar's), not
+    at the other breaks str.splitlines knows (U+2028, a form feed), which a file holds in a line."""
     if not text:
         return []
-    lines = text.replace("\r\n", "\n").split("\n")
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return lines[:-1] if lines[-1] == "" else lines
 
 
@@ -10582,9 +10582,9 @@ class _LazySession:
                 return
             kept = _label_of(self.handle.path)
             if self.label and kept != self.label:  # --resume finds it by what it kept
-                named = f"is labelled {kept}" if kept else "has no label"
-                self.term.note(f"the session {named}: a label keeps ASCII letters, digits, "
-                               f"_, . and - only")
+                named = f"is labelled {kept}, the name --resume takes" if kept else "has no label"
+                self.term.note(f"the session {named} (a label keeps ASCII letters, digits, "
+                               f"_, . and -, 64 at most)")
         waiting, self.waiting = self.waiting, []
         for method, record in waiting:
             try:
@@ -11388,7 +11388,7 @@ class _Cli:
         to_stderr, prompt, more_prompt = self._prompts()
         shown = prompt + message.replace("\n", "\n" + more_prompt)
         if to_stderr:
-            self.term.typed(shown + "\n")
+            self.term.typed(_visible(shown) + "\n")  # as term.line shows it
         else:
             self.term.line(shown)
 
@@ -11833,8 +11833,9 @@ def _main(argv, main_thread) -> int:
         args = _build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error argparse has shown
         return exc.code if isinstance(exc.code, int) else _EXIT_USAGE
-    if args.prompt is not None:
-        args.prompt = _argument_text(args.prompt)
+    for option in ("prompt", "system", "schema"):  # text to pass on, read as stdin is read
+        if getattr(args, option) is not None:
+            setattr(args, option, _argument_text(getattr(args, option)))
     import logging
     import signal as signals
 

@@ -15346,11 +15346,17 @@ def test_json_lines_and_a_structured_answer_are_json_on_a_stdout_that_is_not_utf
 
 def test_a_prompt_argument_is_read_as_utf8_in_an_ascii_locale(server, lich_model):
     """With UTF-8 mode off in the C locale, Python decodes argv as ASCII: the model got
-    U+FFFD for every byte of "résumé" that is not ASCII, where piped text came whole."""
-    queue(server, openai_reply("ok"))
-    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
-    assert Process(*LICH, "-q", "r\u00e9sum\u00e9 \U0001f600", env=env).wait() == (0, "ok\n", "")
-    assert server.requests[-1]["json"]["messages"][-1] == {"role": "user", "content": "r\u00e9sum\u00e9 \U0001f600"}
+    U+FFFD for every byte of "résumé" that is not ASCII, where piped text came whole; so
+    did a system prompt and a schema given as text."""
+    queue(server, openai_reply('{"r\u00e9sum\u00e9": 1}'))
+    env = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"}
+    schema = '{"type": "object", "description": "un r\u00e9sum\u00e9"}'
+    assert Process(*LICH, "-q", "-s", "R\u00e9ponds", "--schema", schema, "r\u00e9sum\u00e9 \U0001f600",
+                   env=env).wait() == (0, '{"r\u00e9sum\u00e9": 1}\n', "")
+    sent = server.requests[-1]["json"]
+    assert (sent["messages"][0]["content"].startswith("R\u00e9ponds"), sent["messages"][-1]) == (
+        True, {"role": "user", "content": "r\u00e9sum\u00e9 \U0001f600"})
+    assert sent["response_format"]["json_schema"]["schema"]["description"] == "un r\u00e9sum\u00e9"
 
 
 # --- what runs show ---
@@ -15641,9 +15647,12 @@ def test_tool_lines_count_a_files_lines_not_other_breaks(server, lich_model, cli
     (workspace / "doc.txt").write_text("one\n")
     queue(server, tool_reply(("c1", "write_file", json.dumps({"path": "new.txt", "content": "a\u2028b\x0cc\r\n"})),
                              ("c2", "edit_file", json.dumps({"path": "doc.txt", "old_text": "one",
-                                                             "new_text": "o\u2028n\x0ce"}))), openai_reply("done"))
-    assert cli("--yolo", "--no-stream", "--root", str(workspace), "make it") == (
-        0, "done\n", "→ write_file new.txt ✓ +1 line\n→ edit_file doc.txt ✓ +1 -1\ntokens: 14 in, 6 out\n")
+                                                             "new_text": "o\u2028n\x0ce"})),
+                             ("c3", "bash", json.dumps({"command": "printf 'a 1%%\\rb 2%%\\rc\\n'"}))),
+          openai_reply("done"))
+    assert cli("--yolo", "--no-stream", "--root", str(workspace), "make it") == (  # a progress line's \r ends a line
+        0, "done\n", ("→ write_file new.txt ✓ +1 line\n→ edit_file doc.txt ✓ +1 -1\n→ bash printf 'a 1%%\\rb 2%%\\rc\\n' ✓\n"
+                      "    a 1%\n    b 2%\n    c\ntokens: 14 in, 6 out\n"))
 
 
 def test_lichs_marks_are_ascii_on_a_stderr_that_cannot_show_them(server, lich_model, workspace):
@@ -16092,7 +16101,8 @@ def test_sessions_options(server, lich_model, cli, tmp_path):
     queue(server, openai_reply("one"), openai_reply("two"), openai_reply("three"), openai_reply("four"),
           openai_reply("five"))
     assert cli("--no-stream", "--label", "my run", "hi") == (  # what --resume finds it by
-        0, "one\n", "the session is labelled my-run: a label keeps ASCII letters, digits, _, . and - only\n"
+        0, "one\n", "the session is labelled my-run, the name --resume takes (a label keeps ASCII letters, digits, "
+        "_, . and -, 64 at most)\n"
         + USAGE_LINE)
     assert cli("--no-stream", "--no-session", "hi") == (0, "two\n", USAGE_LINE)
     other = tmp_path / "elsewhere"
@@ -16101,7 +16111,8 @@ def test_sessions_options(server, lich_model, cli, tmp_path):
     assert labelled.name.endswith("-my-run.jsonl")
     assert len(list(other.iterdir())) == 1
     assert cli("--no-stream", "--session-dir", str(other), "--label", "\u65e5\u672c", "hi") == (
-        0, "four\n", "the session has no label: a label keeps ASCII letters, digits, _, . and - only\n" + USAGE_LINE)
+        0, "four\n", "the session has no label (a label keeps ASCII letters, digits, _, . and -, 64 at most)\n"
+        + USAGE_LINE)
     assert cli("--no-stream", "--resume", "my-run", "again") == (  # no note of its label: it kept it
         0, "five\n", f"resumed {labelled.stem}: 3 messages\nyou: hi\nlich: one\n" + USAGE_LINE)
 
