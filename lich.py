@@ -8346,8 +8346,11 @@ class _HTTPServer:
             except _Cut as cut:
                 if cut.args[0] == "closed":
                     raise _Gone(f"the MCP server {self.name} was closed") from None
-                self.notify("notifications/cancelled",
-                            {"requestId": request_id, "reason": f"the client {cut.args[0]}"})
+                # in a thread of its own: a server too busy to read it (its event loop held by
+                # a tool) kept the call from ending for the notification's own time limit
+                threading.Thread(target=self.notify, name="lich-mcp-cancel", daemon=True, args=(
+                    "notifications/cancelled",
+                    {"requestId": request_id, "reason": f"the client {cut.args[0]}"})).start()
                 raise
             finally:
                 with self._lock:

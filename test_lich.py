@@ -12950,7 +12950,7 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     [asked] = [r["json"]["id"] for r in server.requests if (r["json"] or {}).get("params", {}).get("name") == "slow"]
     cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
               "params": {"requestId": asked, "reason": "the client aborted"}}
-    assert cancel in [r["json"] for r in server.requests]  # the cut surfaced as a broken read: still cancelled
+    eventually(lambda: cancel in [r["json"] for r in server.requests])  # the cut surfaced as a broken read: still cancelled
     results = []
     caller = threading.Thread(target=lambda: results.append(tools.run(tool_call("slow"))))
     caller.start()
@@ -12963,6 +12963,32 @@ def test_an_mcp_http_call_cut_is_cancelled_and_one_under_way_at_close_fails_at_o
     assert results == [lich.ToolResult(ok=False, error=f"the MCP server {url} was closed")] and took < 2
     assert [r["method"] for r in server.requests][-1] == "DELETE"
     assert [(r["json"] or {}).get("method") for r in server.requests].count("notifications/cancelled") == 1
+
+
+def test_an_mcp_http_call_cut_ends_at_once_though_the_server_is_too_busy_to_take_the_cancellation(server):
+    """A server whose tool held its event loop read neither the call's end nor the
+    cancellation: the call ended 10 s after the signal, the cancellation's own time limit."""
+    busy = threading.Event()
+
+    def respond(request):
+        body = request["json"] or {}
+        if body.get("method") == "initialize":
+            return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {"protocolVersion": "2025-06-18"}})
+        if "id" not in body:  # a notification: read once the tool lets the server go
+            return Reply(202, "", hold=busy if body.get("method") == "notifications/cancelled" else None)
+        return Reply(200, {"jsonrpc": "2.0", "id": body["id"], "result": {"content": []}}, hold=busy)
+
+    server.responder = respond
+    try:
+        with lich.mcp_tools(server.url + "/mcp", timeout=30) as tools:
+            signal = threading.Event()
+            threading.Timer(0.2, signal.set).start()
+            started = time.monotonic()
+            assert tools.run(tool_call("blocking"), signal) == lich.ToolResult(ok=False, error="aborted")
+            assert time.monotonic() - started < 2
+            eventually(lambda: "notifications/cancelled" in [(r["json"] or {}).get("method") for r in server.requests])
+    finally:
+        busy.set()
 
 
 @pytest.mark.parametrize("takes_it_up", [True, False, None], ids=["taken-up", "no-get-stream", "session-ended"])
