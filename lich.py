@@ -3931,6 +3931,46 @@ def _wire_tool_name(name):
     return _in_name_alphabet(name, _TOOL_NAME_MAX_CHARS) if isinstance(name, str) and name else "_"
 
 
+def _wire_parameters(schema):
+    """A tool's parameters as providers take them. Anthropic refuses an ``anyOf``, ``oneOf``
+    or ``allOf`` at a schema's top ("input_schema does not support oneOf, allOf, or anyOf at
+    the top level"), and OpenAI too, which MCP servers list (Notion's, GitLab's): one such
+    tool failed every request. It goes as one object of every branch's properties (the
+    first schema of a name), requiring what every branch requires (all of ``allOf``'s);
+    the server checks the arguments it gets as ever."""
+    if not isinstance(schema, dict) or not schema:
+        return {"type": "object", "properties": {}}
+    combined = [key for key in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(key), list)]
+    if not combined:
+        return schema
+    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    properties = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
+    required = [name for name in schema.get("required") or () if isinstance(name, str)]
+    for key in combined:
+        branches = []
+        for branch in schema[key]:
+            ref = branch.get("$ref") if isinstance(branch, dict) else None
+            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                branch = defs.get(ref.rpartition("/")[2])
+            if isinstance(branch, dict):
+                branches.append(branch)
+        wanted = None
+        for branch in branches:
+            if isinstance(branch.get("properties"), dict):
+                for name, value in branch["properties"].items():
+                    properties.setdefault(name, value)
+            needs = [name for name in branch.get("required") or () if isinstance(name, str)]
+            wanted = needs if wanted is None else (wanted + needs if key == "allOf"
+                                                    else [n for n in wanted if n in needs])
+        required = list(dict.fromkeys(required + (wanted or [])))
+    flat = {"type": "object", **{key: value for key, value in schema.items() if key not in (
+        "anyOf", "oneOf", "allOf", "type", "properties", "required", "additionalProperties")},
+        "properties": properties}
+    if required:
+        flat["required"] = required
+    return flat
+
+
 # --- OpenAI ---
 
 
@@ -4293,8 +4333,7 @@ class OpenAIChat(_HTTPChat):
     def _tools_to_wire(self, tools):
         return [{"type": "function", "function": {
             "name": t["name"], "description": t.get("description") or "",
-            "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
-            for t in tools]
+            "parameters": _wire_parameters(t.get("parameters"))}} for t in tools]
 
     def _body_fields(self, tools, temperature, max_tokens, response_format):
         fields = {}
@@ -4673,8 +4712,7 @@ class AnthropicChat(_HTTPChat):
 
     def _tools_to_wire(self, tools):
         wire = [{"name": t["name"], "description": t.get("description") or "",
-                 "input_schema": t.get("parameters") or {"type": "object", "properties": {}}}
-                for t in tools]
+                 "input_schema": _wire_parameters(t.get("parameters"))} for t in tools]
         if self.cache and wire:
             wire[-1]["cache_control"] = _CACHE_CONTROL
         return wire

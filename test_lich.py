@@ -6587,6 +6587,36 @@ def test_each_message_is_encoded_once_and_changes_are_re_encoded(server):
              for c in m["tool_calls"]] if m.get("tool_calls") else None for m in messages]
 
 
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+def test_a_tools_anyof_oneof_or_allof_at_the_top_goes_as_one_object(server, provider):
+    """Anthropic answers 400 "input_schema does not support oneOf, allOf, or anyOf at the
+    top level", and OpenAI too: one MCP tool listed so (Notion's, GitLab's) failed every
+    request of the run."""
+    either = {"type": "object", "description": "by id or by name", "additionalProperties": False, "oneOf": [
+        {"properties": {"id": {"type": "integer"}, "note": {"type": "string"}}, "required": ["id", "note"]},
+        {"$ref": "#/$defs/named"}], "$defs": {"named": {"type": "object", "properties": {
+            "name": {"type": "string"}, "note": {"type": "number"}}, "required": ["name", "note"]}}}
+    both = {"allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                      {"properties": {"b": {"type": "string"}}, "required": ["b", "a"]}]}
+    specs = [{"name": "find", "description": "", "parameters": either},
+             {"name": "pair", "description": "", "parameters": both},
+             {"name": "plain", "description": "", "parameters": {"type": "object", "properties": {}}}]
+    sent_either = {"type": "object", "description": "by id or by name", "$defs": either["$defs"], "properties": {
+        "id": {"type": "integer"}, "note": {"type": "string"}, "name": {"type": "string"}}, "required": ["note"]}
+    sent_both = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+                 "required": ["a", "b"]}
+    if provider == "openai":
+        server.reply(200, openai_reply("ok"))
+        openai_at(server)(USER, tools=specs)
+    else:
+        server.reply(200, anthropic_reply(text_block("ok")))
+        anthropic_at(server, cache=False)(USER, tools=specs)
+    sent = server.requests[-1]["json"]["tools"]
+    schemas = [t["function"]["parameters"] if "function" in t else t["input_schema"] for t in sent]
+    assert schemas == [sent_either, sent_both, {"type": "object", "properties": {}}]
+    assert specs[0]["parameters"]["oneOf"]  # the spec itself is as it was
+
+
 # --- OpenAI ---
 
 
