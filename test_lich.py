@@ -12720,8 +12720,8 @@ def test_two_mcp_tools_lich_would_offer_under_one_name_are_offered_once(server, 
         assert ([spec["name"] for spec in tools.specs()], tools.run(tool_call(offered))) == (
             [offered], lich.ToolResult(ok=True, output="a.b ran"))
     assert [r.getMessage() for r in caplog.records] == [
-        f"the MCP server {url} listed the tools 'a.b' and {offered!r}, which lich would offer under one name, "
-        f"{offered!r}: lich offers the first"]
+        (f"the MCP server {url} listed the tools 'a.b' and {offered!r}, which lich would offer under one name, "
+         f"{offered!r}: lich offers the first")]
 
 
 @pytest.mark.parametrize("cursor, kind", [(2, "an integer"), ({"page": 2}, "an object")], ids=["integer", "object"])
