@@ -3662,7 +3662,8 @@ for i in range(config["max_points"]):
         ended = fork(agent, None, folder, kill_after=point[1])
     else:
         ended = fork(agent, point, folder)
-    sessions = os.listdir(folder + "/sessions") if os.path.isdir(folder + "/sessions") else []
+    # a kill as the file was named leaves its claim (.jsonl.claim), empty: no session
+    sessions = [os.path.basename(p) for p in lich.list_sessions(folder + "/sessions")]
     entry = {"folder": folder, "point": point, "ended": ended, "session": None, "resumed": None}
     if ended == "SIGKILL" and sessions:
         entry["session"] = os.path.join(folder, "sessions", sessions[0])
