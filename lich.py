@@ -5810,6 +5810,30 @@ def _skipped_note(skipped, what):
     return f"[... not {what}: {named}{more}]"
 
 
+def _give_group(fd, gid):
+    try:
+        os.fchown(fd, -1, gid)
+    except OSError:
+        pass
+
+
+def _copy_extended_attributes(source, fd):
+    """The extended attributes of ``source`` (a POSIX ACL among them) given to the file open
+    as ``fd``, where the system has them: a file replaced by a rename kept none, and those
+    an ACL let write a shared file could not. What cannot be read or set is let be."""
+    if not hasattr(os, "listxattr"):
+        return
+    try:
+        names = os.listxattr(source, follow_symlinks=False)
+    except OSError:  # no such attributes here (another system, a file system without them)
+        return
+    for attribute in names:
+        try:
+            os.setxattr(fd, attribute, os.getxattr(source, attribute, follow_symlinks=False))
+        except OSError:
+            continue
+
+
 class _Root:
     """The folder the coding tools work in, and every way they reach into it.
 
@@ -5981,12 +6005,13 @@ class _Root:
                          0o666, dir_fd=dir_fd)
             with os.fdopen(fd, "wb") as f:
                 if old is not None:
-                    os.fchmod(fd, stat.S_IMODE(old.st_mode))
                     if (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
                         try:
                             os.fchown(fd, old.st_uid, old.st_gid)
-                        except OSError:
-                            pass
+                        except OSError:  # not lich's to give away: its group, where lich is
+                            _give_group(fd, old.st_gid)  # of it, or its team lost the file
+                    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after: a chown drops set-id bits
+                    _copy_extended_attributes(f"/proc/self/fd/{dir_fd}/{name}", fd)
                 f.write(data)
             os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             temp = None

@@ -11184,6 +11184,42 @@ def test_a_read_only_file_is_not_replaced_as_the_shell_would_not_write_it(ws):
     assert (locked.read_text(), oct(locked.stat().st_mode & 0o777)) == ("do not touch\n", "0o444")
 
 
+WITHOUT_CHOWN = """
+import ctypes, os, sys
+prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
+os.setgroups([0, 4321])  # of the file's group, as a team member is
+if prctl is None or prctl(24, 0, 0, 0, 0) != 0:  # PR_CAPBSET_DROP CAP_CHOWN: root gives no file away after exec
+    sys.exit(99)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def test_a_write_keeps_the_files_group_where_not_its_owner_and_its_extended_attributes(ws):
+    """A user who may not give a file back to its owner gave it no group either (one call of
+    fchown for both): the team lost a shared file. Its extended attributes (a POSIX ACL
+    among them) went with the replaced file."""
+    target = ws / "shared.txt"
+    target.write_text("team notes\n")
+    try:
+        os.setxattr(target, "user.note", b"kept")
+    except OSError as e:
+        pytest.skip(f"no extended attributes here: {e}")
+    if os.geteuid() != 0:
+        pytest.skip("giving the file to another user needs root")
+    os.chown(target, 1234, 4321)
+    target.chmod(0o660)
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import lich\n"
+              "print(lich.coding_tools(sys.argv[2], allow_write=True).run(lich.ToolCall(id='c1', name='edit_file', "
+              "arguments={'path': 'shared.txt', 'old_text': 'team', 'new_text': 'our'})).output)\n")
+    code, out, err = Process("-c", WITHOUT_CHOWN, "-c", script, HERE, ws).wait()
+    if code == 99:
+        pytest.skip("root cannot drop CAP_CHOWN here")
+    assert (code, out, err) == (0, "replaced 1 occurrence of old_text in shared.txt\n", "")
+    kept = target.stat()
+    assert (target.read_text(), kept.st_uid, kept.st_gid, oct(kept.st_mode & 0o777)) == ("our notes\n", 0, 4321, "0o660")
+    assert os.getxattr(target, "user.note") == b"kept"
+
+
 def test_writes_keep_the_files_mode_and_leave_no_temporary_file(ws):
     target = ws / "run.sh"
     target.write_text("echo one\n")
