@@ -7295,6 +7295,8 @@ class _Workspace:
                                               seconds=self.search_timeout)
         except _Stopped as stopped:  # ripgrep is stopped with it
             return stopped.args[0]
+        except PermissionError:  # a folder that can be listed but not entered: ripgrep cannot
+            return None  # start in it; the worker searches, and names what it cannot read
         finally:
             if ignore_file is not None:
                 os.unlink(ignore_file)

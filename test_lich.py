@@ -10992,11 +10992,29 @@ def test_an_empty_match_at_a_files_end_is_on_its_last_line_and_an_empty_file_has
 
 
 SEARCH_A_LOCKED_TREE = """
-import sys
+import json, sys
 sys.path.insert(0, sys.argv[1])
 import lich
-print(lich.coding_tools(sys.argv[2]).run({"id": "c", "name": "search", "arguments": '{"pattern": "hi"}'}).output)
+arguments = {"pattern": "hi", **({"path": sys.argv[3]} if len(sys.argv) > 3 else {})}
+result = lich.coding_tools(sys.argv[2]).run({"id": "c", "name": "search", "arguments": json.dumps(arguments)})
+print(result.output if result.ok else "error: " + result.error)
 """
+
+
+def test_a_folder_searched_that_can_be_listed_but_not_entered_is_said_whoever_searches(ws, engine):
+    """ripgrep, started in it, could not start: the model read "PermissionError: [Errno 13]
+    Permission denied: '/proc/self/fd/3'", where lich's own search names what it could not read."""
+    (ws / "rnox" / "sub").mkdir(parents=True)
+    (ws / "rnox" / "f.txt").write_text("hi\n")
+    (ws / "rnox").chmod(0o644)
+    try:
+        argv = ("-c", SEARCH_A_LOCKED_TREE, HERE, ws, "rnox")
+        code, out, err = Process("-c", DROP_DAC, *argv).wait() if os.geteuid() == 0 else Process(*argv).wait()
+    finally:
+        (ws / "rnox").chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, out, err) == (0, "[... not searched: rnox/f.txt (Permission denied), rnox/sub (Permission denied)]\n", "")
 
 
 def test_what_search_cannot_read_is_said_whoever_searches(ws, engine):
