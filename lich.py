@@ -11642,8 +11642,12 @@ class _Cli:
 
     def load_session(self, ref, *, folder):
         """The history of a session (``folder``: the latest of this --root), shown briefly."""
+        unreadable = _unreadable_folder(self.sessions_home)
         if folder and ref == "latest":
             path = _latest_session_in(self.sessions_home, self.root, self.term)
+            if path is None and unreadable:
+                raise SessionNotFound(f"cannot read the session folder {self.sessions_home}: "
+                                      f"{unreadable}")
             if path is None:
                 raise SessionNotFound("no session in this folder")
         else:
@@ -11652,6 +11656,13 @@ class _Cli:
             except SessionNotFound:  # --label L names a conversation: --resume L finds it
                 path = next((p for p in list_sessions(self.sessions_home)
                              if _label_of(p) == ref), None)
+                if path is None and unreadable:  # a folder entered but not listed: by its name
+                    named = os.path.join(self.sessions_home, f"{ref}.jsonl")
+                    if (ref == "latest" or not re.fullmatch(r"[^/\\\0]+", ref) or ".." in ref
+                            or not os.path.isfile(named)):
+                        raise SessionNotFound(f"cannot read the session folder "
+                                              f"{self.sessions_home}: {unreadable}") from None
+                    path = named
                 if path is None:
                     raise
         try:
@@ -11802,10 +11813,26 @@ def _bad_task(error, numbers, path):
                        f"{str(error)[found.end():]}")
 
 
+def _unreadable_folder(folder):
+    """Why ``folder``, which is there, cannot be listed (a sessions folder a ``sudo lich``
+    made root's), in words; None when it can be, or is not there: list_sessions reads such a
+    folder as one without sessions."""
+    try:
+        with os.scandir(folder):
+            return None
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
     """--list-sessions on stdout, or the chat's /sessions on stderr, with /help and /cost."""
     show = term.line if in_chat else term.answer
     paths = list_sessions(session_dir)
+    if not paths and _unreadable_folder(session_dir):
+        term.error(f"cannot read the session folder {session_dir}: {_unreadable_folder(session_dir)}")
+        return _EXIT_ERROR
     if not paths:
         term.note("no sessions yet")
     rows = []

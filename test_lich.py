@@ -16510,6 +16510,29 @@ def test_list_sessions_spells_out_control_characters(lich_model, cli, tmp_path):
         f"\\x1b[2J\\x1b]0;evil\\x07 look\n"), "")
 
 
+def test_a_session_folder_that_cannot_be_listed_is_said_so_and_a_session_in_it_resumes_by_its_id(
+        server, lich_model, tmp_path):
+    """A folder a `sudo lich` left root's: "no sessions yet", "no session in this folder"
+    and "session not found" for a file that could be read, by its id."""
+    folder = tmp_path / "sessions"
+    folder.mkdir()
+    write_records(folder / "20260101T000000Z-1.jsonl", msg(user("earlier q")), msg(assistant("earlier a")))
+    folder.chmod(0o300)  # entered, not listed (root obeys it without CAP_DAC_OVERRIDE)
+    queue(server, openai_reply("again"))
+    try:
+        ran = [Process("-c", DROP_DAC, *LICH, *argv, "--session-dir", folder).wait() for argv in (
+            ["--list-sessions"], ["-c", "go on"], ["--resume", "20260101T000000Z-1", "-q", "go on"])]
+    finally:
+        folder.chmod(0o700)
+    if ran[0][0] == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    said = f"lich: cannot read the session folder {folder}: Permission denied\n"
+    assert ran == [(1, "", said), (2, "", said), (0, "again\n", (  # a new session needs a listing to be named
+        f"you: earlier q\nlich: earlier a\nlich: warning: session recording is off: cannot create a session file "
+        f"in {folder}: Permission denied\n"))]
+    assert [m["content"] for m in server.requests[-1]["json"]["messages"][1:]] == ["earlier q", "earlier a", "go on"]
+
+
 def test_list_sessions_keeps_a_row_to_a_line_whatever_a_hand_edited_start_holds(lich_model, cli, tmp_path):
     d = tmp_path / "sessions"
     d.mkdir()
