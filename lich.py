@@ -9746,9 +9746,10 @@ def _prompt_with_stdin(prompt, piped) -> str:
     return f"{fence}\n{piped.rstrip(chr(10))}\n{fence}\n\n{prompt}"
 
 
-def _project_instructions(root):
+def _project_instructions(root, term=None):
     """(file name, text) of AGENTS.md in ``root``, else CLAUDE.md, else None. Only a regular
-    file inside the root counts: a link to ~/.aws/credentials is not sent to a model."""
+    file inside the root counts: a link to ~/.aws/credentials is not sent to a model. One
+    that is there but cannot be read is said on ``term``, when given."""
     root = os.path.realpath(root)
     for name in ("AGENTS.md", "CLAUDE.md"):
         try:  # a chain of links too long for realpath's recursion too
@@ -9762,7 +9763,9 @@ def _project_instructions(root):
                 if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO would never end
                     continue
                 text = f.read(_INSTRUCTIONS_MAX_BYTES).decode("utf-8", "replace").strip()
-        except OSError:
+        except OSError as e:
+            if term is not None and not isinstance(e, FileNotFoundError) and e.errno != errno.ELOOP:
+                term.error(f"warning: cannot read {name} of {root}: {e.strerror or e}")
             continue
         if text:
             return name, text
@@ -11089,7 +11092,8 @@ class _Cli:
         system = (args.system if args.system is not None
                   else _DEFAULT_SYSTEM_PROMPT.format(root=root, tools=names, answer=(
                       _PLAIN_ANSWER if args.schema is None else _SCHEMA_ANSWER)))
-        found = None if args.no_project_instructions else _project_instructions(root)
+        found = None if args.no_project_instructions else _project_instructions(
+            root, self.term if told else None)
         if found is not None:
             system += f"\n\nInstructions of this project, from {found[0]}:\n\n{found[1]}"
             if told:

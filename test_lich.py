@@ -14955,6 +14955,19 @@ def test_project_instructions_join_the_system_prompt_with_one_note(server, lich_
     assert server.requests[2]["json"]["messages"][0]["content"] == "Be brief."
 
 
+def test_project_instructions_that_cannot_be_read_are_said_so(server, lich_model, workspace):
+    """An AGENTS.md lich may not read was passed over without a word (CLAUDE.md followed)."""
+    (workspace / "AGENTS.md").write_text("Use tabs.\n")
+    (workspace / "AGENTS.md").chmod(0)
+    (workspace / "CLAUDE.md").write_text("Use spaces.\n")
+    queue(server, openai_reply("ok"))
+    code, out, err = Process("-c", DROP_DAC, *LICH, "--no-stream", "--root", workspace, "hi").wait()
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, out, err) == (0, "ok\n", (f"lich: warning: cannot read AGENTS.md of {workspace}: Permission denied\n"
+                                            f"lich: following CLAUDE.md of {workspace}\n" + USAGE_LINE))
+
+
 def test_project_instructions_are_a_regular_file_inside_the_root(server, lich_model, cli, workspace, tmp_path):
     (tmp_path / "credentials").write_text("TOP-SECRET\n")
     (workspace / "AGENTS.md").symlink_to(tmp_path / "credentials")  # a link out is not followed
