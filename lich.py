@@ -11511,7 +11511,8 @@ class _Cli:
     def _save_input_history(self, path):
         """Add this chat's input to the file: read again (under a lock of its folder), so
         that another chat's input saved meanwhile stays, and replaced whole, so that a
-        failure mid-write leaves it as it was. A link is followed; a read-only file is left."""
+        failure mid-write leaves it as it was. A link is followed; a file lich may not read
+        or write is left (one it may write but not read would lose every earlier entry)."""
         if path is None or not self.typed:
             return
         import tempfile
@@ -11520,7 +11521,7 @@ class _Cli:
         folder, written, lock = os.path.dirname(path), None, None
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.path.exists(path) and not os.access(path, os.W_OK):
+            if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
                 return
             lock = _history_lock(folder)  # two chats closed at once: one adds after the other
             entries = _input_history(path)

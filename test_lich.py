@@ -924,10 +924,11 @@ class Pty:
 
     ``transcript`` is everything it showed; ``expect`` and ``close`` read it as it comes.
     ``columns`` gives the terminal a width (else it has none, and lich takes 100).
-    ``stdin=subprocess.PIPE`` pipes stdin instead, as ``proc.stdin``.
+    ``stdin=subprocess.PIPE`` pipes stdin instead, as ``proc.stdin``. ``python_args`` come
+    before lich's (``("-c", DROP_DAC)``: root obeys file modes).
     """
 
-    def __init__(self, *args, env=None, stdout=None, columns=None, stdin=None):
+    def __init__(self, *args, env=None, stdout=None, columns=None, stdin=None, python_args=()):
         import pty
 
         self.master, slave = pty.openpty()
@@ -936,7 +937,7 @@ class Pty:
             import termios
 
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-        self.proc = subprocess.Popen([sys.executable, *LICH, *args], stdin=slave if stdin is None else stdin,
+        self.proc = subprocess.Popen([sys.executable, *python_args, *LICH, *args], stdin=slave if stdin is None else stdin,
                                      stdout=slave if stdout is None else stdout, stderr=slave,
                                      env={**os.environ, **(env or {})}, close_fds=True)
         os.close(slave)
@@ -17274,6 +17275,26 @@ def test_an_input_history_of_plain_lines_is_kept_and_recalled(server, lich_model
     assert server.requests[-1]["json"]["messages"][-1]["content"] == "fix the bug in parser.py"
     assert history.read_text() == ('"fix the bug in parser.py"\n"42"\n"a json line"\n"fix the bug in parser.py"\n'
                                    '"/exit"\n')
+
+
+def test_an_input_history_lich_may_write_but_not_read_is_left_as_it_is(server, lich_model, tmp_path):
+    """Read as no history, it was replaced by the chat's input alone: every earlier entry lost."""
+    history = tmp_path / "state" / "lich" / "history"
+    history.parent.mkdir(parents=True)
+    history.write_text('"earlier"\n')
+    if Process("-c", DROP_DAC, "-c", "pass").wait()[0] == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    history.chmod(0o200)
+    try:
+        term = Pty(python_args=("-c", DROP_DAC), env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")})
+        term.expect(PROMPT)
+        term.send("/cost")
+        term.expect(PROMPT)
+        term.send("/exit")
+        code = term.close()
+    finally:
+        history.chmod(0o600)
+    assert (code, history.read_text()) == (0, '"earlier"\n')
 
 
 def test_two_chats_at_once_each_add_their_input_to_the_history(server, lich_model, tmp_path):
