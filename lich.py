@@ -5663,6 +5663,10 @@ _NOTED_MAX = 5                  # paths named in a note about what was not looke
 # a folder opened beneath another (or the root) following no link
 _SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
                     | getattr(os, "O_CLOEXEC", 0))
+# a folder passed through on the way to another, or written in: opened for its place alone
+# where the system can (Linux's O_PATH), which needs no right to list it, as the shell's
+# cd and > need none (a user's drop folder, a root-owned 0711 home)
+_PASSED_FOLDER_FLAGS = _SUBFOLDER_FLAGS & ~os.O_RDONLY | getattr(os, "O_PATH", os.O_RDONLY)
 
 
 # A path's lock, by its real path's hash: an edit reads, changes and writes its file under it,
@@ -5901,11 +5905,13 @@ class _Root:
             raise _ToolFailure(f"path is not a regular file: {shown}")
         return os.fdopen(fd, "rb")
 
-    def open_dir(self, real, shown):
-        """A descriptor of the folder ``real``, refused unless a folder inside the root."""
+    def open_dir(self, real, shown, *, to_list=True):
+        """A descriptor of the folder ``real``, refused unless a folder inside the root; not
+        ``to_list``, one to write in, which needs no right to list it."""
         if not stat.S_ISDIR(self.stat(real, shown).st_mode):
             raise _ToolFailure(f"path is not a directory: {shown}")
-        return self._open(real, shown, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        flags = os.O_RDONLY if to_list else getattr(os, "O_PATH", os.O_RDONLY)
+        return self._open(real, shown, flags | getattr(os, "O_DIRECTORY", 0))
 
     def _open(self, real, shown, flags):
         try:
@@ -5960,17 +5966,17 @@ class _Root:
         rel = self.relative(folder)
         if rel == ".":
             return
-        fd = os.open(self.path, _SUBFOLDER_FLAGS)
+        fd = os.open(self.path, _PASSED_FOLDER_FLAGS)
         try:
             for part in rel.split("/"):
                 try:
-                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
+                    child = os.open(part, _PASSED_FOLDER_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     try:
                         os.mkdir(part, dir_fd=fd)
                     except FileExistsError:
                         pass  # made meanwhile
-                    child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
+                    child = os.open(part, _PASSED_FOLDER_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = child
         finally:
@@ -5985,7 +5991,7 @@ class _Root:
             self._make_folders(folder)
         except OSError as e:
             raise _fs_failure(e, shown) from None
-        dir_fd = self.open_dir(folder, shown)
+        dir_fd = self.open_dir(folder, shown, to_list=False)
         temp = None
         try:
             try:
@@ -6628,7 +6634,7 @@ def _open_beneath(folder_fd, rel, flags):
     fd = folder_fd
     try:
         for part in parts[:-1]:
-            child = os.open(part, _SUBFOLDER_FLAGS, dir_fd=fd)
+            child = os.open(part, _PASSED_FOLDER_FLAGS, dir_fd=fd)
             if fd != folder_fd:
                 os.close(fd)
             fd = child
@@ -6752,12 +6758,12 @@ def _search_worker():
             rules = _gitignore_rules(job["gitignore"])
             flags = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if job["folder"] else
                      os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_NOFOLLOW", 0)
-            root = os.open(job["root"], os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            root = os.open(job["root"], _PASSED_FOLDER_FLAGS & ~getattr(os, "O_NOFOLLOW", 0))
             try:
                 for sub, recursive in job.get("units") or [["", True]]:
                     rel = "/".join(p for p in (job["rel"], sub) if p and p != ".") or "."
                     try:
-                        fd = os.dup(root) if rel == "." else _open_beneath(root, rel, flags)
+                        fd = os.open(".", flags, dir_fd=root) if rel == "." else _open_beneath(root, rel, flags)
                     except OSError as e:
                         if not sub:
                             raise

@@ -11188,6 +11188,38 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
 
+TOOLS_IN_A_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import lich
+tools = lich.coding_tools(sys.argv[2], allow_write=True)
+for name, arguments in json.loads(sys.argv[3]):
+    result = tools.run(lich.ToolCall(id="c1", name=name, arguments=arguments))
+    print(result.output if result.ok else "error: " + result.error)
+"""
+
+
+def test_a_folder_that_can_be_entered_but_not_listed_is_written_in_and_searched_below(ws, engine):
+    """As the shell's > and cd need no right to list a folder: a write in (or below) one
+    was "permission denied", and lich's own search of a folder below one failed."""
+    (ws / "xnor" / "mine").mkdir(parents=True)
+    (ws / "xnor" / "mine" / "old.txt").write_text("hello needle\n")
+    (ws / "xnor").chmod(0o311)  # entered, not listed (root obeys it without CAP_DAC_OVERRIDE)
+    calls = [("write_file", {"path": "xnor/mine/new.txt", "content": "made"}),
+             ("edit_file", {"path": "xnor/mine/old.txt", "old_text": "hello", "new_text": "hi"}),
+             ("search", {"pattern": "needle", "path": "xnor/mine"})]
+    try:
+        code, out, err = Process("-c", DROP_DAC, "-c", TOOLS_IN_A_CHILD, HERE, ws, json.dumps(calls)).wait()
+    finally:
+        (ws / "xnor").chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, out, err) == (0, ("wrote 4 characters to xnor/mine/new.txt\n"
+                                    "replaced 1 occurrence of old_text in xnor/mine/old.txt\n"
+                                    "xnor/mine/old.txt:1: hi needle\n"), "")
+    assert sorted(os.listdir(ws / "xnor" / "mine")) == ["new.txt", "old.txt"]  # no temporary file left
+
+
 def test_a_read_only_file_is_not_replaced_as_the_shell_would_not_write_it(ws):
     locked, unlocked = ws / "locked.txt", ws / "open.txt"
     locked.write_text("do not touch\n")
