@@ -6007,8 +6007,13 @@ class _Root:
                 raise _ToolFailure(f"permission denied: {shown} is read-only")
             temp = (f".{os.fsdecode(os.fsencode(name)[:200])}"  # bytes: a name holds 255 of them
                     f".lich-{os.getpid()}-{os.urandom(4).hex()}.tmp")
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                         0o666, dir_fd=dir_fd)
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                             0o666, dir_fd=dir_fd)
+            except PermissionError:
+                temp = None  # the file may be writable: the reason is its folder's, said so
+                raise _ToolFailure(f"permission denied: {shown}: lich may not write in its folder "
+                                   f"(a file is replaced by one made beside it)") from None
             with os.fdopen(fd, "wb") as f:
                 if old is not None:
                     if (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):

@@ -11220,6 +11220,25 @@ def test_a_folder_that_can_be_entered_but_not_listed_is_written_in_and_searched_
     assert sorted(os.listdir(ws / "xnor" / "mine")) == ["new.txt", "old.txt"]  # no temporary file left
 
 
+def test_a_write_refused_by_its_folder_says_so(ws):
+    """A writable file in a folder lich may not write in: "permission denied: rodir/w.txt"
+    blamed the file."""
+    (ws / "rodir").mkdir()
+    (ws / "rodir" / "w.txt").write_text("old\n")
+    (ws / "rodir" / "w.txt").chmod(0o666)
+    (ws / "rodir").chmod(0o555)
+    calls = [("write_file", {"path": "rodir/w.txt", "content": "new"})]
+    try:
+        code, out, err = Process("-c", DROP_DAC, "-c", TOOLS_IN_A_CHILD, HERE, ws, json.dumps(calls)).wait()
+    finally:
+        (ws / "rodir").chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    assert (code, out, err) == (0, ("error: permission denied: rodir/w.txt: lich may not write in its folder (a file "
+                                    "is replaced by one made beside it)\n"), "")
+    assert (ws / "rodir" / "w.txt").read_text() == "old\n"
+
+
 def test_a_read_only_file_is_not_replaced_as_the_shell_would_not_write_it(ws):
     locked, unlocked = ws / "locked.txt", ws / "open.txt"
     locked.write_text("do not touch\n")
