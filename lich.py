@@ -3943,23 +3943,29 @@ def _wire_parameters(schema):
     combined = [key for key in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(key), list)]
     if not combined:
         return schema
-    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    def names(value):  # a "required" as a server may list it: only a list of names counts
+        return [name for name in value if isinstance(name, str)] if isinstance(value, list) else []
+
+    defs = {}
+    for key in ("definitions", "$defs"):
+        if isinstance(schema.get(key), dict):
+            defs[key] = schema[key]
     properties = dict(schema["properties"]) if isinstance(schema.get("properties"), dict) else {}
-    required = [name for name in schema.get("required") or () if isinstance(name, str)]
+    required = names(schema.get("required"))
     for key in combined:
-        branches = []
+        wanted = None
         for branch in schema[key]:
             ref = branch.get("$ref") if isinstance(branch, dict) else None
-            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
-                branch = defs.get(ref.rpartition("/")[2])
-            if isinstance(branch, dict):
-                branches.append(branch)
-        wanted = None
-        for branch in branches:
+            if isinstance(ref, str):  # "#/$defs/name" alone: a path further in is not read
+                found = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref)
+                branch = defs.get(found.group(1), {}).get(found.group(2)) if found else None
+            if not isinstance(branch, dict):  # a branch not read may require nothing: no more
+                wanted = [] if key != "allOf" else wanted  # is required of any (of allOf, its own)
+                continue
             if isinstance(branch.get("properties"), dict):
                 for name, value in branch["properties"].items():
                     properties.setdefault(name, value)
-            needs = [name for name in branch.get("required") or () if isinstance(name, str)]
+            needs = names(branch.get("required"))
             wanted = needs if wanted is None else (wanted + needs if key == "allOf"
                                                     else [n for n in wanted if n in needs])
         required = list(dict.fromkeys(required + (wanted or [])))
@@ -5832,6 +5838,10 @@ def _copy_extended_attributes(source, fd):
     except OSError:  # no such attributes here (another system, a file system without them)
         return
     for attribute in names:
+        # a user's attributes and an ACL: not a security label or a hash of the old
+        # contents, nor file capabilities, which would give the new contents the old rights
+        if not attribute.startswith(("user.", "system.posix_acl_access")):
+            continue
         try:
             os.setxattr(fd, attribute, os.getxattr(source, attribute, follow_symlinks=False))
         except OSError:
@@ -6012,18 +6022,22 @@ class _Root:
                              0o666, dir_fd=dir_fd)
             except PermissionError:
                 temp = None  # the file may be writable: the reason is its folder's, said so
-                raise _ToolFailure(f"permission denied: {shown}: lich may not write in its folder "
-                                   f"(a file is replaced by one made beside it)") from None
+                why = " (a file is replaced by one made beside it)" if old else ""
+                raise _ToolFailure(f"permission denied: {shown}: lich may not write in its "
+                                   f"folder{why}") from None
             with os.fdopen(fd, "wb") as f:
-                if old is not None:
+                if old is not None:  # no one reads the new text that the old file kept from them
+                    os.fchmod(fd, stat.S_IMODE(old.st_mode) & 0o777)
+                f.write(data)
+                f.flush()
+                if old is not None:  # then what a write or a chown would take away again
                     if (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
                         try:
                             os.fchown(fd, old.st_uid, old.st_gid)
                         except OSError:  # not lich's to give away: its group, where lich is
                             _give_group(fd, old.st_gid)  # of it, or its team lost the file
-                    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after: a chown drops set-id bits
+                    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # set-id bits, after the chown
                     _copy_extended_attributes(f"/proc/self/fd/{dir_fd}/{name}", fd)
-                f.write(data)
             os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             temp = None
         except OSError as e:
@@ -8591,7 +8605,10 @@ class _HTTPServer:
         self._deliver({"jsonrpc": "2.0", "method": method, **({"params": params} if params else {})})
 
     def _deliver(self, message):
-        """POST a message that gets no answer (a notification, or our answer to the server)."""
+        """POST a message that gets no answer (a notification, or our answer to the server);
+        none once closed (a call's cancellation, sent from a thread of its own, may come after)."""
+        if self._closed:
+            return
         try:
             with _Exchange(None, _CONNECT_TIMEOUT) as exchange:
                 self._post(message, exchange).close()

@@ -6600,8 +6600,12 @@ def test_a_tools_anyof_oneof_or_allof_at_the_top_goes_as_one_object(server, prov
             "name": {"type": "string"}, "note": {"type": "number"}}, "required": ["name", "note"]}}}
     both = {"allOf": [{"properties": {"a": {"type": "string"}}, "required": ["a"]},
                       {"properties": {"b": {"type": "string"}}, "required": ["b", "a"]}]}
+    odd = {"anyOf": [{"$ref": "#/$defs/gone"}, {"$ref": "#/$defs/x/properties/y"}, True,
+                     {"properties": {"q": {"type": "string"}}, "required": ["q"]}],
+           "required": "abc", "$defs": {"x": {"properties": {"y": {}}}}, "definitions": [1]}  # as servers err
     specs = [{"name": "find", "description": "", "parameters": either},
              {"name": "pair", "description": "", "parameters": both},
+             {"name": "odd", "description": "", "parameters": odd},
              {"name": "plain", "description": "", "parameters": {"type": "object", "properties": {}}}]
     sent_either = {"type": "object", "description": "by id or by name", "$defs": either["$defs"], "properties": {
         "id": {"type": "integer"}, "note": {"type": "string"}, "name": {"type": "string"}}, "required": ["note"]}
@@ -6615,7 +6619,8 @@ def test_a_tools_anyof_oneof_or_allof_at_the_top_goes_as_one_object(server, prov
         anthropic_at(server, cache=False)(USER, tools=specs)
     sent = server.requests[-1]["json"]["tools"]
     schemas = [t["function"]["parameters"] if "function" in t else t["input_schema"] for t in sent]
-    assert schemas == [sent_either, sent_both, {"type": "object", "properties": {}}]
+    sent_odd = {"type": "object", "$defs": odd["$defs"], "definitions": [1], "properties": {"q": {"type": "string"}}}
+    assert schemas == [sent_either, sent_both, sent_odd, {"type": "object", "properties": {}}]
     assert specs[0]["parameters"]["oneOf"]  # the spec itself is as it was
 
 
@@ -11258,8 +11263,9 @@ WITHOUT_CHOWN = """
 import ctypes, os, sys
 prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only
 os.setgroups([0, 4321])  # of the file's group, as a team member is
-if prctl is None or prctl(24, 0, 0, 0, 0) != 0:  # PR_CAPBSET_DROP CAP_CHOWN: root gives no file away after exec
-    sys.exit(99)
+for capability in (0, 4):  # CAP_CHOWN, CAP_FSETID: root gives no file away, and a write drops set-id bits
+    if prctl is None or prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        sys.exit(99)
 os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 """
 
@@ -11267,7 +11273,7 @@ os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
 def test_a_write_keeps_the_files_group_where_not_its_owner_and_its_extended_attributes(ws):
     """A user who may not give a file back to its owner gave it no group either (one call of
     fchown for both): the team lost a shared file. Its extended attributes (a POSIX ACL
-    among them) went with the replaced file."""
+    among them) went with the replaced file, and its set-gid bit with the write."""
     target = ws / "shared.txt"
     target.write_text("team notes\n")
     try:
@@ -11277,7 +11283,7 @@ def test_a_write_keeps_the_files_group_where_not_its_owner_and_its_extended_attr
     if os.geteuid() != 0:
         pytest.skip("giving the file to another user needs root")
     os.chown(target, 1234, 4321)
-    target.chmod(0o660)
+    target.chmod(0o2770)
     script = ("import sys; sys.path.insert(0, sys.argv[1]); import lich\n"
               "print(lich.coding_tools(sys.argv[2], allow_write=True).run(lich.ToolCall(id='c1', name='edit_file', "
               "arguments={'path': 'shared.txt', 'old_text': 'team', 'new_text': 'our'})).output)\n")
@@ -11286,7 +11292,8 @@ def test_a_write_keeps_the_files_group_where_not_its_owner_and_its_extended_attr
         pytest.skip("root cannot drop CAP_CHOWN here")
     assert (code, out, err) == (0, "replaced 1 occurrence of old_text in shared.txt\n", "")
     kept = target.stat()
-    assert (target.read_text(), kept.st_uid, kept.st_gid, oct(kept.st_mode & 0o777)) == ("our notes\n", 0, 4321, "0o660")
+    assert (target.read_text(), kept.st_uid, kept.st_gid, oct(kept.st_mode & 0o7777)) == (
+        "our notes\n", 0, 4321, "0o2770")
     assert os.getxattr(target, "user.note") == b"kept"
 
 
