@@ -3943,6 +3943,7 @@ def _wire_parameters(schema):
     combined = [key for key in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(key), list)]
     if not combined:
         return schema
+
     def names(value):  # a "required" as a server may list it: only a list of names counts
         return [name for name in value if isinstance(name, str)] if isinstance(value, list) else []
 
@@ -3959,8 +3960,8 @@ def _wire_parameters(schema):
             if isinstance(ref, str):  # "#/$defs/name" alone: a path further in is not read
                 found = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref)
                 branch = defs.get(found.group(1), {}).get(found.group(2)) if found else None
-            if not isinstance(branch, dict):  # a branch not read may require nothing: no more
-                wanted = [] if key != "allOf" else wanted  # is required of any (of allOf, its own)
+            if not isinstance(branch, dict):  # unread: of anyOf or oneOf, it may require
+                wanted = [] if key != "allOf" else wanted  # nothing; of allOf, its own are lost
                 continue
             if isinstance(branch.get("properties"), dict):
                 for name, value in branch["properties"].items():
