@@ -11204,21 +11204,30 @@ for name, arguments in json.loads(sys.argv[3]):
 """
 
 
+def tools_run_without_dac(folder, mode, calls):
+    """(exit code, stdout, stderr) of a child that runs the tool ``calls`` on ``folder``'s
+    parent as root obeying file modes, ``folder`` given ``mode`` meanwhile; skips where root
+    cannot drop CAP_DAC_OVERRIDE."""
+    folder.chmod(mode)
+    try:
+        code, out, err = Process("-c", DROP_DAC, "-c", TOOLS_IN_A_CHILD, HERE, folder.parent,
+                                 json.dumps(calls)).wait()
+    finally:
+        folder.chmod(0o755)
+    if code == 99:
+        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    return code, out, err
+
+
 def test_a_folder_that_can_be_entered_but_not_listed_is_written_in_and_searched_below(ws, engine):
     """As the shell's > and cd need no right to list a folder: a write in (or below) one
     was "permission denied", and lich's own search of a folder below one failed."""
     (ws / "xnor" / "mine").mkdir(parents=True)
     (ws / "xnor" / "mine" / "old.txt").write_text("hello needle\n")
-    (ws / "xnor").chmod(0o311)  # entered, not listed (root obeys it without CAP_DAC_OVERRIDE)
     calls = [("write_file", {"path": "xnor/mine/new.txt", "content": "made"}),
              ("edit_file", {"path": "xnor/mine/old.txt", "old_text": "hello", "new_text": "hi"}),
              ("search", {"pattern": "needle", "path": "xnor/mine"})]
-    try:
-        code, out, err = Process("-c", DROP_DAC, "-c", TOOLS_IN_A_CHILD, HERE, ws, json.dumps(calls)).wait()
-    finally:
-        (ws / "xnor").chmod(0o755)
-    if code == 99:
-        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    code, out, err = tools_run_without_dac(ws / "xnor", 0o311, calls)  # entered, not listed
     assert (code, out, err) == (0, ("wrote 4 characters to xnor/mine/new.txt\n"
                                     "replaced 1 occurrence of old_text in xnor/mine/old.txt\n"
                                     "xnor/mine/old.txt:1: hi needle\n"), "")
@@ -11231,14 +11240,7 @@ def test_a_write_refused_by_its_folder_says_so(ws):
     (ws / "rodir").mkdir()
     (ws / "rodir" / "w.txt").write_text("old\n")
     (ws / "rodir" / "w.txt").chmod(0o666)
-    (ws / "rodir").chmod(0o555)
-    calls = [("write_file", {"path": "rodir/w.txt", "content": "new"})]
-    try:
-        code, out, err = Process("-c", DROP_DAC, "-c", TOOLS_IN_A_CHILD, HERE, ws, json.dumps(calls)).wait()
-    finally:
-        (ws / "rodir").chmod(0o755)
-    if code == 99:
-        pytest.skip("root cannot drop CAP_DAC_OVERRIDE here")
+    code, out, err = tools_run_without_dac(ws / "rodir", 0o555, [("write_file", {"path": "rodir/w.txt", "content": "new"})])
     assert (code, out, err) == (0, ("error: permission denied: rodir/w.txt: lich may not write in its folder (a file "
                                     "is replaced by one made beside it)\n"), "")
     assert (ws / "rodir" / "w.txt").read_text() == "old\n"
