@@ -9961,6 +9961,15 @@ def _json_text(value) -> str:
     return text
 
 
+def _can_show(stream, text) -> bool:
+    """Whether ``stream``'s encoding holds ``text`` (an ASCII terminal holds no "›")."""
+    try:
+        text.encode(getattr(stream, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
 def _is_utf8(encoding) -> bool:
     try:
         return codecs.lookup(encoding).name in ("utf-8", "utf-8-sig")
@@ -10218,11 +10227,7 @@ class _Terminal:
     def _stderr(self, text):
         if sys.stderr is not None:  # None: closed as lich started (2>&-), nothing is shown
             if self._stderr_marks is None:
-                try:
-                    "".join(map(chr, _ASCII_MARKS)).encode(getattr(sys.stderr, "encoding", None) or "utf-8")
-                    self._stderr_marks = True
-                except (UnicodeEncodeError, LookupError):
-                    self._stderr_marks = False
+                self._stderr_marks = _can_show(sys.stderr, "".join(map(chr, _ASCII_MARKS)))
             self._write(sys.stderr, text if self._stderr_marks else text.translate(_ASCII_MARKS))
 
     def _write(self, stream, text):
@@ -11476,13 +11481,10 @@ class _Cli:
     def _prompts(self):
         """(whether the prompt goes to stderr, the prompt, the prompt of a line that goes on)."""
         to_stderr = not self.term.stdout_tty  # the prompt must not go into piped stdout
-        prompt, more_prompt = "› ", "… "
-        try:  # input() cannot show what the terminal's encoding cannot hold: it would raise
-            (prompt + more_prompt).encode(getattr(sys.stderr if to_stderr else sys.stdout,
-                                                  "encoding", None) or "utf-8")
-        except (UnicodeEncodeError, LookupError):
-            prompt, more_prompt = "> ", "... "
-        return to_stderr, prompt, more_prompt
+        # input() cannot show what the terminal's encoding cannot hold: it would raise
+        if _can_show(sys.stderr if to_stderr else sys.stdout, "› …"):
+            return to_stderr, "› ", "… "
+        return to_stderr, "> ", "... "
 
     def _show_as_typed(self, message):
         """``-i``'s first prompt, shown as if typed at the prompt, where the prompt goes."""
@@ -11676,10 +11678,10 @@ class _Cli:
 
     def load_session(self, ref, *, folder):
         """The history of a session (``folder``: the latest of this --root), shown briefly."""
-        unreadable = _unreadable_folder(self.sessions_home)
         if folder and ref == "latest":
             path = _latest_session_in(self.sessions_home, self.root, self.term)
-            if path is None and unreadable:
+            unreadable = _unreadable_folder(self.sessions_home) if path is None else None
+            if unreadable:
                 raise SessionNotFound(f"cannot read the session folder {self.sessions_home}: "
                                       f"{unreadable}")
             if path is None:
@@ -11690,7 +11692,8 @@ class _Cli:
             except SessionNotFound:  # --label L names a conversation: --resume L finds it
                 path = next((p for p in list_sessions(self.sessions_home)
                              if _label_of(p) == ref), None)
-                if path is None and unreadable:  # a folder entered but not listed: by its name
+                unreadable = _unreadable_folder(self.sessions_home) if path is None else None
+                if unreadable:  # a folder entered but not listed: a session in it by its name
                     named = os.path.join(self.sessions_home, f"{ref}.jsonl")
                     if (ref == "latest" or not re.fullmatch(r"[^/\\\0]+", ref) or ".." in ref
                             or not os.path.isfile(named)):
@@ -11864,8 +11867,9 @@ def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
     """--list-sessions on stdout, or the chat's /sessions on stderr, with /help and /cost."""
     show = term.line if in_chat else term.answer
     paths = list_sessions(session_dir)
-    if not paths and _unreadable_folder(session_dir):
-        term.error(f"cannot read the session folder {session_dir}: {_unreadable_folder(session_dir)}")
+    unreadable = _unreadable_folder(session_dir) if not paths else None
+    if unreadable:
+        term.error(f"cannot read the session folder {session_dir}: {unreadable}")
         return _EXIT_ERROR
     if not paths:
         term.note("no sessions yet")
