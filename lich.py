@@ -6126,7 +6126,7 @@ def _glob_class(pattern, i):
     negated = pattern[j:j + 1] in ("!", "^")
     j += negated
     ranges, previous, known, n = [], None, True, len(pattern)
-    first = j
+    first, close = j, -1  # close: the first "]" after a "[:" seen, kept for the next "[:"
     while j < n and (j == first or pattern[j] != "]"):
         c = pattern[j]
         if c == "\\":
@@ -6142,7 +6142,8 @@ def _glob_class(pattern, i):
             ranges.append((previous, pattern[j]))  # z-a: nothing (z itself was one already)
             previous = None
         elif c == "[" and pattern[j + 1:j + 2] == ":":
-            close = pattern.find("]", j + 2)
+            if close < j + 2:  # looked for again only past it: "[:x" * 200,000 took a second
+                close = pattern.find("]", j + 2)
             if close < 0:
                 return None
             if close > j + 2 and pattern[close - 1] == ":":
@@ -6167,21 +6168,20 @@ def _glob_segments(pattern, gitignore=False):
     (negated, set of ranges) for a class. "\\x" is x ("\\/" a "/"), a "/" inside a class
     separates nothing. A class left open is a "[" and a trailing lone "\\" a "\\" in a
     glob; in a .gitignore (``gitignore``) either makes the pattern match nothing, as in git."""
-    segments, tokens, raw = [], [], ""  # raw: the segment's characters, to tell "**" apart
+    segments, tokens, start = [], [], 0  # start: where the segment begins, to tell "**" apart
     i, n = 0, len(pattern)
     closes = True  # a class may yet close: once one ran to the end, no "[" after it is read
     # as one, or each would read to the end again ("[" * 8000 took 15 s)
     while i <= n:
         c = pattern[i:i + 1]  # "" past the end, which ends the last segment
         if c in ("/", "") or c == "\\" and pattern[i + 1:i + 2] == "/":
+            raw = pattern[start:i]  # a string grown a character at a time took quadratic time
             segments.append("**" if len(raw) > 1 and not raw.strip("*") else tokens)  # *** is ** too
-            tokens, raw = [], ""
             i += 1 + (c == "\\")
+            tokens, start = [], i
             continue
-        raw += c
         if c == "\\" and i + 1 < n:  # an escaped character stands for itself (a set of one)
             i += 1
-            raw += pattern[i]
             tokens.append((False, ((pattern[i], pattern[i]),)))
         elif c == "\\" and gitignore:
             tokens.append(_NO_CHARACTER)
@@ -6197,7 +6197,6 @@ def _glob_segments(pattern, gitignore=False):
                 tokens.append(c)
             else:
                 tokens.append(found[0])
-                raw += "]"
                 i = found[1]
         else:
             tokens.append(c)

@@ -10513,6 +10513,20 @@ def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
     assert time.monotonic() - started < 5
 
 
+def test_a_long_glob_or_gitignore_class_is_read_in_linear_time(ws):
+    """A segment's text was grown a character at a time (10 s for a glob of 800,000
+    characters of "[:"), and each "[:" in a class looked for its "]" again (4 s for a
+    .gitignore line of 1,200,000): a model writes either with one call."""
+    (ws / "kept.txt").write_text("x\n")
+    tools = lich.coding_tools(ws, search_timeout=5)
+    started = time.monotonic()
+    result = run_tool(tools, "list_files", pattern="[" + "[:" * 400_000)
+    assert result.output.startswith("no files match [[:[:")
+    (ws / ".gitignore").write_text("[" + "[:x" * 400_000 + "]\n")
+    assert run_tool(tools, "list_files") == lich.ToolResult(ok=True, output=".gitignore\nkept.txt")
+    assert time.monotonic() - started < 3
+
+
 def test_a_gitignore_of_many_rules_keeps_the_searchs_time_limit(ws):
     """ripgrep cannot take a .gitignore with a brace, so lich checks each path it finds
     against every rule: 50,000 of them held a search of 200 files for a minute, past its time
