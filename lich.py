@@ -9777,18 +9777,22 @@ def _prompt_with_stdin(prompt, piped) -> str:
 def _project_instructions(root, term=None):
     """(file name, text) of AGENTS.md in ``root``, else CLAUDE.md, else None. Only a regular
     file inside the root counts: a link to ~/.aws/credentials is not sent to a model. One
-    that is there but cannot be read is said on ``term``, when given."""
+    that is there but is passed over or cannot be read is said on ``term``, when given."""
     root = os.path.realpath(root)
     for name in ("AGENTS.md", "CLAUDE.md"):
         try:  # a chain of links too long for realpath's recursion too
             path = os.path.realpath(os.path.join(root, name))
         except RecursionError:
             continue
-        if not path.startswith(root.rstrip("/") + "/"):
+        if not path.startswith(root.rstrip("/") + "/"):  # only a link leads out
+            if term is not None:
+                term.error(f"warning: not following {name} of {root}: it links out of that folder")
             continue
         try:
             with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW), "rb") as f:
                 if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a FIFO would never end
+                    if term is not None:
+                        term.error(f"warning: not following {name} of {root}: it is no regular file")
                     continue
                 text = f.read(_INSTRUCTIONS_MAX_BYTES).decode("utf-8", "replace").strip()
         except OSError as e:

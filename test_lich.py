@@ -15046,9 +15046,11 @@ def test_project_instructions_that_cannot_be_read_are_said_so(server, lich_model
 def test_project_instructions_are_a_regular_file_inside_the_root(server, lich_model, cli, workspace, tmp_path):
     (tmp_path / "credentials").write_text("TOP-SECRET\n")
     (workspace / "AGENTS.md").symlink_to(tmp_path / "credentials")  # a link out is not followed
-    os.mkfifo(workspace / "CLAUDE.md")  # and a FIFO is not waited on
+    os.mkfifo(workspace / "CLAUDE.md")  # and a FIFO is not waited on: both were passed over unsaid
     queue(server, openai_reply("ok"), openai_reply("ok"))
-    assert cli("--no-stream", "-s", "Be brief.", "--root", str(workspace), "hi") == (0, "ok\n", USAGE_LINE)
+    assert cli("--no-stream", "-s", "Be brief.", "--root", str(workspace), "hi") == (0, "ok\n", (
+        f"lich: warning: not following AGENTS.md of {workspace}: it links out of that folder\n"
+        f"lich: warning: not following CLAUDE.md of {workspace}: it is no regular file\n" + USAGE_LINE))
     assert server.requests[0]["json"]["messages"][0]["content"] == "Be brief."
     os.unlink(workspace / "AGENTS.md")
     (workspace / "docs").mkdir()
