@@ -6987,6 +6987,9 @@ class _Matches:
     """The first matches in (path, line) order, however they arrive, and how many there were."""
 
     def __init__(self):
+        self.clear()
+
+    def clear(self):  # for a search begun again, by another engine
         self.kept = []
         self.total = 0
         self.skipped = []
@@ -7328,6 +7331,11 @@ class _Workspace:
         if ended == "done" and code == 2 and not matches.total and ("regex" in errors
                                                                     or "glob" in errors):
             return None  # a Python pattern (or a glob) ripgrep does not take: the worker searches
+        if ended == "done" and code not in (0, 1, 2):  # it crashed (a panic is 101: no thread
+            # could start, say) or was killed: what it printed is a part, and "no matches" a lie
+            _log.debug("ripgrep ended with code %s: %s", code, errors[-500:])
+            matches.clear()
+            return None
         if folder:  # what ripgrep could not read is said, as lich's own search says it
             for unread in re.finditer(r"(?m)^rg: (.+): ([^:\n]+) \(os error (\d+)\)$", errors):
                 rel = unread.group(1).removeprefix("./")

@@ -11119,6 +11119,23 @@ def test_both_search_engines_give_the_same_answers(ws, monkeypatch):
     assert with_rg[3] == lich.ToolResult(ok=True, output="crlf.txt:1: def crlf():")
 
 
+@pytest.mark.parametrize("end", ["exit 101", "kill -KILL $$", "kill -SEGV $$"],
+                         ids=["panicked", "killed", "crashed"])
+def test_a_ripgrep_that_crashes_leaves_the_search_to_lichs_own(ws, tmp_path, monkeypatch, end):
+    """A ripgrep that panicked (under a process limit it could start no thread) or died by a
+    signal was read as a search done: the model was told "no matches", or the part it printed."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "rg").write_text(
+        "#!/bin/sh\nprintf 'a.txt\\000%s\\n' '1:1:needle'\n"
+        f"echo \"thread 'main' panicked: failed to spawn thread\" >&2\n{end}\n")
+    (tmp_path / "bin" / "rg").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    (ws / "a.txt").write_text("needle\n")
+    (ws / "b.txt").write_text("a needle too\n")
+    assert run_tool(lich.coding_tools(ws), "search", pattern="needle") == lich.ToolResult(
+        ok=True, output="a.txt:1: needle\nb.txt:1: a needle too")
+
+
 def test_a_python_only_pattern_still_searches_where_ripgrep_refuses_it(ws, engine):
     (ws / "a.txt").write_text("foo bar\nfoo baz\n")
     assert run_tool(lich.coding_tools(ws), "search", pattern=r"foo (?=baz)") == lich.ToolResult(
