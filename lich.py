@@ -2564,14 +2564,17 @@ def _read1_chunks(fp):
 
 def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
-    try:
-        import requests
+    import importlib
+
+    try:  # Not ``import requests``: a thread that waited on another's import which failed
+        # (no file descriptor left, say) got the half-made module from it, and then an
+        # AttributeError; import_module imports it again.
+        return importlib.import_module("requests")
     except ModuleNotFoundError as e:
         if e.name != "requests":
             raise
         raise ModuleNotFoundError("lich's providers need the requests package: pip install "
                                   "requests", name="requests") from None
-    return requests
 
 
 def _check_seconds(name, value, *, none=False):

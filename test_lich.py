@@ -4792,6 +4792,34 @@ def test_the_signal_cuts_an_exchange_through_a_proxy(monkeypatch):
         silent.close()
 
 
+def test_a_thread_whose_import_of_requests_waited_on_a_failed_one_imports_it_again():
+    """Two batch workers' first requests at once, the first one's import of requests failing
+    (no file descriptor left): the second got the half-made module from it, and a request
+    that failed then gave "module 'requests' has no attribute 'RequestException'"."""
+    script = ("import errno, importlib.abc, importlib.machinery, sys, threading, time\n"
+              "class FailsOnce(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+              "    def find_spec(self, name, path, target=None):\n"
+              "        if name == 'requests' and self in sys.meta_path:\n"
+              "            sys.meta_path.remove(self)\n"
+              "            return importlib.machinery.ModuleSpec(name, self)\n"
+              "    def create_module(self, spec):\n        return None\n"
+              "    def exec_module(self, module):\n"
+              "        time.sleep(0.5)  # the other thread asks for it meanwhile\n"
+              "        raise OSError(errno.EMFILE, 'Too many open files')\n"
+              "sys.meta_path.insert(0, FailsOnce())\n"
+              f"sys.path[0] = {str(HERE)!r}; import lich\n"
+              f"chat = lich.OpenAIChat('gpt-test', base_url='http://127.0.0.1:{free_port()}/v1')\n"
+              "said = []\n"
+              "def ask():\n"
+              "    try:\n        chat([{'role': 'user', 'content': 'Hi'}])\n"
+              "    except lich.ProviderError as e:\n        said.append(e.kind)\n"
+              "    except Exception as e:\n        said.append(repr(e))\n"
+              "first = threading.Thread(target=ask); first.start(); time.sleep(0.1)\n"
+              "second = threading.Thread(target=ask); second.start(); first.join(); second.join()\n"
+              "print(said)\n")
+    assert Process("-c", script).wait() == (0, str(["OSError(24, 'Too many open files')", "network"]) + "\n", "")
+
+
 def test_the_signal_cuts_requests_under_eventlets_patching(server):
     """eventlet's green socket has no shutdown of its class: the watchdog's first cut raised
     AttributeError, its thread died, and no request of the process was cut again."""
