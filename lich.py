@@ -167,6 +167,8 @@ def _exception_text(exc) -> str:
         message = str(exc)
     except Exception:
         message = "<exception str() failed>"
+    if not message and isinstance(exc, MemoryError):  # Python's has no words of its own
+        message = "out of memory"
     return f"{type(exc).__name__}: {message}"
 
 

@@ -1853,6 +1853,22 @@ def test_an_exception_that_cannot_say_its_message_is_still_a_failed_result():
     assert outcome.stopped_reason == "final"
 
 
+def test_a_memory_error_says_what_python_leaves_unsaid():
+    """Python's MemoryError has no message: the model got "MemoryError: " (and the command line
+    "error: MemoryError", a 30 MB answer under ulimit -v 300M)."""
+    tools = lich.Tools()
+
+    @tools.tool
+    def load() -> str:
+        """Load it all."""
+        raise MemoryError()
+
+    outcome, events, _ = run_loop(assistant("", ("c1", "load", "{}")), assistant("ok"), tools=tools)
+    assert events[4]["result"] == lich.ToolResult(ok=False, error="MemoryError: out of memory")
+    assert outcome.messages[2] == tool_msg("c1", failed("MemoryError: out of memory"), name="load",
+                                           is_error=True)
+
+
 def test_a_tool_that_changes_the_call_it_is_given_changes_no_history(tmp_path):
     tools = lich.Tools()
 
