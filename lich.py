@@ -3532,6 +3532,10 @@ class _HTTPChat:
                 status, content, response.headers)
             if status == 407:  # a proxy's, for an http:// server (an https:// one's: CONNECT's)
                 message += " (the proxy asks for credentials: give them in its URL)"
+            elif url[:7].lower() == "http://" and content.lstrip()[:1] not in (b"{", b"["):
+                proxy = self._proxy()  # no API's answer: likely the proxy's own page (a 403)
+                if proxy:
+                    message += f" (through the proxy {_redact_url(_redact_secrets(proxy))})"
             if (status == 404 and "model" not in message.lower()  # a route, not a model, unfound
                     and self.base_url.partition("?")[0].endswith("/v1") != self._base_has_v1):
                 message += (" (an OpenAI-compatible base URL most often ends in /v1)"
@@ -3791,15 +3795,20 @@ class _HTTPChat:
             return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
         return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
 
-    def _unreached_error(self, e):
-        """The ProviderError of what no retry mends, or of a proxy, before the server was
-        reached: a certificate not trusted, a proxy's 407, a proxy URL requests cannot read,
-        an unreachable proxy (named); None for the rest."""
+    def _proxy(self):
+        """The URL of the proxy a request goes through, or None."""
         requests = _requests()
         session = self._http()  # a caller's may read the variables as it sends
         proxies = session.proxies or (requests.utils.get_environ_proxies(self._url)
                                       if session.trust_env else {})
-        proxy = requests.utils.select_proxy(self._url, proxies)
+        return requests.utils.select_proxy(self._url, proxies)
+
+    def _unreached_error(self, e):
+        """The ProviderError of what no retry mends, or of a proxy, before the server was
+        reached: a certificate not trusted, a proxy's 407 or other refusal, a proxy URL
+        requests cannot read, an unreachable proxy (named); None for the rest."""
+        requests = _requests()
+        proxy = self._proxy()
         shown = f"the proxy {_redact_url(_redact_secrets(proxy))}" if proxy else "its proxy"
         tls = _tls_failure(e)
         where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
@@ -3820,6 +3829,16 @@ class _HTTPChat:
                 return self._error(f"{shown} asks for credentials (HTTP 407 "
                                    f"Proxy Authentication Required): give them in its URL",
                                    "bad_request", status=407, retryable=False)
+            # Its answer to CONNECT: no retry mends a refusal (403, a port it does not tunnel
+            # to); a 5xx says the server behind it is down, as a connection refused would.
+            answer = re.search(r"Tunnel connection failed: ((\d{3})[^'\")]*)", str(e))
+            if answer and answer.group(2).startswith("4"):
+                return self._error(f"{shown} refused to connect to {self._shown_url} (HTTP "
+                                   f"{_snippet(answer.group(1))})", "bad_request",
+                                   status=int(answer.group(2)), retryable=False)
+            if answer:
+                return self._error(f"cannot reach {self._shown_url} through {shown}: it "
+                                   f"answered HTTP {_snippet(answer.group(1))}", "network")
             return self._error(f"cannot reach {self._shown_url} through {shown}: "
                                f"{_unreachable_reason(e)}", "network")
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema)):
@@ -11312,7 +11331,9 @@ class _Cli:
             term.error(_describe_error(exc))
             if isinstance(exc, ProviderError) and exc.kind == "overflow":  # each turn would fail so
                 budget = self.args.context_budget
-                term.note("lich: the conversation is longer than the model takes: "
+                term.note(("lich: the request is larger than the server takes (HTTP 413: a "
+                           "proxy before it may set that limit): " if exc.status == 413 else
+                           "lich: the conversation is longer than the model takes: ")
                           + (f"a --context-budget below {budget} compresses it sooner" if budget
                              else "compression is off (--context-budget 0)")
                           + ("; /compact compresses it now" if self.interactive else ""))

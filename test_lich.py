@@ -4941,6 +4941,41 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
          f"Required): give them in its URL"), "bad_request", 407, False, 1)
 
 
+@pytest.mark.parametrize("answer, said, kind, status, retryable, asked", [
+    (b"HTTP/1.1 403 Forbidden", "the proxy {proxy} refused to connect to {url} (HTTP 403 Forbidden)",
+     "bad_request", 403, False, 1),
+    (b"HTTP/1.1 503 Service Unavailable", "cannot reach {url} through the proxy {proxy}: it answered HTTP "
+     "503 Service Unavailable", "network", None, True, 3),
+], ids=["refused", "server-behind-it-down"])
+def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said, kind, status, retryable, asked):
+    """squid's or tinyproxy's 403 to CONNECT read "Unable to connect to proxy" and was retried
+    (a batch spent 92 s a task on it), though the proxy was reached and said no."""
+    proxy, heard = _proxy_answering_connect(answer + b"\r\nContent-Length: 0\r\n\r\n")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy}")
+    chat = lich.chat_from_spec("openai:gpt-test@https://127.0.0.1:9/v1", api_key="k", base_delay=0.001)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    url = "https://127.0.0.1:9/v1/chat/completions"
+    assert (str(info.value), info.value.kind, info.value.status, info.value.retryable, len(heard)) == (
+        "openai: " + said.format(proxy=f"http://{proxy}", url=url), kind, status, retryable, asked)
+
+
+def test_a_page_of_an_http_servers_proxy_names_the_proxy(monkeypatch):
+    """squid's 403 page for an http:// server read "auth: HTTP 403: ERROR: The requested URL could
+    not be retrieved", which sent the user to their API key."""
+    page = b"<html><title>ERROR: The requested URL could not be retrieved</title></html>"
+    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
+                                        b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://carol:Squ1dPassw0rd@{proxy}")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
+    assert (str(info.value), info.value.kind, info.value.status) == (
+        f"openai: HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the "
+        f"proxy http://[redacted]@{proxy})", "auth", 403)
+
+
 def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
     import socket
 
@@ -14866,6 +14901,16 @@ def test_a_conversation_too_long_for_the_model_names_the_budget(server, lich_mod
     assert cli("--no-stream", "--context-budget", budget, "hi") == (1, "", (
         "lich: error: overflow: openai: HTTP 400 (context_length_exceeded): This model's maximum context length is "
         f"8192 tokens\nlich: the conversation is longer than the model takes: {hint}\n"))
+
+
+def test_a_request_too_large_for_a_proxy_is_not_said_to_be_the_conversations(server, lich_model, cli):
+    """nginx's client_max_body_size answers 413 before the model sees anything: lich said the
+    conversation was longer than the model takes, of a prompt of 750 tokens."""
+    queue(server, Reply(413, "<html><title>413 Request Entity Too Large</title></html>", content_type="text/html"))
+    assert cli("--no-stream", "hi") == (1, "", (
+        "lich: error: overflow: openai: HTTP 413: 413 Request Entity Too Large (an HTML page)\n"
+        "lich: the request is larger than the server takes (HTTP 413: a proxy before it may set that limit): "
+        "a --context-budget below 100000 compresses it sooner\n"))
 
 
 def test_a_compression_shows_a_spinner_and_one_stopped_claims_nothing(server, lich_model, tmp_path):
