@@ -11553,6 +11553,10 @@ class _Cli:
         except EOFError:
             self.term.typed("\n")
             return None
+        except OSError as e:  # the terminal gone, read without readline (stdout not one; PyPy)
+            if e.errno != errno.EIO:
+                raise
+            return None
         except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
             self.term.error("that line is not valid text in this terminal's encoding")
             return ""

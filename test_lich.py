@@ -17508,6 +17508,20 @@ def test_a_terminal_gone_at_the_prompt_ends_the_chat_as_ctrl_d_does(server, lich
     assert (tmp_path / "state" / "lich" / "history").read_text() == '"/cost"\n'
 
 
+def test_a_terminal_gone_while_the_chat_reads_it_without_readline_ends_it_as_ctrl_d_does(server, lich_model,
+                                                                                          tmp_path):
+    """With stdout not the terminal (``lich -i > log``, or on PyPy), input() reads the terminal
+    itself, and its end is an OSError (EIO), not an EOFError: lich ended with 1."""
+    with open(tmp_path / "out.txt", "w") as out:
+        term = Pty(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")}, stdout=out)
+        term.expect(PROMPT)
+        term.send("/cost")
+        term.expect(PROMPT)
+        os.close(term.master)
+        assert term.proc.wait(timeout=10) == 0
+    assert (tmp_path / "state" / "lich" / "history").read_text() == '"/cost"\n'
+
+
 def test_a_chat_whose_model_has_no_key_says_so_when_it_starts(tmp_path):
     term = chat_pty(tmp_path=tmp_path, env={"LICH_MODEL": "anthropic:claude-x"})
     assert term.expect(PROMPT).endswith(  # not after a message is typed, when its turn fails
