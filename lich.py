@@ -199,25 +199,62 @@ def _raised_by_a_signal_handler(exc) -> bool:
     return False
 
 
+_after_fork_renewals = []  # what a forked child makes its own, in the order given
+_state_pid = os.getpid()  # the process that the module's state (locks, watched calls) is of
+_renewing = False  # while a thread renews it in a child forked without Python's hooks
+_renewal_lock = threading.RLock()  # a renewal may take a lock of lich's, which looks again
+
+
+def _after_fork(renew):
+    """Have ``renew()`` run in a forked child: at the fork, or, where the process was
+    forked without Python's hooks (uWSGI forks its workers in C, unless told
+    --py-call-osafterfork), at lich's first use there that _check_fork guards."""
+    _after_fork_renewals.append(renew)
+
+
+def _renew_after_fork():
+    global _renewing, _state_pid
+    _renewing = True
+    try:
+        for renew in list(_after_fork_renewals):
+            renew()
+    finally:
+        _renewing = False
+        _state_pid = os.getpid()  # last: no other thread goes on before all is renewed
+
+
+def _check_fork():
+    """Renew the module's state in a child that Python's fork hooks did not (a getpid)."""
+    if os.getpid() != _state_pid:
+        with _renewal_lock:
+            if os.getpid() != _state_pid and not _renewing:
+                _renew_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_after_fork)
+
+
 class _ForkSafeLock:
     """A lock of the module that a forked child gets free: a thread of its parent may have
     held it at the fork, and nothing in the child would ever release it."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._renew)
+        _after_fork(self._renew)
 
     def _renew(self):
         self._lock = threading.Lock()
 
     def acquire(self, blocking=True):
+        _check_fork()
         return self._lock.acquire(blocking)
 
     def release(self):
         self._lock.release()
 
     def __enter__(self):
+        _check_fork()
         self._lock.acquire()
 
     def __exit__(self, *exc_info):
@@ -2816,8 +2853,7 @@ class _Watchdog:
 
     def __init__(self):
         self._renew()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._renew)
+        _after_fork(self._renew)
 
     def _renew(self):
         """No exchange watched. Also what a forked child's watchdog becomes: its copies of
@@ -2828,6 +2864,7 @@ class _Watchdog:
         self._pid = None  # the process whose thread it is: a fork starts its own
 
     def watch(self, exchange):
+        _check_fork()
         with self._cond:
             self._exchanges.add(exchange)
             if self._pid != os.getpid():
@@ -4920,8 +4957,7 @@ def _forget_limiters_after_fork():
         limiter._renew()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_limiters_after_fork)
+_after_fork(_forget_limiters_after_fork)
 
 
 def _limiter_in_this_process(token, max_concurrent, requests_per_minute, tokens_per_minute):
@@ -5013,6 +5049,7 @@ class Limiter:
     def _acquire(self, call, tokens, signal):
         """Wait for the turn of ``call``: the calls start in the order they came (a thread
         that calls again at once, as an agent's next turn does, waits behind the others)."""
+        _check_fork()
         with self._lock:
             try:  # appended inside: a Ctrl-C as the append returns leaves no call in line
                 self._waiting.append(call)
@@ -9222,8 +9259,7 @@ def _close_batch_out_files_after_fork():
     _batch_out_files.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_batch_out_files_after_fork)
+_after_fork(_close_batch_out_files_after_fork)
 
 
 def _done_result(line):

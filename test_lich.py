@@ -4595,6 +4595,39 @@ def test_a_forked_child_never_cuts_a_connection_of_its_parent(server):
     assert len({r["port"] for r in server.requests if r["json"]["messages"][-1]["content"] in "AB"}) == 1
 
 
+def test_a_child_forked_without_pythons_hooks_never_cuts_a_connection_of_its_parent(server):
+    """As uWSGI forks its workers (in C, without Python's fork hooks): the worker's watchdog
+    inherited the master's exchange in flight and cut the socket the master had gone on to
+    use for its next request."""
+    answered_at = {"A": 0.5, "B": 2.25, "child": 2.75}  # B after A's limit (2), within its own
+    started = time.monotonic()
+
+    def respond(request):
+        said, held = request["json"]["messages"][-1]["content"], threading.Event()
+        threading.Timer(max(0.0, started + answered_at[said] - time.monotonic()), held.set).start()
+        return Reply(200, openai_reply(said), hold=held)
+
+    server.responder = respond
+    url = server.url + "/v1"
+    script = (f"import ctypes, os, sys, threading, time; sys.path[0] = {str(HERE)!r}; import lich\n"
+              f"chat, answers = lich.OpenAIChat('gpt-test', base_url={url!r}, timeout=2), []\n"
+              "def parent():  # A and B in one thread: one connection\n"
+              "    for said in ('A', 'B'):\n"
+              "        try:\n"
+              "            answers.append(chat([{'role': 'user', 'content': said}]).message['content'])\n"
+              "        except lich.ProviderError as e:\n"
+              "            answers.append(str(e))\n"
+              "caller = threading.Thread(target=parent); caller.start(); time.sleep(0.2)  # A in flight\n"
+              "pid = ctypes.PyDLL(None).fork()  # in C, as uWSGI forks\n"
+              "if pid == 0:\n"
+              f"    said = lich.OpenAIChat('gpt-test', base_url={url!r}, timeout=10)(\n"
+              "        [{'role': 'user', 'content': 'child'}]).message['content']\n"
+              "    os.write(1, said.encode() + b'\\n')\n"
+              "    os._exit(0)\n"
+              "os.waitpid(pid, 0); caller.join(10); print(answers)\n")
+    assert Process("-c", script).wait(timeout=20) == (0, "child\n['A', 'B']\n", "")  # it hung
+
+
 def test_connection_refused_is_a_network_error():
     port = free_port()
     with pytest.raises(lich.ProviderError) as info:
@@ -8397,6 +8430,33 @@ def test_a_limiter_a_forked_child_inherits_is_free_of_its_parents_calls():
 
     # None: it waited on its parent's call
     assert exit_code_of_child_forked_during(occupy, lambda: limited(USER).message == answer("ok")) == 0
+
+
+def test_a_limiter_a_child_forked_without_pythons_hooks_inherits_is_free_of_its_parents_calls():
+    """uWSGI forks its workers in C, without Python's fork hooks (unless --py-call-osafterfork):
+    every request of a worker forked while the master's call was in flight waited for ever."""
+    script = (f"import ctypes, os, sys, threading, time; sys.path[0] = {str(HERE)!r}; import lich\n"
+              "limiter, held, forked = lich.Limiter(max_concurrent=1), threading.Event(), threading.Event()\n"
+              "def busy(messages, **options):\n"
+              "    held.set(); forked.wait(10)\n"
+              "    return lich.ChatResult({'role': 'assistant', 'content': 'late'})\n"
+              "hi = [{'role': 'user', 'content': 'Hi'}]\n"
+              "threading.Thread(target=lambda: limiter.wrap(busy)(hi)).start()\n"
+              "held.wait(10)\n"
+              "pid = ctypes.PyDLL(None).fork()  # in C, as uWSGI forks\n"
+              "if pid == 0:\n"
+              "    answer = limiter.wrap(lambda messages, **options: lich.ChatResult(\n"
+              "        {'role': 'assistant', 'content': 'free'}))(hi).message['content']\n"
+              "    os.write(1, answer.encode() + b'\\n')\n"
+              "    os._exit(0)\n"
+              "for _ in range(50):\n"
+              "    ended, status = os.waitpid(pid, os.WNOHANG)\n"
+              "    if ended:\n        break\n"
+              "    time.sleep(0.1)\n"
+              "else:\n"
+              "    os.kill(pid, 9); os.waitpid(pid, 0); print('the child waited on its parent')\n"
+              "forked.set()\n")
+    assert Process("-c", script).wait() == (0, "free\n", "")
 
 
 def _limited_calls(limiter, n, work=0.05, signal=None, starts=None):
