@@ -3266,9 +3266,14 @@ def _error_fields(data):
 
 
 def _classify_http_error(status, body, headers):
-    """(message, kind, retryable, retry_after) for a non-2xx response, per API.md's table."""
+    """(message, kind, retryable, retry_after) for a non-2xx response, per API.md's table;
+    the server's ``x-should-retry`` (OpenAI's and Anthropic's, which their SDKs obey) says
+    whether a retry may help, when it says so."""
     text, codes = _error_from_wire(body)
     kind, retryable = _status_kind(status, text, codes)
+    should_retry = str(headers.get("x-should-retry", "")).strip().lower()
+    if should_retry in ("true", "false"):
+        retryable = should_retry == "true"
     label = f" ({codes[0]})" if codes else ""
     return f"HTTP {status}{label}: {text}", kind, retryable, _retry_after(headers)
 
@@ -4220,9 +4225,8 @@ class _OpenAIStream:
                 # new call (a server that changes only the id within a call goes on with it)
                 key = self.moved[call.get("index")] = ("again", len(self.slots))
                 slot = None
-            if slot is None:
-                if not (call.get("id") or function.get("name")):
-                    raise ValueError(f"a tool-call delta for index {key!r} that was never opened")
+            if slot is None:  # its id and name may come in a later delta (no order is
+                # promised); a call that never gets a name fails at the end
                 slot = self.slots[key] = [None, None, [], None]
             if call.get("id") and not slot[0]:
                 slot[0] = call["id"]
@@ -4514,17 +4518,18 @@ def _anthropic_usage(usage, into):
         return
     cached = ("cache_read_tokens", "cache_write_tokens")
     uncached = into.get("input_tokens", 0) - sum(into.get(k, 0) for k in cached)
-    if "input_tokens" in usage:
-        uncached = _count(usage["input_tokens"])
-    if "output_tokens" in usage:
+    if usage.get("input_tokens") is not None:  # null: not said in this event (the SDK's
+        uncached = _count(usage["input_tokens"])  # MessageDeltaUsage has them optional)
+    if usage.get("output_tokens") is not None:
         into["output_tokens"] = _count(usage["output_tokens"])
     for theirs, ours in (("cache_read_input_tokens", "cache_read_tokens"),
                          ("cache_creation_input_tokens", "cache_write_tokens")):
         if usage.get(theirs) is not None:
             into[ours] = _count(usage[theirs])
-    if any(k in usage for k in ("input_tokens", "cache_creation_input_tokens",
-                                "cache_read_input_tokens")):  # an event that leaves a count out
-        into["input_tokens"] = uncached + sum(into.get(k, 0) for k in cached)  # keeps the last
+    if any(usage.get(k) is not None for k in ("input_tokens", "cache_creation_input_tokens",
+                                              "cache_read_input_tokens")):  # an event that
+        # leaves a count out keeps the last
+        into["input_tokens"] = uncached + sum(into.get(k, 0) for k in cached)
     details = usage.get("output_tokens_details")
     if isinstance(details, dict) and details.get("thinking_tokens") is not None:
         into["reasoning_tokens"] = _count(details["thinking_tokens"])

@@ -5603,6 +5603,15 @@ ERROR_CASES = [
     ("anthropic-500", "anthropic", 500, anthropic_error("api_error", "Internal server error"), {},
      "server", True, None),
     ("304-not-an-answer", "openai", 304, b"", {}, "invalid_response", False, None),
+    # the server's word on a retry, which the official SDKs obey (lich retried a 503 it said no to)
+    ("503-should-not-retry", "openai", 503, openai_error("Try later"), {"x-should-retry": "false"},
+     "overloaded", False, None),
+    ("anthropic-529-should-not-retry", "anthropic", 529, anthropic_error("overloaded_error", "Overloaded"),
+     {"x-should-retry": "False"}, "overloaded", False, None),
+    ("409-should-retry", "openai", 409, openai_error("Lock timeout"), {"x-should-retry": "true"},
+     "bad_request", True, None),
+    ("500-should-retry-unreadable", "openai", 500, openai_error("Oops"), {"x-should-retry": "maybe"},
+     "server", True, None),
 ]
 
 
@@ -7053,6 +7062,24 @@ def test_openai_stream_assembles_split_parallel_tool_calls(server):
     assert deltas == []
 
 
+def test_openai_stream_takes_a_tool_calls_id_and_name_from_a_later_delta(server):
+    """No order is promised within a call's deltas: a first one with only an index and empty
+    arguments failed the whole answer ("a tool-call delta for index 0 that was never opened"),
+    where OpenAI's SDK puts the call together."""
+    chunks = [delta_chunk(tool_calls=[{"index": 0, "type": "function", "function": {"arguments": ""}}]),
+              delta_chunk(tool_calls=[{"index": 0, "id": "call_a",
+                                       "function": {"name": "weather", "arguments": '{"ci'}}]),
+              delta_chunk(tool_calls=[call_delta(0, 'ty": "Paris"}')])]
+    server.reply(200, chunks=[openai_sse(*chunks, delta_chunk(finish="tool_calls"))])
+    assert openai_at(server, stream=True)(USER, tools=[WEATHER_SPEC]) == result(
+        "", ("call_a", "weather", '{"city": "Paris"}'), model="gpt-test-1", stop="tool_calls")
+    never_named = delta_chunk(tool_calls=[call_delta(1, "{}")])  # the answer cannot be run
+    server.reply(200, chunks=[openai_sse(*chunks, never_named, delta_chunk(finish="tool_calls"))])
+    with pytest.raises(lich.ProviderError, match="streamed tool call 1 has no name") as info:
+        openai_at(server, stream=True)(USER, tools=[WEATHER_SPEC])
+    assert info.value.kind == "invalid_response"
+
+
 NOT_JSON = ("the arguments of echo are not valid JSON (Expecting ',' delimiter: line 1 column 13 "
             "(char 12)); send one JSON object")
 
@@ -7640,6 +7667,19 @@ def test_anthropic_stream_usage_keeps_the_cached_counts_a_later_event_leaves_out
     server.reply(200, chunks=[body])
     assert anthropic_at(server, stream=True)(USER).usage == usage(
         125, 9, cache_read_tokens=100, cache_write_tokens=20)  # the whole input, cached included
+
+
+def test_anthropic_stream_usage_keeps_the_counts_a_later_event_gives_as_null(server):
+    """The SDK's MessageDeltaUsage has every count optional: a null input count made the
+    input 0 (or only the cached tokens) where the SDK keeps 25."""
+    start = message_start()
+    start["message"]["usage"] = {"input_tokens": 5, "cache_read_input_tokens": 3, "output_tokens": 1}
+    body = anthropic_sse(start, block_start(0, text_block("")), block_delta(0, type="text_delta", text="Hi"),
+                         {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                          "usage": {"input_tokens": None, "cache_read_input_tokens": None,
+                                    "cache_creation_input_tokens": None, "output_tokens": 9}}, MESSAGE_STOP)
+    server.reply(200, chunks=[body])
+    assert anthropic_at(server, stream=True)(USER).usage == usage(8, 9, cache_read_tokens=3)
 
 
 @pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "array", "items": {"type": ["object", "null"]}}],
