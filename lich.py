@@ -2525,6 +2525,22 @@ def _system_error(error):
     return error, cause if isinstance(cause, OSError) and cause.errno else None
 
 
+def _tunnel_answer(error):
+    """The status line a proxy answered ``CONNECT`` with ("403 Forbidden"), from inside
+    ``requests``' error ``error`` (http.client's "Tunnel connection failed: ..."), or None."""
+    seen = 0
+    while error is not None and seen < 8:  # a few wrappings deep; never a loop
+        if len(error.args) == 1 and isinstance(error.args[0], str):
+            found = re.match(r"Tunnel connection failed: (\d{3}\b.*)", error.args[0], re.DOTALL)
+            if found:
+                return found.group(1).strip()
+        inner = getattr(error, "reason", None)
+        if not isinstance(inner, BaseException):
+            inner = next((a for a in error.args if isinstance(a, BaseException)), None)
+        error, seen = inner, seen + 1
+    return None
+
+
 def _tls_failure(error):
     """The ``ssl.SSLError`` inside ``requests``' error ``error`` (in its arguments, or
     urllib3's ``reason``), or None."""
@@ -2603,6 +2619,10 @@ def _read1_chunks(fp):
 
 def _requests():
     """The requests module, imported on first use so that ``import lich`` stays light."""
+    requests = sys.modules.get("requests")
+    if requests is not None and not getattr(getattr(requests, "__spec__", None),
+                                            "_initializing", False):
+        return requests  # imported whole: no import lock taken (a microsecond or six a call)
     import importlib
 
     try:  # Not ``import requests``: a thread that waited on another's import which failed
@@ -2877,6 +2897,7 @@ class _Watchdog:
             self._cond.notify()
 
     def forget(self, exchange):
+        _check_fork()
         with self._cond:
             self._exchanges.discard(exchange)
 
@@ -3872,15 +3893,17 @@ class _HTTPChat:
                                    f"Proxy Authentication Required): give them in its URL",
                                    "bad_request", status=407, retryable=False)
             # Its answer to CONNECT: no retry mends a refusal (403, a port it does not tunnel
-            # to); a 5xx says the server behind it is down, as a connection refused would.
-            answer = re.search(r"Tunnel connection failed: ((\d{3})[^'\")]*)", str(e))
-            if answer and answer.group(2).startswith("4"):
+            # to); its 408 or 429 may pass, and a 5xx says the server behind it is down, as a
+            # connection refused would.
+            answer = _tunnel_answer(e)
+            status = int(answer[:3]) if answer else None
+            if status is not None and 400 <= status < 500 and status not in (408, 429):
                 return self._error(f"{shown} refused to connect to {self._shown_url} (HTTP "
-                                   f"{_snippet(answer.group(1))})", "bad_request",
-                                   status=int(answer.group(2)), retryable=False)
-            if answer:
+                                   f"{_snippet(answer)})", "bad_request", status=status,
+                                   retryable=False)
+            if status is not None:
                 return self._error(f"cannot reach {self._shown_url} through {shown}: it "
-                                   f"answered HTTP {_snippet(answer.group(1))}", "network")
+                                   f"answered HTTP {_snippet(answer)}", "network", status=status)
             return self._error(f"cannot reach {self._shown_url} through {shown}: "
                                f"{_unreachable_reason(e)}", "network")
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.InvalidSchema)):

@@ -901,17 +901,18 @@ class Process:
         return self.popen.returncode, out, err
 
 
-# The numbers of select and pselect6, where readline and select.select wait for a key
+# The numbers of select and pselect6, where readline and select.select wait for a key; of read
 _SELECT_CALLS = {"x86_64": {"23", "270"}, "aarch64": {"72"}}.get(os.uname().machine, set())
+_READ_CALLS = {"x86_64": {"0"}, "aarch64": {"63"}}.get(os.uname().machine, set())
 
 
-def _waits_in_select(pid, *, main):
-    """Whether a thread of process ``pid`` (``main``: its main thread) is blocked in a call of
-    _SELECT_CALLS (Linux's /proc/PID/task/TID/syscall; False where that cannot be read)."""
+def _waits_in_select(pid, *, main, calls=_SELECT_CALLS):
+    """Whether a thread of process ``pid`` (``main``: its main thread) is blocked in one of
+    ``calls`` (Linux's /proc/PID/task/TID/syscall; False where that cannot be read)."""
     try:
         for tid in [str(pid)] if main else os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-                if f.read().split(" ", 1)[0] in _SELECT_CALLS:
+                if f.read().split(" ", 1)[0] in calls:
                     return True
     except OSError:
         pass
@@ -4595,39 +4596,6 @@ def test_a_forked_child_never_cuts_a_connection_of_its_parent(server):
     assert len({r["port"] for r in server.requests if r["json"]["messages"][-1]["content"] in "AB"}) == 1
 
 
-def test_a_child_forked_without_pythons_hooks_never_cuts_a_connection_of_its_parent(server):
-    """As uWSGI forks its workers (in C, without Python's fork hooks): the worker's watchdog
-    inherited the master's exchange in flight and cut the socket the master had gone on to
-    use for its next request."""
-    answered_at = {"A": 0.5, "B": 2.25, "child": 2.75}  # B after A's limit (2), within its own
-    started = time.monotonic()
-
-    def respond(request):
-        said, held = request["json"]["messages"][-1]["content"], threading.Event()
-        threading.Timer(max(0.0, started + answered_at[said] - time.monotonic()), held.set).start()
-        return Reply(200, openai_reply(said), hold=held)
-
-    server.responder = respond
-    url = server.url + "/v1"
-    script = (f"import ctypes, os, sys, threading, time; sys.path[0] = {str(HERE)!r}; import lich\n"
-              f"chat, answers = lich.OpenAIChat('gpt-test', base_url={url!r}, timeout=2), []\n"
-              "def parent():  # A and B in one thread: one connection\n"
-              "    for said in ('A', 'B'):\n"
-              "        try:\n"
-              "            answers.append(chat([{'role': 'user', 'content': said}]).message['content'])\n"
-              "        except lich.ProviderError as e:\n"
-              "            answers.append(str(e))\n"
-              "caller = threading.Thread(target=parent); caller.start(); time.sleep(0.2)  # A in flight\n"
-              "pid = ctypes.PyDLL(None).fork()  # in C, as uWSGI forks\n"
-              "if pid == 0:\n"
-              f"    said = lich.OpenAIChat('gpt-test', base_url={url!r}, timeout=10)(\n"
-              "        [{'role': 'user', 'content': 'child'}]).message['content']\n"
-              "    os.write(1, said.encode() + b'\\n')\n"
-              "    os._exit(0)\n"
-              "os.waitpid(pid, 0); caller.join(10); print(answers)\n")
-    assert Process("-c", script).wait(timeout=20) == (0, "child\n['A', 'B']\n", "")  # it hung
-
-
 def test_connection_refused_is_a_network_error():
     port = free_port()
     with pytest.raises(lich.ProviderError) as info:
@@ -4977,9 +4945,13 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
 @pytest.mark.parametrize("answer, said, kind, status, retryable, asked", [
     (b"HTTP/1.1 403 Forbidden", "the proxy {proxy} refused to connect to {url} (HTTP 403 Forbidden)",
      "bad_request", 403, False, 1),
+    (b"HTTP/1.1 403 Don't go there", "the proxy {proxy} refused to connect to {url} (HTTP 403 Don't go there)",
+     "bad_request", 403, False, 1),
     (b"HTTP/1.1 503 Service Unavailable", "cannot reach {url} through the proxy {proxy}: it answered HTTP "
-     "503 Service Unavailable", "network", None, True, 3),
-], ids=["refused", "server-behind-it-down"])
+     "503 Service Unavailable", "network", 503, True, 3),
+    (b"HTTP/1.1 429 Too Many Requests", "cannot reach {url} through the proxy {proxy}: it answered HTTP "
+     "429 Too Many Requests", "network", 429, True, 3),
+], ids=["refused", "refused-in-words-of-its-own", "server-behind-it-down", "its-own-rate-limit"])
 def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said, kind, status, retryable, asked):
     """squid's or tinyproxy's 403 to CONNECT read "Unable to connect to proxy" and was retried
     (a batch spent 92 s a task on it), though the proxy was reached and said no."""
@@ -17617,6 +17589,8 @@ def test_a_terminal_gone_while_the_chat_reads_it_without_readline_ends_it_as_ctr
         term.expect(PROMPT)
         term.send("/cost")
         term.expect(PROMPT)
+        # closed before the read begins, the read is an end of file: no EIO then
+        eventually(lambda: _waits_in_select(term.proc.pid, main=True, calls=_READ_CALLS), 5)
         os.close(term.master)
         assert term.proc.wait(timeout=10) == 0
     assert (tmp_path / "state" / "lich" / "history").read_text() == '"/cost"\n'
