@@ -17464,7 +17464,9 @@ def test_a_terminal_that_hangs_up_as_the_chat_leaves_keeps_the_input_history(ser
         os.close(term.master)
         term.proc.send_signal(signals.SIGHUP)
         term.proc.send_signal(signals.SIGHUP)  # a closing terminal sends two
-        assert term.proc.wait(timeout=10) in (0, 128 + signals.SIGHUP)
+        # the second may land as lich gives Python's handler back, after the file is
+        # written: the process then ends by the signal (a shell shows 129 either way)
+        assert term.proc.wait(timeout=10) in (0, 128 + signals.SIGHUP, -signals.SIGHUP)
         assert history.read_text() == "".join(json.dumps(f"earlier {n}") + "\n" for n in range(1, 1000)) + '"/cost"\n'
 
 
