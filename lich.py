@@ -216,7 +216,7 @@ def _renew_after_fork():
     global _renewing, _state_pid
     _renewing = True
     try:
-        for renew in list(_after_fork_renewals):
+        for renew in _after_fork_renewals:
             renew()
     finally:
         _renewing = False
@@ -2525,19 +2525,27 @@ def _system_error(error):
     return error, cause if isinstance(cause, OSError) and cause.errno else None
 
 
-def _tunnel_answer(error):
-    """The status line a proxy answered ``CONNECT`` with ("403 Forbidden"), from inside
-    ``requests``' error ``error`` (http.client's "Tunnel connection failed: ..."), or None."""
-    seen = 0
-    while error is not None and seen < 8:  # a few wrappings deep; never a loop
-        if len(error.args) == 1 and isinstance(error.args[0], str):
-            found = re.match(r"Tunnel connection failed: (\d{3}\b.*)", error.args[0], re.DOTALL)
-            if found:
-                return found.group(1).strip()
+def _wrapped_errors(error):
+    """``requests``' error ``error`` and those inside it, outermost first (in its arguments,
+    or urllib3's ``reason``): a few wrappings deep, never a loop."""
+    for _ in range(8):
+        if error is None:
+            return
+        yield error
         inner = getattr(error, "reason", None)
         if not isinstance(inner, BaseException):
             inner = next((a for a in error.args if isinstance(a, BaseException)), None)
-        error, seen = inner, seen + 1
+        error = inner
+
+
+def _tunnel_answer(error):
+    """The status line a proxy answered ``CONNECT`` with ("403 Forbidden"), from inside
+    ``requests``' error ``error`` (http.client's "Tunnel connection failed: ..."), or None."""
+    for each in _wrapped_errors(error):
+        if len(each.args) == 1 and isinstance(each.args[0], str):
+            found = re.match(r"Tunnel connection failed: (\d{3}\b.*)", each.args[0], re.DOTALL)
+            if found:
+                return found.group(1).strip()
     return None
 
 
@@ -2546,15 +2554,7 @@ def _tls_failure(error):
     urllib3's ``reason``), or None."""
     import ssl
 
-    seen = 0
-    while error is not None and seen < 8:  # a few wrappings deep; never a loop
-        if isinstance(error, ssl.SSLError):
-            return error
-        inner = getattr(error, "reason", None)
-        if not isinstance(inner, BaseException):
-            inner = next((a for a in error.args if isinstance(a, BaseException)), None)
-        error, seen = inner, seen + 1
-    return None
+    return next((each for each in _wrapped_errors(error) if isinstance(each, ssl.SSLError)), None)
 
 
 def _readable_url(url) -> bool:

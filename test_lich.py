@@ -4947,10 +4947,10 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
      "bad_request", 403, False, 1),
     (b"HTTP/1.1 403 Don't go there", "the proxy {proxy} refused to connect to {url} (HTTP 403 Don't go there)",
      "bad_request", 403, False, 1),
-    (b"HTTP/1.1 503 Service Unavailable", "cannot reach {url} through the proxy {proxy}: it answered HTTP "
-     "503 Service Unavailable", "network", 503, True, 3),
-    (b"HTTP/1.1 429 Too Many Requests", "cannot reach {url} through the proxy {proxy}: it answered HTTP "
-     "429 Too Many Requests", "network", 429, True, 3),
+    (b"HTTP/1.1 503 Service Unavailable", ("cannot reach {url} through the proxy {proxy}: it answered HTTP "
+                                           "503 Service Unavailable"), "network", 503, True, 3),
+    (b"HTTP/1.1 429 Too Many Requests", ("cannot reach {url} through the proxy {proxy}: it answered HTTP "
+                                         "429 Too Many Requests"), "network", 429, True, 3),
 ], ids=["refused", "refused-in-words-of-its-own", "server-behind-it-down", "its-own-rate-limit"])
 def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said, kind, status, retryable, asked):
     """squid's or tinyproxy's 403 to CONNECT read "Unable to connect to proxy" and was retried
@@ -4977,8 +4977,8 @@ def test_a_page_of_an_http_servers_proxy_names_the_proxy(monkeypatch):
     with pytest.raises(lich.ProviderError) as info:
         lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
     assert (str(info.value), info.value.kind, info.value.status) == (
-        f"openai: HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the "
-        f"proxy http://[redacted]@{proxy})", "auth", 403)
+        (f"openai: HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the "
+         f"proxy http://[redacted]@{proxy})"), "auth", 403)
 
 
 def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
