@@ -9366,6 +9366,14 @@ def _results_file(out, redo):
 
 def _close_results_file(fd):
     _batch_out_files.discard(fd)
+    try:  # Unlocked before it is closed: a child forked in C (a uWSGI worker, or its HTTP
+        # router, which never runs Python) holds a copy of the descriptor, and with it the
+        # lock, which then outlived the batch.
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except (ImportError, OSError):  # no flock here (Windows): it was not locked
+        pass
     os.close(fd)
 
 

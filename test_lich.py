@@ -14212,6 +14212,35 @@ def test_an_answer_with_a_lone_surrogate_is_written_to_out_and_read_back(tmp_pat
     assert lich.run_batch(["a", "b"], chat=ScriptedChat(), max_turns=1, out=out) == results  # both done
 
 
+def test_an_out_file_is_let_go_when_its_batch_ends_though_a_child_forked_in_c_holds_it(tmp_path):
+    """A child forked in C during a batch (a uWSGI worker, or its HTTP router, which never
+    runs Python) kept a copy of the out file's descriptor, and with it the lock: every later
+    batch on that file failed with "another batch is writing to it" while the child lived."""
+    out = tmp_path / "out.jsonl"
+    script = (f"import ctypes, os, sys, threading; sys.path[0] = {str(HERE)!r}; import lich\n"
+              "started, go = threading.Event(), threading.Event()\n"
+              "def held(messages, **options):\n"
+              "    started.set(); go.wait(10)\n"
+              "    return lich.ChatResult({'role': 'assistant', 'content': 'first'})\n"
+              f"first = threading.Thread(target=lambda: lich.run_batch(['a'], chat=held, max_turns=1, "
+              f"out={str(out)!r}))\n"
+              "first.start(); started.wait(10)\n"
+              "pid = ctypes.PyDLL(None).fork()  # in C, as uWSGI forks\n"
+              "if pid == 0:\n"
+              "    ctypes.PyDLL(None).pause()  # holds the descriptor and never runs lich\n"
+              "try:\n"
+              "    go.set(); first.join(10)\n"
+              f"    again = lich.run_batch([{{'id': 'b', 'prompt': 'hi'}}], max_turns=1, out={str(out)!r},\n"
+              "                           chat=lambda messages, **options: lich.ChatResult(\n"
+              "                               {'role': 'assistant', 'content': 'again'}))\n"
+              "    print([(r.id, r.final) for r in again])\n"
+              "except OSError as e:\n"
+              "    print(e)\n"
+              "finally:\n"
+              "    os.kill(pid, 9); os.waitpid(pid, 0)\n")
+    assert Process("-c", script).wait() == (0, "[('b', 'again')]\n", "")
+
+
 def test_a_second_batch_on_an_out_file_in_use_is_refused_before_it_runs_anything(server, tmp_path):
     import errno
     import fcntl
