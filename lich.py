@@ -11130,6 +11130,7 @@ class _Cli:
     """One invocation of the command line: its options resolved into a chat, tools, a terminal."""
 
     typed = None  # the chat's input lines, once readline keeps a history
+    batch_retried = None  # --batch's: shows a retry of a task's request on the progress line
 
     def __init__(self, args, environ, term, interrupts):
         self.args = args
@@ -11270,7 +11271,9 @@ class _Cli:
             raise _UsageError(str(exc)) from None
 
     def _on_retry(self, error, attempt, delay):
-        if self._current(threading.current_thread()):
+        if self.batch_retried is not None:
+            self.batch_retried(error, delay)
+        elif self._current(threading.current_thread()):
             self.progress.received = []  # the next try's text is the answer's, from its start
             self.term.note(f"retrying in {_seconds(delay)} s: {error.kind} (attempt {attempt}/"
                            f"{self.chat.retries})")
@@ -11849,17 +11852,13 @@ class _Cli:
         if args.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise _UsageError(f"--out: the folder of {args.out} does not exist")
         signal = self.signal = threading.Event()
-        started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0}
+        started, counts = time.monotonic(), {"done": 0, "failed": 0, "budget": 0, "retries": 0}
         total = len(tasks)
         done_before = 0 if args.out is None or args.redo else _done_in(args.out, tasks)
         begun = []  # a task's id as it begins (appended by the worker threads)
+        counting = threading.Lock()  # retries are counted and shown from the worker threads
 
-        def on_result(result):
-            counts["done"] += 1
-            counts["failed"] += result.stopped_reason is None or result.stopped_reason == "aborted"
-            counts["budget"] += result.stopped_reason == "budget"
-            if args.out is None:
-                term.json_line(asdict(result))
+        def show(retried=""):
             elapsed = time.monotonic() - started
             rate = counts["done"] / elapsed if elapsed > 0 else 0.0
             done = done_before + counts["done"]
@@ -11867,7 +11866,24 @@ class _Cli:
             eta = f" · ETA {max(1, round(left / rate))} s" if rate and left else ""  # never "0 s"
             budget = f" · {counts['budget']} out of turns" if counts["budget"] else ""  # exit 3
             term.status(f"{done}/{total} done · {counts['failed']} failed{budget} · "
-                        f"{len(begun) - counts['done']} running · {elapsed:.0f} s · {rate:.1f}/s{eta}")
+                        f"{len(begun) - counts['done']} running · {elapsed:.0f} s · "
+                        f"{rate:.1f}/s{eta}{retried}")
+
+        def on_result(result):
+            counts["done"] += 1
+            counts["failed"] += result.stopped_reason is None or result.stopped_reason == "aborted"
+            counts["budget"] += result.stopped_reason == "budget"
+            if args.out is None:
+                term.json_line(asdict(result))
+            show()
+
+        def on_retry(error, delay):  # a batch whose requests fail and wait looked hung
+            with counting:
+                counts["retries"] += 1
+                show(f" · {_how_many(counts['retries'], 'retry', 'retries')} (the last: "
+                     f"{error.kind}, waiting {_seconds(delay)} s)")
+
+        self.batch_retried = on_retry
 
         def tools(task):  # made as the task begins: it runs until its result comes
             begun.append(task["id"])

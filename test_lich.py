@@ -17902,6 +17902,19 @@ def test_ctrl_c_stops_a_batch_keeps_what_finished_and_exits_130(batch_server, li
     assert 3 <= len(rows) < 200 and all(r["ok"] or r["stopped_reason"] == "aborted" for r in rows)
 
 
+def test_a_batch_shows_the_retries_of_its_requests_on_its_progress_line(server, lich_model, tmp_path, workspace):
+    """A batch whose requests failed and waited (under ulimit -n 10, every socket EMFILE, eight
+    retries each) showed nothing for minutes, and looked hung."""
+    queue(server, Reply(503, openai_error("Busy"), headers={"retry-after-ms": "10"}), openai_reply("done"))
+    tasks = tmp_path / "tasks.txt"
+    tasks.write_text("one\n")
+    code, out, err = Process(*LICH, "--batch", tasks, "--workers", "1", "--no-session", "--root", workspace).wait()
+    shown = re.sub(r"\d+ s · [\d.]+/s", "(time)", re.sub(r"waiting [\d.]+ s", "waiting (delay)", err))
+    assert (code, [json.loads(line)["final"] for line in out.splitlines()], shown) == (0, ["done"], (
+        "0/1 done · 0 failed · 1 running · (time) · 1 retry (the last: overloaded, waiting (delay))\n"
+        "1/1 done · 0 failed · 0 running · (time)\n"))
+
+
 def test_a_note_during_a_batch_on_a_terminal_comes_under_its_status_line(server, lich_model, tmp_path, workspace):
     import signal as signals
 
