@@ -1981,13 +1981,15 @@ def _new_session(session_dir, label):
             continue
         # Another process may have taken this counter under another label meanwhile:
         # whoever sees a second claim steps aside, so two never both keep one.
-        if _session_stems(session_dir, stamp).count(counter) == 1:
-            try:
+        try:  # the listing may fail too (no descriptor left): the claim goes with it
+            ours = _session_stems(session_dir, stamp).count(counter) == 1
+            if ours:
                 os.rename(claim, path)
-            except BaseException:
-                os.close(fd)
-                os.unlink(claim)
-                raise
+        except BaseException:
+            os.close(fd)
+            os.unlink(claim)
+            raise
+        if ours:
             return SessionHandle(path, fd)
         os.close(fd)
         os.unlink(claim)

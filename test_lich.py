@@ -3008,6 +3008,34 @@ def test_two_sessions_in_one_second_never_share_a_file(tmp_path):
         h.close()
 
 
+def test_a_session_that_cannot_be_named_for_want_of_a_descriptor_leaves_no_claim(tmp_path):
+    """The claim took the last descriptor, and the listing after it failed (EMFILE): the claim
+    stayed open and on disk, one descriptor lost for each, and a batch under ulimit -n 16
+    then stalled for 100 s, its workers out of sockets."""
+    script = (f"import os, resource, sys; sys.path[0] = {str(HERE)!r}; import lich\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+              "hog = []\n"
+              "try:\n"
+              "    while True:\n"
+              "        hog.append(os.open('/dev/null', os.O_RDONLY))\n"
+              "except OSError:\n"
+              "    os.close(hog.pop())  # one descriptor left\n"
+              "try:\n"
+              f"    lich.open_session({str(tmp_path)!r})\n"
+              "except OSError as e:\n"
+              "    print(e.strerror)\n"
+              "for fd in hog:\n"
+              "    os.close(fd)\n"
+              "held = []\n"
+              "for fd in os.listdir('/proc/self/fd'):  # the listing's own is gone once listed\n"
+              "    try:\n"
+              "        held.append(os.readlink(f'/proc/self/fd/{fd}'))\n"
+              "    except OSError:\n"
+              "        pass\n"
+              f"print([name for name in held if '.claim' in name], os.listdir({str(tmp_path)!r}))\n")
+    assert Process("-c", script).wait() == (0, "Too many open files\n[] []\n", "")
+
+
 def test_a_child_forked_while_a_session_was_being_named_can_name_its_own(tmp_path, monkeypatch):
     naming, forked, namer = threading.Event(), threading.Event(), []
     listdir = os.listdir
