@@ -5764,7 +5764,8 @@ _SUBFOLDER_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O
 # a folder passed through on the way to another, or written in: opened for its place alone
 # where the system can (Linux's O_PATH), which needs no right to list it, as the shell's
 # cd and > need none (a user's drop folder, a root-owned 0711 home)
-_PASSED_FOLDER_FLAGS = _SUBFOLDER_FLAGS & ~os.O_RDONLY | getattr(os, "O_PATH", os.O_RDONLY)
+_PLACE_ONLY = getattr(os, "O_PATH", os.O_RDONLY)
+_PASSED_FOLDER_FLAGS = _SUBFOLDER_FLAGS | _PLACE_ONLY
 
 
 # A path's lock, by its real path's hash: an edit reads, changes and writes its file under it,
@@ -6012,7 +6013,7 @@ class _Root:
         ``to_list``, one to write in, which needs no right to list it."""
         if not stat.S_ISDIR(self.stat(real, shown).st_mode):
             raise _ToolFailure(f"path is not a directory: {shown}")
-        flags = os.O_RDONLY if to_list else getattr(os, "O_PATH", os.O_RDONLY)
+        flags = os.O_RDONLY if to_list else _PLACE_ONLY
         return self._open(real, shown, flags | getattr(os, "O_DIRECTORY", 0))
 
     def _open(self, real, shown, flags):
@@ -11800,8 +11801,7 @@ class _Cli:
             path = _latest_session_in(self.sessions_home, self.root, self.term)
             unreadable = _unreadable_folder(self.sessions_home) if path is None else None
             if unreadable:
-                raise SessionNotFound(f"cannot read the session folder {self.sessions_home}: "
-                                      f"{unreadable}")
+                raise SessionNotFound(unreadable)
             if path is None:
                 raise SessionNotFound("no session in this folder")
         else:
@@ -11815,8 +11815,7 @@ class _Cli:
                     named = os.path.join(self.sessions_home, f"{ref}.jsonl")
                     if (ref == "latest" or not re.fullmatch(r"[^/\\\0]+", ref) or ".." in ref
                             or not os.path.isfile(named)):
-                        raise SessionNotFound(f"cannot read the session folder "
-                                              f"{self.sessions_home}: {unreadable}") from None
+                        raise SessionNotFound(unreadable) from None
                     path = named
                 if path is None:
                     raise
@@ -11982,16 +11981,16 @@ def _bad_task(error, numbers, path):
 
 
 def _unreadable_folder(folder):
-    """Why ``folder``, which is there, cannot be listed (a sessions folder a ``sudo lich``
-    made root's), in words; None when it can be, or is not there: list_sessions reads such a
-    folder as one without sessions."""
+    """"cannot read the session folder F: why" when ``folder``, which is there, cannot be
+    listed (a sessions folder a ``sudo lich`` made root's); None when it can be, or is not
+    there: list_sessions reads such a folder as one without sessions."""
     try:
         with os.scandir(folder):
             return None
     except FileNotFoundError:
         return None
     except OSError as e:
-        return e.strerror or str(e)
+        return f"cannot read the session folder {folder}: {e.strerror or e}"
 
 
 def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
@@ -12000,7 +11999,7 @@ def _print_sessions(session_dir, term, *, as_json, in_chat=False) -> int:
     paths = list_sessions(session_dir)
     unreadable = _unreadable_folder(session_dir) if not paths else None
     if unreadable:
-        term.error(f"cannot read the session folder {session_dir}: {unreadable}")
+        term.error(unreadable)
         return _EXIT_ERROR
     if not paths:
         term.note("no sessions yet")
