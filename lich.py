@@ -2573,11 +2573,21 @@ def _readable_url(url) -> bool:
 def _unreachable_reason(error) -> str:
     """Why ``requests`` could not reach a server: its ``[Errno N] text`` when it has one (not
     urllib3's paragraph around it), secrets and URL user-info redacted."""
+    import http.client
+
     error, system = _system_error(error)
     if system is not None:
         error = system
-    elif len(error.args) == 2 and isinstance(error.args[0], str):
-        error = error.args[0]
+    else:  # urllib3's "Connection aborted." (or its proxy's words) says less than what it holds
+        for each in _wrapped_errors(error):
+            if isinstance(each, http.client.RemoteDisconnected):
+                return "the connection was closed without an answer"
+            if isinstance(each, http.client.BadStatusLine):
+                return f"an answer that is not HTTP: {_snippet(str(each))!r}"
+            if isinstance(each, http.client.LineTooLong):
+                return _snippet(str(each))
+        if len(error.args) == 2 and isinstance(error.args[0], str):
+            error = error.args[0]
     text = _redact_url(_redact_secrets(str(error)))
     found = re.search(_ERRNO_TEXT, text)
     return found.group(0) if found else _snippet(text)
@@ -3849,16 +3859,12 @@ class _HTTPChat:
             return self._error(f"timed out ({self._timeouts[0]}s connect, {self._timeouts[1]}s "
                                f"read) on {self._shown_url}", "timeout")
         if not (streaming or reading):  # the server, or the proxy, was not reached
-            refused = self._unreached_error(e)
-            if refused is not None:
-                return refused
+            return self._unreached_error(e)
         reason = _unreachable_reason(e)
         if streaming:  # a reset is the network's; a server that ends early, its answer's fault
             return self._error(f"stream broke off before its end: {reason}",
                                "network" if _system_error(e)[1] else "invalid_response")
-        if reading:  # the server was reached: its answer was cut
-            return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
-        return self._error(f"cannot reach {self._shown_url}: {reason}", "network")
+        return self._error(f"the answer from {self._shown_url} broke off: {reason}", "network")
 
     def _proxy(self):
         """The URL of the proxy a request goes through, or None."""
@@ -3869,14 +3875,16 @@ class _HTTPChat:
         return requests.utils.select_proxy(self._url, proxies)
 
     def _unreached_error(self, e):
-        """The ProviderError of what no retry mends, or of a proxy, before the server was
-        reached: a certificate not trusted, a proxy's 407 or other refusal, a proxy URL
-        requests cannot read, an unreachable proxy (named); None for the rest."""
+        """The ProviderError of a request that did not reach the server (or whose server said
+        nothing): not retryable for what no retry mends (a certificate not trusted, a proxy's
+        407 or other refusal, a URL requests cannot read), the proxy named when it went
+        through one (a proxy that closes after its 200 to CONNECT looks like the server)."""
         requests = _requests()
         proxy = self._proxy()
         shown = f"the proxy {_redact_url(_redact_secrets(proxy))}" if proxy else "its proxy"
         tls = _tls_failure(e)
-        where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else ""
+        through = f" through {shown}" if proxy else ""
+        where = f" ({shown})" if isinstance(e, requests.exceptions.ProxyError) else through
         if tls is not None:
             import ssl
 
@@ -3919,7 +3927,8 @@ class _HTTPChat:
                 why = "a URL requests cannot read (the server's, or its proxy's)"
             return self._error(f"cannot reach {self._shown_url}: {why}", "bad_request",
                                retryable=False)
-        return None
+        return self._error(f"cannot reach {self._shown_url}{through}: {_unreachable_reason(e)}",
+                           "network")
 
     def _body_error(self, payload, where):
         """ProviderError for an error object inside a 2xx body or stream: the payload's

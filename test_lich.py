@@ -4758,6 +4758,21 @@ def test_the_signal_is_honoured_within_a_second_wherever_the_exchange_waits(serv
         release.set()
 
 
+def read_whole_request(connection):
+    """The bytes of one HTTP request read from the socket ``connection``: its head and the
+    body its Content-Length gives; None when the client goes before the end."""
+    data = b""
+    while True:
+        head, found, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)\ncontent-length: *(\d+)", head)
+        if found and len(body) >= (int(length.group(1)) if length else 0):
+            return data
+        more = connection.recv(1 << 20)
+        if not more:
+            return None
+        data += more
+
+
 def a_server_that_reads_nothing_for(seconds):
     """(its URL, the requests it read whole, what ends its wait at once): a raw server that
     takes a connection and reads nothing of it for ``seconds`` (a slow uplink, a stalled
@@ -4769,14 +4784,10 @@ def a_server_that_reads_nothing_for(seconds):
         connection, _ = listener.accept()
         with connection, listener:
             waiting.wait(seconds)
-            data = b""
             try:
-                while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
-                        re.search(rb"(?i)content-length: *(\d+)", data).group(1)):
-                    more = connection.recv(1 << 20)
-                    if not more:
-                        return
-                    data += more
+                data = read_whole_request(connection)
+                if data is None:
+                    return
                 read.append(data.partition(b"\r\n\r\n")[2])
                 answer = json.dumps(openai_reply("sent")).encode()
                 connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
@@ -4937,9 +4948,9 @@ def test_an_event_stream_written_tightly_is_read_whole(server):
     assert (done.message["content"], done.stop_reason) == ("Hello", "stop")
 
 
-def _proxy_answering_connect(answer):
-    """A proxy on 127.0.0.1 that answers every CONNECT with ``answer`` and closes; its URL,
-    and the list of requests it read."""
+def _a_listener_answering(answer):
+    """A proxy (or server) on 127.0.0.1 that reads a request (a CONNECT), answers ``answer``
+    (bytes, maybe none) and closes; its host:port, and the list of requests it read."""
     import socket
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -4949,7 +4960,7 @@ def _proxy_answering_connect(answer):
         while True:
             connection, _ = listener.accept()
             with connection:
-                heard.append(connection.recv(65536))
+                heard.append(read_whole_request(connection))
                 connection.sendall(answer)
 
     threading.Thread(target=serve, daemon=True).start()
@@ -4958,7 +4969,7 @@ def _proxy_answering_connect(answer):
 
 def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch):
     """Through CONNECT (an https:// server), a 407 was a network error, retried, its words cut."""
-    proxy, heard = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+    proxy, heard = _a_listener_answering(b"HTTP/1.1 407 Proxy Authentication Required\r\n"
                                             b"Content-Length: 0\r\n\r\n")
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTPS_PROXY", f"http://bob:wrong-passw0rd@{proxy}")
@@ -4983,7 +4994,7 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
 def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said, kind, status, retryable, asked):
     """squid's or tinyproxy's 403 to CONNECT read "Unable to connect to proxy" and was retried
     (a batch spent 92 s a task on it), though the proxy was reached and said no."""
-    proxy, heard = _proxy_answering_connect(answer + b"\r\nContent-Length: 0\r\n\r\n")
+    proxy, heard = _a_listener_answering(answer + b"\r\nContent-Length: 0\r\n\r\n")
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy}")
     chat = lich.chat_from_spec("openai:gpt-test@https://127.0.0.1:9/v1", api_key="k", base_delay=0.001)
@@ -4994,11 +5005,47 @@ def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said
         "openai: " + said.format(proxy=f"http://{proxy}", url=url), kind, status, retryable, asked)
 
 
+@pytest.mark.parametrize("answer, said", [
+    (b"HTTP/1.1 200 Connection established\r\n\r\n", None),
+    (b"", "the connection was closed without an answer"),
+    (b"garbage\r\n\r\n", "an answer that is not HTTP: 'garbage'"),
+], ids=["closed-after-its-200", "closed-at-once", "not-http"])
+def test_a_proxy_that_closes_or_speaks_no_http_is_named_and_retried(monkeypatch, answer, said):
+    """The middle-box trial: a proxy that closed after its 200 to CONNECT read as the server's
+    TLS failure, and one that closed at once or answered no HTTP as "Connection aborted."."""
+    proxy, heard = _a_listener_answering(answer)
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTPS_PROXY", f"http://{proxy}")
+    chat = lich.chat_from_spec("openai:gpt-test@https://127.0.0.1:9/v1", api_key="k", base_delay=0.001)
+    with pytest.raises(lich.ProviderError) as info:
+        chat(USER)
+    shown = f"openai: cannot reach https://127.0.0.1:9/v1/chat/completions through the proxy http://{proxy}: "
+    assert (str(info.value)[:len(shown)], info.value.kind, info.value.retryable, len(heard)) == (
+        shown, "network", True, 3)
+    if said is None:  # OpenSSL's words for a TLS handshake cut: its version's
+        assert "EOF" in str(info.value)[len(shown):]
+    else:
+        assert str(info.value)[len(shown):] == said
+
+
+@pytest.mark.parametrize("answer, said", [
+    (b"", "the connection was closed without an answer"),
+    (b"\x15\x03\x01\x00\x02\x02\x46", "an answer that is not HTTP: '\\x15\\x03\\x01\\x00\\x02\\x02F'"),
+], ids=["closed", "a-tls-alert"])
+def test_a_server_that_closes_or_speaks_no_http_says_so(answer, said):
+    """Both read "cannot reach ...: Connection aborted.", which said nothing of what came."""
+    server, heard = _a_listener_answering(answer)
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url=f"http://{server}/v1", api_key="k")(USER)
+    assert (str(info.value), info.value.kind, info.value.retryable, len(heard)) == (
+        f"openai: cannot reach http://{server}/v1/chat/completions: {said}", "network", True, 1)
+
+
 def test_a_page_of_an_http_servers_proxy_names_the_proxy(monkeypatch):
     """squid's 403 page for an http:// server read "auth: HTTP 403: ERROR: The requested URL could
     not be retrieved", which sent the user to their API key."""
     page = b"<html><title>ERROR: The requested URL could not be retrieved</title></html>"
-    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
+    proxy, _ = _a_listener_answering(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
                                         b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTP_PROXY", f"http://carol:Squ1dPassw0rd@{proxy}")
@@ -5060,7 +5107,7 @@ def test_a_proxy_url_requests_cannot_read_shows_no_password(monkeypatch):
      "proxy password: [redacted]"),  # only the encoded spelling was a secret
 ], ids=["a user's name", "a %-encoded password"])
 def test_a_proxys_password_is_a_secret_as_it_is_sent_and_its_user_name_is_not(monkeypatch, credentials, printed, read):
-    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+    proxy, _ = _a_listener_answering(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTPS_PROXY", f"http://{credentials}@{proxy}")
     with pytest.raises(lich.ProviderError):
@@ -5073,7 +5120,7 @@ def test_a_proxys_password_is_a_secret_as_it_is_sent_and_its_user_name_is_not(mo
 
 
 def test_a_proxy_for_an_http_server_that_wants_credentials_says_so(monkeypatch):
-    proxy, _ = _proxy_answering_connect(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+    proxy, _ = _a_listener_answering(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
     with pytest.raises(lich.ProviderError) as info:
@@ -5311,8 +5358,10 @@ def test_an_https_proxys_certificate_is_verified_for_an_http_server_too(certific
     with pytest.raises(lich.ProviderError) as info:
         lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
     assert (info.value.kind, info.value.retryable, heard) == ("network", False, [])
-    assert re.fullmatch(  # urllib3 1.x tells no proxy's failure from the server's
-        rf"openai: cannot reach http://127\.0\.0\.1:9/v1/chat/completions( \(the proxy https://127\.0\.0\.1:{proxy_port}\))?: "
+    shown = rf"https://127\.0\.0\.1:{proxy_port}"
+    assert re.fullmatch(  # urllib3 1.x tells no proxy's failure from the server's: the route only
+        rf"openai: cannot reach http://127\.0\.0\.1:9/v1/chat/completions( \(the proxy {shown}\)| through the "
+        rf"proxy {shown}): "
         r"certificate verify failed: self[- ]signed certificate \(a private CA: set REQUESTS_CA_BUNDLE to its file\)",
         str(info.value)), str(info.value)
 
