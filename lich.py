@@ -3082,10 +3082,10 @@ def _sent_with_cookies(send, url, jar, **options):
 
 
 class _SessionsOfAThread(dict):
-    """url -> (variables, requests session) of one thread. Those it holds are closed when
-    the thread ends and its locals go, or at exit (urllib3 1.x leaves a dropped pool's
-    sockets to the garbage collector, which warns of each), but not by a forked child: they
-    are the parent's."""
+    """origin -> (variables, requests session) of one thread, the least recently used
+    first. Those it holds are closed when the thread ends and its locals go, or at exit
+    (urllib3 1.x leaves a dropped pool's sockets to the garbage collector, which warns of
+    each), but not by a forked child: they are the parent's."""
 
     def __init__(self):
         super().__init__()
@@ -3101,24 +3101,36 @@ def _close_http_sessions(sessions, pid):
 
 
 def _http_session_of_this_thread(local, url):
-    """The requests session kept in ``local`` (a ``threading.local``) for ``url`` and the
-    proxy and CA variables as they are now, made on first use and made again in a forked
-    child: the parent's pooled connections are not the child's to use (two processes on
-    one socket read each other's answers). It keeps no cookies: its users keep their own
-    (a session many chats share must not send one chat's to another)."""
+    """The requests session kept in ``local`` (a ``threading.local``) for the origin of
+    ``url`` and the proxy and CA variables as they are now, made on first use and made
+    again in a forked child: the parent's pooled connections are not the child's to use
+    (two processes on one socket read each other's answers). It keeps no cookies: its users
+    keep their own (a session many chats share must not send one chat's to another). A
+    thread keeps the sessions of its last _HTTP_ORIGINS_KEPT origins: a worker thread that
+    serves a tenant's server each request must not keep a socket open for every one."""
     sessions = getattr(local, "sessions", None)
     if sessions is None or sessions.pid != os.getpid():
         sessions = local.sessions = _SessionsOfAThread()
+    try:
+        origin = _origin(url)
+    except ValueError:  # a port out of range: requests refuses it as it sends, and says so
+        origin = url
     variables = tuple(map(os.environ.get, _CONNECTION_VARIABLES))
-    made, session = sessions.get(url, (None, None))
+    made, session = sessions.pop(origin, (None, None))  # put back last: the latest used
     if made != variables:  # new, or the variables changed: the old session's sockets go
         if session is not None:
-            session.close()
-            sessions.open.remove(session)
+            _forget_http_session(sessions, session)
+        if len(sessions) >= _HTTP_ORIGINS_KEPT:
+            _forget_http_session(sessions, sessions.pop(next(iter(sessions)))[1])
         session = _new_http_session(url)
-        sessions[url] = variables, session
         sessions.open.append(session)
+    sessions[origin] = variables, session
     return session
+
+
+def _forget_http_session(sessions, session):
+    session.close()
+    sessions.open.remove(session)
 
 
 # The connections of every chat, per thread: a chat made per request (a web app's, for its
@@ -3126,6 +3138,7 @@ def _http_session_of_this_thread(local, url):
 # chat keeps its own), so that no chat sends back what a server set for another (another
 # user's key).
 _chat_connections = threading.local()
+_HTTP_ORIGINS_KEPT = 16  # per thread: requests' own pool manager keeps 10 hosts' connections
 
 
 # ============================================================================

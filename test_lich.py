@@ -5385,6 +5385,41 @@ def test_a_thread_keeps_one_connection_however_often_the_proxy_variables_change(
     assert sockets() - before <= 2
 
 
+def test_a_thread_keeps_one_connection_a_server_and_those_of_its_last_16_servers(server):
+    """A worker thread whose chats went to a new base URL each request (a tenant's path on one
+    server, or a server of its own) kept a socket open for each until it ended: a thousand
+    tenants ran the process out of descriptors (the soak trial)."""
+    def established_to(ports):  # the client's sockets still connected to those ports
+        with open("/proc/net/tcp") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+        return sum(row[3] == "01" and int(row[2].split(":")[1], 16) in ports for row in rows)
+
+    if not os.path.exists("/proc/net/tcp"):
+        pytest.skip("needs /proc")
+    servers = [LoopbackServer() for _ in range(20)]
+    counted = []
+    try:
+        for each in [server, *servers]:
+            each.responder = lambda request: Reply(200, openai_reply("ok"))
+
+        def tenants():
+            for n in range(30):  # a tenant's path each: one connection
+                lich.OpenAIChat("gpt-test", base_url=f"{server.url}/tenant-{n}/v1", timeout=5)(USER)
+            counted.append(established_to({server.httpd.server_address[1]}))
+            for each in servers + servers + servers[-16:]:  # 20 servers twice: the oldest go
+                openai_at(each)(USER)
+            counted.append(established_to({each.httpd.server_address[1] for each in [server, *servers]}))
+
+        thread = threading.Thread(target=tenants)
+        thread.start()
+        thread.join()
+        assert counted == [1, 16]
+        assert [len({request["port"] for request in each.requests}) for each in [server, *servers]] == [1] + [2] * 20
+    finally:
+        for each in servers:
+            each.close()
+
+
 @pytest.mark.parametrize("stop", ["signal", "timeout"])
 def test_a_stream_without_chunks_cut_by_the_signal_or_the_clock_says_so(stop):
     import socket
