@@ -2245,6 +2245,10 @@ def _repair_history(messages) -> list:
     cut_short = compressed = False  # it failed or was stopped; it compressed its history
     cut_from = None  # where the records of the runs cut short before it, one after another, begin
     chain_inserts = run_inserts = 0  # system prompts those runs, and the run under way, put first
+    # A run that recorded its whole history (the first of a handle) puts a system prompt it
+    # set before that history's messages: a system message first is that prompt when the
+    # message after the history's is a user message (its prompt), not an answer.
+    whole = None  # [messages of it seen, its first is a system message, its prompt's place if not set]
     for message in messages:
         if type(message) is _RunMark:
             if message.event == "compress":
@@ -2252,6 +2256,8 @@ def _repair_history(messages) -> list:
             elif message.event == "end":
                 cut_short = message.cut_short
             else:  # a run starts
+                if whole is not None and own_from is None and whole[2] is not None:
+                    own_from = whole[2]  # the run before it ended at its prompt
                 keep = message.history_size
                 # the history given is the one the run before it compressed, shorter than the
                 # file: nothing can be counted (not the history it was given itself, say)
@@ -2271,13 +2277,32 @@ def _repair_history(messages) -> list:
                         del repaired[at:]
                         used, counters = _call_ids(repaired), {}  # as the next run's loop has them
                 shifted = _drop_unanswered(repaired, prompts_set,
-                                           keep=len(repaired) if shortened else keep)
+                                           keep=len(repaired) if shortened else keep + chain_inserts)
                 if cut_from is not None:  # where it began, as the messages stand now
                     cut_from = max(0, cut_from - shifted)
                     chain_inserts = max(0, chain_inserts - shifted)
                 run_started, given, reused, run_inserts = True, keep, bool(repaired) or not keep, 0
                 own_from, cut_short, compressed = None, False, False
+                whole = None if reused else [0, False, None]
             continue
+        if whole is not None and own_from is None:
+            seen = whole[0]
+            whole[0] += 1
+            if seen == 0:
+                whole[1] = message["role"] == "system"
+            if seen == given:  # its prompt, unless a system prompt it set came first
+                whole[2] = len(repaired)
+                if not whole[1]:
+                    own_from = whole[2]
+            elif whole[1] and seen == given + 1:
+                if message["role"] == "user":  # the prompt: the system message first was set
+                    prompts_set.append(_RunSystem(None, len(repaired)))
+                    run_inserts += 1
+                    if cut_from is not None:
+                        cut_from += 1
+                    own_from = len(repaired)
+                else:  # an answer: the prompt came before it
+                    own_from = whole[2]
         seeded_system, run_started = run_started and message["role"] == "system", False
         if own_from is None and reused and not seeded_system:  # what seeding added: its prompt
             own_from = len(repaired)
@@ -9877,7 +9902,12 @@ def _read_piped(on_wait=None):
         if quiet:
             on_wait()
     raw = getattr(sys.stdin, "buffer", None)
-    return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+    try:
+        return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+    except OSError as e:
+        if e.errno == errno.EBADF:  # open for writing only: nohup's in place of a terminal
+            return None
+        raise
 
 
 def _argument_text(argument) -> str:
@@ -10123,6 +10153,7 @@ class _Terminal:
         self.json_lines = json_lines
         self.stdout_tty = _isatty(sys.stdout)
         self._stderr_tty = _isatty(sys.stderr)
+        self._stderr_fd = _fd_of(sys.stderr) if self._stderr_tty else None
         self.fancy = self._stderr_tty and environ.get("TERM") != "dumb"
         self.color = self.fancy and not environ.get("NO_COLOR")
         self._columns = environ.get("COLUMNS", "")  # a width given, over the terminal's
@@ -10319,13 +10350,15 @@ class _Terminal:
                 elapsed = time.monotonic() - began
                 extra = f" {elapsed:.0f} s" if elapsed >= _TOOL_ELAPSED_SECONDS else ""
                 with self._lock:
+                    if _in_the_background(self._stderr_fd):  # it would write over the shell's line
+                        continue
                     if not self._open_line and not self._answer_open:  # one line, redrawn:
                         shown = self._fit(f"{label}{extra}", 3)  # never wrapped to a second
                         self._stderr(f"\r{_SPINNER_FRAMES[frame % len(_SPINNER_FRAMES)]} "
                                      f"{shown}\033[K")
                         frame += 1
             with self._lock:
-                if frame:
+                if frame and not _in_the_background(self._stderr_fd):
                     self._stderr("\r\033[K")
 
         thread = threading.Thread(target=spin, daemon=True)
@@ -11061,6 +11094,74 @@ def _hold_interrupts(interrupts):
     return give_back
 
 
+def _in_the_background(fd) -> bool:
+    """Whether ``fd`` is a terminal whose foreground job is another's than lich's (a shell's
+    ``bg`` or ``&``): drawing there writes over the shell's line, and reading it or setting
+    its modes stops lich (SIGTTIN, SIGTTOU)."""
+    try:
+        return os.tcgetpgrp(fd) != os.getpgrp()
+    except (OSError, TypeError, ValueError):  # not a terminal, closed, or none
+        return False
+
+
+def _wait_for_the_foreground(fd):
+    """Return once lich is the foreground job of the terminal ``fd``: tcdrain, which changes
+    nothing, stops a job in the background (SIGTTOU), as the shell's job control means,
+    until its ``fg``. At once when that cannot stop lich (an orphaned job, SIGTTOU
+    ignored), or ``fd`` is no terminal."""
+    import termios
+
+    try:
+        termios.tcdrain(fd)
+    except (termios.error, OSError, TypeError, ValueError):
+        pass
+
+
+class _LineMode:
+    """``with _LineMode(fd) as fd``: the terminal ``fd`` in the foreground, taking
+    lines, echoed, until the block ends; then its modes are given back (unless lich is in
+    the background by then: the terminal is the shell's)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.modes = None
+
+    def __enter__(self):
+        import termios
+
+        _wait_for_the_foreground(self.fd)
+        try:
+            self.modes = termios.tcgetattr(self.fd)
+        except (termios.error, OSError, ValueError):  # no terminal: nothing to set
+            return self.fd
+        self.again(self.fd)
+        return self.fd
+
+    @staticmethod
+    def again(fd):
+        """Wait for the foreground, and set the modes there again (a shell that took the
+        terminal meanwhile leaves its own)."""
+        import termios
+
+        _wait_for_the_foreground(fd)
+        try:
+            modes = termios.tcgetattr(fd)
+            if modes[3] & (termios.ICANON | termios.ECHO) != termios.ICANON | termios.ECHO:
+                modes[3] |= termios.ICANON | termios.ECHO
+                termios.tcsetattr(fd, termios.TCSANOW, modes)
+        except (termios.error, OSError, ValueError):
+            pass
+
+    def __exit__(self, *exc_info):
+        import termios
+
+        if self.modes is not None and not _in_the_background(self.fd):
+            try:
+                termios.tcsetattr(self.fd, termios.TCSANOW, self.modes)
+            except (termios.error, OSError, ValueError):
+                pass
+
+
 def _hung_up(fd) -> bool:
     """Whether the terminal of ``fd`` is gone (its window closed), not at a Ctrl-D."""
     import select
@@ -11342,12 +11443,20 @@ class _Cli:
     def read_answer(self):
         """A line typed at an approval question ("" for Ctrl-D), or None when the run was
         interrupted: by Ctrl-C, or by the terminal closing (no answer can come then, and the
-        run stops as for Ctrl-C before SIGHUP comes)."""
+        run stops as for Ctrl-C before SIGHUP comes). The terminal takes lines, echoed, while
+        it is asked (a pager's mode would take a key as the answer, unseen); a lich put in
+        the background stops there, as a job that needs its terminal does, until ``fg``."""
+        with _LineMode(sys.stdin.fileno()) as fd:
+            return self._answer_typed(fd)
+
+    def _answer_typed(self, fd):
         import select
 
         signal = self.signal
-        fd = sys.stdin.fileno()
         while not signal.is_set():
+            if _in_the_background(fd):  # its keys are the shell's: a read would stop lich
+                _LineMode.again(fd)  # with the terminal non-blocking, the shell's too
+                continue
             if not select.select([fd], [], [], _POLL_SECONDS)[0]:
                 continue
             # Not a blocking read: a Ctrl-C just after select empties the terminal's line
@@ -11642,6 +11751,9 @@ class _Cli:
 
     def _input(self, prompt, to_stderr):
         try:
+            # readline keeps the modes it finds as the terminal's own: a shell's, with no
+            # echo, when lich came to the prompt in the background
+            _wait_for_the_foreground(_fd_of(sys.stdin))
             if to_stderr:
                 self.term.typed(prompt)
                 line = input()
@@ -12141,6 +12253,11 @@ def _main(argv, main_thread) -> int:
     was_dumpable = cli = None
 
     def terminated(signum, frame):
+        # kill %1 of a lich stopped in the background: readline's cleanup as it leaves the
+        # prompt sets the terminal's modes, which would stop it again there (SIGTTOU)
+        stop = getattr(signals, "SIGTTOU", None)
+        if stop is not None and stop not in handlers and _in_the_background(0):
+            handlers[stop] = signals.signal(stop, signals.SIG_IGN)
         if interrupts.terminate(signum):
             interrupts.arrived()
 

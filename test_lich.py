@@ -4125,6 +4125,26 @@ def test_a_session_that_several_runs_went_to_reads_back_as_the_last_run_had_it(t
         "SYS-A", "one", "r1", "two", "three", "SYS-B", "four", "r4"]  # nothing asked is lost from the file
 
 
+@pytest.mark.parametrize("system_prompt", [None, "SYS-SET"], ids=["no-system-prompt", "a-system-prompt-set"])
+@pytest.mark.parametrize("history", [[user("hi")], [user("hi"), answer("hello")]], ids=["ending-asked", "answered"])
+def test_the_first_run_of_a_handle_that_failed_after_a_tool_call_leaves_nothing_in_the_reading(tmp_path, history,
+                                                                                               system_prompt):
+    """The property trial: a handle's first run records its whole history; when it failed
+    (after a tool call, or with a system prompt it set) and the next was given the history the
+    first had, the file read back with the failed run's call in it, or with that run's system
+    prompt and without the history's last question."""
+    tools = lich.Tools()
+    tools.register(lambda: "pong", name="ping", description="ping")
+    session = lich.open_session(tmp_path)
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("P0", chat=ScriptedChat(assistant("", tool_call("ping", call_id="c1")), DOWN), tools=tools,
+                       history=history, session=session, max_turns=3, system_prompt=system_prompt)
+    last = lich.run_agent("P1", chat=ScriptedChat(answer("the end")), tools=tools, history=history,
+                          session=session, max_turns=3)
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages == [*history, user("P1"), answer("the end")]
+
+
 def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_path):
     session = lich.open_session(tmp_path)
     run_into(session, "zero", DOWN, system_prompt="SP-FIRST")  # the file's first run: a prompt, no answer
@@ -10773,7 +10793,7 @@ def test_a_glob_of_thousands_of_braces_is_read_in_linear_time(ws, engine):
         'the glob "' + "{" * 79 + '... spells out more than 64 patterns'))
     assert run_tool(tools, "list_files", pattern="{a,b}" * 1100) == lich.ToolResult(ok=False, error=(  # no RecursionError
         'the glob "' + "{a,b}" * 15 + '{a,b... spells out more than 64 patterns'))
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # 0.4 s here, 5.3 s on a loaded machine
 
 
 def test_a_long_glob_or_gitignore_class_is_read_in_linear_time(ws):
@@ -15220,6 +15240,7 @@ def test_a_budget_spent_on_answers_that_did_not_fit_says_so(server, lich_model, 
     ("[" * 100_000, "lich: --schema is nested too deeply\n"),  # was a RecursionError, exit 1
 ], ids=["not-json", "not-an-object", "no-file", "too-deep"])
 def test_a_bad_schema_is_a_usage_error(server, lich_model, cli, schema, error):
+    gc.collect()  # an earlier test's finalizer, run at the parse's depth, would fail on stderr (3.11 and older)
     assert cli("--schema", schema, "x") == (2, "", error)
     assert server.requests == []
 
@@ -15410,6 +15431,22 @@ def test_piped_stdin(server, lich_model, cli, prompt, piped, expected):
 
 def test_no_prompt_and_empty_stdin_is_a_usage_error(lich_model, cli):
     assert cli(stdin="") == (2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n")
+
+
+@pytest.mark.parametrize("prompt", [["tidy up"], []], ids=["a-prompt", "none"])
+def test_a_stdin_open_for_writing_only_as_nohup_leaves_it_brings_nothing(server, lich_model, tmp_path, prompt):
+    """``nohup lich PROMPT`` from a terminal gives lich a stdin open for writing only: read as
+    piped text, it failed every time, "lich: error: OSError: [Errno 9] Bad file descriptor"."""
+    queue(server, openai_reply("tidied"))
+    with open(os.devnull, "w") as write_only:
+        done = subprocess.run([sys.executable, *LICH, "--no-stream", *prompt], stdin=write_only, capture_output=True, check=False,
+                              text=True, timeout=60, env={**os.environ, "LICH_SESSION_DIR": str(tmp_path)})
+    if prompt:
+        assert (done.returncode, done.stdout, done.stderr) == (0, "tidied\n", USAGE_LINE)
+        assert server.requests[0]["json"]["messages"][-1] == user("tidy up")
+    else:
+        assert (done.returncode, done.stdout, done.stderr, server.requests) == (
+            2, "", "lich: no prompt: pass PROMPT or pipe text on stdin\n", [])
 
 
 def test_a_10_mb_prompt_on_stdin_with_a_long_run_of_backticks(server, lich_model, cli, tmp_path):
@@ -15604,7 +15641,7 @@ def test_a_closed_stdout_ends_list_sessions_quietly(cli, tmp_path):
                              f"p = subprocess.Popen([sys.executable, *{LICH!r}, '--list-sessions'], "
                              "stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
                              "print(p.stdout.readline().decode().split()[0]); p.stdout.close()\n"
-                             "print(p.wait()); sys.stderr.write(p.stderr.read().decode())").wait()
+                             "print(p.wait()); sys.stderr.write(p.stderr.read().decode()); p.stderr.close()").wait()
     # all 20 lines may fit in the pipe before it closes: then the note on older ones is shown
     assert (code, out) == (0, "20260101T000039Z-1\n0\n") and err in ("", "... 20 older sessions\n")
 
@@ -15635,6 +15672,117 @@ def test_the_spinner_runs_while_waiting_on_a_terminal(server, lich_model):
     assert "⠋ thinking" in shown and "\x1b[K" in shown and "done" in shown
     term.send("/exit")
     assert term.close() == 0
+
+
+# A shell's job control, for Job: ``ORDERS ANSWERS ARGV...``: it runs ARGV as a job of its own
+# on its terminal (stdin), in the background, then does what each line read from the
+# descriptor ORDERS says, and answers on ANSWERS.
+JOB_CONTROL_SHELL = r"""
+import json, os, signal, subprocess, sys, termios
+tty = os.open(os.ttyname(0), os.O_RDWR)  # a session's leader opening a terminal: it controls it
+orders, answers = os.fdopen(int(sys.argv[1])), os.fdopen(int(sys.argv[2]), "w")
+signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # as shells do: it takes its terminal back from the background
+
+
+def a_job_of_its_own():
+    os.setpgrp()
+    signal.signal(signal.SIGTTOU, signal.SIG_DFL)
+
+
+job = subprocess.Popen(sys.argv[3:], preexec_fn=a_job_of_its_own)
+answers.write(f"{job.pid}\n")
+answers.flush()
+for order in orders:
+    order = order.split()
+    if order[0] == "modes":  # as a shell's line editor leaves them: keys, unechoed; or as it gives them
+        modes = termios.tcgetattr(tty)
+        lines = termios.ICANON | termios.ECHO
+        modes[3] = modes[3] | lines if order[1] == "lines" else modes[3] & ~lines
+        termios.tcsetattr(tty, termios.TCSANOW, modes)
+    elif order[0] == "read":  # what was typed at the shell is the shell's
+        termios.tcflush(tty, termios.TCIFLUSH)
+    elif order[0] == "fg":
+        os.tcsetpgrp(tty, job.pid)
+        os.killpg(job.pid, signal.SIGCONT)
+    elif order[0] == "bg":  # the shell takes its terminal back from a stopped job, which goes on
+        os.tcsetpgrp(tty, os.getpgrp())
+        os.killpg(job.pid, signal.SIGCONT)
+    elif order[0] == "kill":  # bash's kill %1: the signal, then SIGCONT
+        os.tcsetpgrp(tty, os.getpgrp())
+        os.killpg(job.pid, getattr(signal, order[1]))
+        os.killpg(job.pid, signal.SIGCONT)
+    elif order[0] == "wait":
+        answers.write(json.dumps([job.wait(), termios.tcgetattr(tty)[3] & (termios.ICANON | termios.ECHO)]) + "\n")
+        answers.flush()
+        continue
+    answers.write("done\n")
+    answers.flush()
+"""
+
+
+class Job(Pty):
+    """``lich ARGS`` started in the background by a shell of its own on a pseudo-terminal
+    (as ``lich ARGS &``), which the test orders: ``fg``, ``bg``, ``kill SIGTERM``, ``modes
+    keys`` (as a shell's line editor leaves them), ``modes lines``, or ``read`` (what was
+    typed, as the shell would)."""
+
+    def __init__(self, *args, env=None):
+        self.orders, self.shell_orders = os.pipe()
+        self.shell_answers, answers = os.pipe()
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.shell = subprocess.Popen([sys.executable, "-c", JOB_CONTROL_SHELL, str(self.orders), str(answers),
+                                       sys.executable, *LICH, *args],
+                                      stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                                      pass_fds=(self.orders, answers), env={**os.environ, **(env or {})})
+        os.close(slave)
+        os.close(self.orders)
+        os.close(answers)
+        self.answers = os.fdopen(self.shell_answers)
+        self.pid = int(self.answers.readline())
+        self.output = self.transcript = ""
+        import codecs
+
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def order(self, *words):
+        """Have the shell do ``words``, and wait until it has."""
+        os.write(self.shell_orders, " ".join(words).encode() + b"\n")
+        assert self.answers.readline() == "done\n"
+
+    def stopped(self, timeout=10):
+        """Wait until the job is stopped (as a job that needs its terminal in the background
+        is); the flags of its stdin then (os.O_NONBLOCK: the shell's too)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.pid}/stat") as stat:
+                    state = stat.read().rpartition(")")[2].split()[0]
+            except FileNotFoundError:
+                self.expect("\0", timeout=1)  # the job ended: what it showed
+            if state == "T":
+                    with open(f"/proc/{self.pid}/fdinfo/0") as info:
+                        return int(re.search(r"flags:\s*(\d+)", info.read()).group(1), 8)
+            time.sleep(0.02)
+        raise AssertionError(f"the job never stopped; it showed {self.output!r}")
+
+    def wait(self, timeout=20):
+        """(the job's exit code, ICANON | ECHO of its terminal's modes as it left them)."""
+        import select
+
+        os.write(self.shell_orders, b"wait\n")
+        assert select.select([self.answers], [], [], timeout)[0], f"the job never ended; it showed {self.output!r}"
+        return tuple(json.loads(self.answers.readline()))
+
+    def end(self):
+        try:  # a job still there (a failed test's) goes too
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(self.shell_orders)
+        self.shell.wait(10)
+        os.close(self.master)
 
 
 def chat_pty(*args, tmp_path, env=None):
@@ -16450,6 +16598,124 @@ def test_what_was_typed_before_an_approval_question_does_not_answer_it(server, l
     assert "Not run." in term.expect(PROMPT)
     term.send("\x04")
     assert term.close() == 0 and not (workspace / "ran").exists()
+
+
+try:
+    import termios
+
+    LINES = termios.ICANON | termios.ECHO  # the modes of a terminal that takes lines, echoed
+except ImportError:  # no terminal to test
+    LINES = None
+
+
+def test_a_question_takes_a_line_where_a_pager_left_the_terminal_taking_keys(server, lich_model, workspace):
+    """``lich ... | less``: less leaves the terminal taking keys, unechoed, and the question took
+    the first key as its answer, unseen (less's "y" scrolls back a line): the command ran."""
+    import termios
+
+    asked = threading.Event()
+    queue(server, Reply(200, tool_reply(("c1", "bash", '{"command": "touch ran"}')).body, hold=asked,
+                        content_type="application/json"), openai_reply("Ran."))
+    term = Pty("--allow", "shell", "--no-stream", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    try:
+        wait_for_request(server)
+        tty = os.open(os.readlink(f"/proc/{term.proc.pid}/fd/0"), os.O_RDWR | os.O_NOCTTY)
+        modes = termios.tcgetattr(tty)
+        modes[3] &= ~LINES  # as less leaves it
+        termios.tcsetattr(tty, termios.TCSANOW, modes)
+    finally:
+        asked.set()
+    try:
+        term.expect("[t] always bash: ")
+        os.write(term.master, b"y")
+        time.sleep(0.5)
+        assert not (workspace / "ran").exists()
+        os.write(term.master, b"\n")
+        term.expect("Ran.")
+        assert (termios.tcgetattr(tty)[3] & LINES, (workspace / "ran").exists()) == (0, True)  # its modes given back
+    finally:
+        os.close(tty)
+    assert term.close() == 0
+    assert term.transcript.replace("\r\n", "\n").count("[t] always bash: y\n") == 1  # echoed
+
+
+def test_a_question_put_in_the_background_stops_lich_and_leaves_the_terminal_blocking(server, lich_model, workspace):
+    """Ctrl-Z at a question, then ``bg``: the first key typed at the shell made lich read with the
+    terminal set non-blocking, which stopped it there (SIGTTIN), the shell's terminal left
+    non-blocking: the next program's ``input()`` failed at once."""
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch ran"}')), openai_reply("Ran."))
+    job = Job("--allow", "shell", "--no-stream", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    try:
+        job.stopped()  # started in the background: it waits for its terminal before it asks
+        job.order("fg")
+        job.expect("[t] always bash: ")
+        os.write(job.master, b"\x1a")  # Ctrl-Z
+        job.stopped()
+        job.order("bg")
+        job.order("modes", "keys")  # the shell at its prompt
+        time.sleep(0.3)
+        os.write(job.master, b"x")  # typed at the shell
+        assert job.stopped() & os.O_NONBLOCK == 0
+        job.order("read")
+        job.order("modes", "lines")
+        job.order("fg")
+        os.write(job.master, b"y\n")
+        job.expect("Ran.")
+        assert job.wait() == (0, LINES)
+    finally:
+        job.end()
+    assert (workspace / "ran").exists()
+
+
+def test_a_chat_that_comes_to_its_prompt_in_the_background_keeps_the_modes_of_the_foreground(server, lich_model,
+                                                                                           tmp_path):
+    """``lich &``, then ``fg``: readline had kept the modes of the shell's line editor, no echo, as
+    the terminal's own, and gave those back after each line: typing went unseen (and one key
+    answered a question) for the rest of the chat."""
+    queue(server, stream_reply("Hi."))
+    job = Job(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")})
+    try:
+        job.order("modes", "keys")  # the shell at its prompt
+        job.stopped()
+        job.order("modes", "lines")  # the shell gives the terminal to the job as it keeps it
+        job.order("fg")
+        job.expect(PROMPT)
+        job.send("hello")
+        job.expect("Hi.")
+        job.expect(PROMPT)
+        job.send("\x04")
+        assert job.wait() == (0, LINES)
+    finally:
+        job.end()
+
+
+def test_kill_ends_a_chat_stopped_at_its_prompt(server, lich_model, tmp_path):
+    """Ctrl-Z at the prompt, then ``kill %1`` (SIGTERM, SIGCONT): readline's clean-up set the
+    terminal's modes from the background, which stopped lich again, until ``fg``."""
+    job = Job(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")})
+    try:
+        job.stopped()
+        job.order("fg")
+        job.expect(PROMPT)
+        time.sleep(0.2)  # readline waits for a key
+        os.write(job.master, b"\x1a")
+        job.stopped()
+        job.order("kill", "SIGTERM")
+        assert job.wait()[0] == 128 + 15
+    finally:
+        job.end()
+
+
+def test_a_job_in_the_background_draws_no_spinner_over_the_shells_line(server, lich_model, workspace):
+    queue(server, tool_reply(("c1", "bash", '{"command": "sleep 1.5"}')), openai_reply("Slept."))
+    job = Job("--yolo", "--no-stream", "--root", str(workspace), "wait", env={"NO_COLOR": "1"})
+    try:
+        job.expect("→ bash sleep 1.5")
+        job.expect("Slept.", timeout=20)
+        assert job.wait() == (0, LINES)
+    finally:
+        job.end()
+    assert not any(frame in job.transcript for frame in "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏")
 
 
 def test_a_tools_time_leaves_out_the_time_its_approval_took(server, lich_model, workspace):
