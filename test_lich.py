@@ -5010,7 +5010,12 @@ def test_a_proxy_that_wants_credentials_is_said_once_and_not_retried(monkeypatch
                                            "503 Service Unavailable"), "network", 503, True, 3),
     (b"HTTP/1.1 429 Too Many Requests", ("cannot reach {url} through the proxy {proxy}: it answered HTTP "
                                          "429 Too Many Requests"), "network", 429, True, 3),
-], ids=["refused", "refused-in-words-of-its-own", "server-behind-it-down", "its-own-rate-limit"])
+    (b"HTTP/1.1 500 Internal Server Error", ("cannot reach {url} through the proxy {proxy}: it answered HTTP "
+                                             "500 Internal Server Error"), "network", 500, True, 3),
+    (b"HTTP/1.1 408 Request Timeout", ("cannot reach {url} through the proxy {proxy}: it answered HTTP "
+                                       "408 Request Timeout"), "network", 408, True, 3),
+], ids=["refused", "refused-in-words-of-its-own", "server-behind-it-down", "its-own-rate-limit", "its-own-failure",
+        "its-own-timeout"])
 def test_a_proxys_answer_to_connect_is_said_as_its_own(monkeypatch, answer, said, kind, status, retryable, asked):
     """squid's or tinyproxy's 403 to CONNECT read "Unable to connect to proxy" and was retried
     (a batch spent 92 s a task on it), though the proxy was reached and said no."""
@@ -5051,7 +5056,8 @@ def test_a_proxy_that_closes_or_speaks_no_http_is_named_and_retried(monkeypatch,
 @pytest.mark.parametrize("answer, said", [
     (b"", "the connection was closed without an answer"),
     (b"\x15\x03\x01\x00\x02\x02\x46", "an answer that is not HTTP: '\\x15\\x03\\x01\\x00\\x02\\x02F'"),
-], ids=["closed", "a-tls-alert"])
+    (b"HTTP/1.1 200 " + b"x" * 70_000, "got more than 65536 bytes when reading status line"),
+], ids=["closed", "a-tls-alert", "a-status-line-without-end"])
 def test_a_server_that_closes_or_speaks_no_http_says_so(answer, said):
     """Both read "cannot reach ...: Connection aborted.", which said nothing of what came."""
     server, heard = _a_listener_answering(answer)
@@ -5074,6 +5080,17 @@ def test_a_page_of_an_http_servers_proxy_names_the_proxy(monkeypatch):
     assert (str(info.value), info.value.kind, info.value.status) == (
         (f"openai: HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the "
          f"proxy http://[redacted]@{proxy})"), "auth", 403)
+
+
+def test_an_apis_answer_through_the_proxy_of_an_http_server_does_not_name_the_proxy(monkeypatch):
+    body = json.dumps(openai_error("bad request")).encode()
+    proxy, _ = _a_listener_answering(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
+    with pytest.raises(lich.ProviderError) as info:
+        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
+    assert (str(info.value), info.value.kind) == ("openai: HTTP 400 (invalid_request_error): bad request", "bad_request")
 
 
 def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
@@ -5429,12 +5446,15 @@ def test_a_thread_keeps_one_connection_a_server_and_those_of_its_last_16_servers
             for each in servers + servers + servers[-16:]:  # 20 servers twice: the oldest go
                 openai_at(each)(USER)
             counted.append(established_to({each.httpd.server_address[1] for each in [server, *servers]}))
+            for each in [server, *servers[:15], server, servers[15], server]:  # the least recently used goes
+                openai_at(each)(USER)
 
         thread = threading.Thread(target=tenants)
         thread.start()
         thread.join()
         assert counted == [1, 16]
-        assert [len({request["port"] for request in each.requests}) for each in [server, *servers]] == [1] + [2] * 20
+        assert [len({request["port"] for request in each.requests}) for each in [server, *servers]] == (
+            [2] + [3] * 16 + [2] * 4)  # the server used last but one is kept: the least recently used goes
     finally:
         for each in servers:
             each.close()
@@ -6831,7 +6851,8 @@ def test_a_tools_anyof_oneof_or_allof_at_the_top_goes_as_one_object(server, prov
     specs = [{"name": "find", "description": "", "parameters": either},
              {"name": "pair", "description": "", "parameters": both},
              {"name": "odd", "description": "", "parameters": odd},
-             {"name": "plain", "description": "", "parameters": {"type": "object", "properties": {}}}]
+             {"name": "plain", "description": "", "parameters": {"type": "object", "properties": {}}},
+             {"name": "bare", "description": "", "parameters": {}}]  # a server's tool of no arguments
     sent_either = {"type": "object", "description": "by id or by name", "$defs": either["$defs"], "properties": {
         "id": {"type": "integer"}, "note": {"type": "string"}, "name": {"type": "string"}}, "required": ["note"]}
     sent_both = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
@@ -6845,7 +6866,8 @@ def test_a_tools_anyof_oneof_or_allof_at_the_top_goes_as_one_object(server, prov
     sent = server.requests[-1]["json"]["tools"]
     schemas = [t["function"]["parameters"] if "function" in t else t["input_schema"] for t in sent]
     sent_odd = {"type": "object", "$defs": odd["$defs"], "definitions": [1], "properties": {"q": {"type": "string"}}}
-    assert schemas == [sent_either, sent_both, sent_odd, {"type": "object", "properties": {}}]
+    assert schemas == [sent_either, sent_both, sent_odd, {"type": "object", "properties": {}},
+                       {"type": "object", "properties": {}}]
     assert specs[0]["parameters"]["oneOf"]  # the spec itself is as it was
 
 
@@ -7773,17 +7795,21 @@ def test_anthropic_stream_usage_keeps_the_cached_counts_a_later_event_leaves_out
         125, 9, cache_read_tokens=100, cache_write_tokens=20)  # the whole input, cached included
 
 
-def test_anthropic_stream_usage_keeps_the_counts_a_later_event_gives_as_null(server):
+@pytest.mark.parametrize("later, counts", [
+    ({"input_tokens": None, "cache_read_input_tokens": None, "cache_creation_input_tokens": None, "output_tokens": 9},
+     (8, 9)),
+    ({"input_tokens": None, "cache_read_input_tokens": 3, "output_tokens": 9}, (8, 9)),
+    ({"output_tokens": None}, (8, 1)),
+], ids=["every-input-count-null", "the-uncached-count-null", "the-output-count-null"])
+def test_anthropic_stream_usage_keeps_the_counts_a_later_event_gives_as_null(server, later, counts):
     """The SDK's MessageDeltaUsage has every count optional: a null input count made the
     input 0 (or only the cached tokens) where the SDK keeps 25."""
     start = message_start()
     start["message"]["usage"] = {"input_tokens": 5, "cache_read_input_tokens": 3, "output_tokens": 1}
     body = anthropic_sse(start, block_start(0, text_block("")), block_delta(0, type="text_delta", text="Hi"),
-                         {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
-                          "usage": {"input_tokens": None, "cache_read_input_tokens": None,
-                                    "cache_creation_input_tokens": None, "output_tokens": 9}}, MESSAGE_STOP)
+                         {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": later}, MESSAGE_STOP)
     server.reply(200, chunks=[body])
-    assert anthropic_at(server, stream=True)(USER).usage == usage(8, 9, cache_read_tokens=3)
+    assert anthropic_at(server, stream=True)(USER).usage == usage(*counts, cache_read_tokens=3)
 
 
 @pytest.mark.parametrize("schema", [{"type": "object"}, {"type": "array", "items": {"type": ["object", "null"]}}],
@@ -10502,9 +10528,13 @@ def test_a_gitignore_rule_ending_in_double_star_and_trailing_blanks_are_read_as_
     ("[é]\n", ["e", "é"], ["e", "é"]),
     ("***/x\n", ["a/b/x", "a/x", "x", "y"], ["y"]),
     ("a\\/b\n", ["a/b", "a/c"], ["a/c"]),
+    ("[abc\n", ["[abc", "a"], ["[abc", "a"]),
+    ("dir/***\n!dir/keep.txt\n", ["dir/a.txt", "dir/keep.txt", "x"], ["dir/keep.txt", "x"]),
+    ("?.txt\n", ["a.txt", "d/a.txt", "é.txt"], ["é.txt"]),
 ], ids=["./ prefix", "two trailing /", "two leading /", "[:alpha:]", "[:digit:] [:space:]",
         "escape in a class", "trailing lone backslash", "/ in a class", "? is a byte",
-        "class of bytes", "*** is **", "escaped /"])
+        "class of bytes", "*** is **", "escaped /", "a class never closed", "*** then a negation",
+        "? is a byte, in a name"])
 def test_gitignore_lines_are_read_as_git_reads_them(ws, engine, gitignore, files, found):
     """As git 2.39 lists them (git ls-files -o --exclude-standard): "./" was dropped and
     every "/" at either end, [:alpha:] and a "\\" in a class were characters of it, a
@@ -10531,6 +10561,18 @@ def test_a_globs_escapes_and_classes_are_read_alike_by_list_files_and_search(ws,
     assert run_tool(tools, "list_files", pattern=glob) == lich.ToolResult(ok=True, output="\n".join(found))
     assert run_tool(tools, "search", pattern="hit", glob=glob) == lich.ToolResult(
         ok=True, output="\n".join(f"{name}:1: hit" for name in found))
+
+
+@pytest.mark.parametrize("glob,found", [
+    ("[]a]", ["]", "a"]), ("[a-]", ["-", "a"]), ("[[:alpha]", [":", "a", "p"]), ("[![:foo:]]", []), ("[[:foo:]x]", []),
+], ids=["] first", "- last", "no class name", "an unknown class, negated", "an unknown class"])
+def test_a_glob_class_is_read_as_fnmatch_reads_it(ws, glob, found):
+    # each found by the mutation trial untested: "]" first and "-" last are characters of the
+    # class, "[:alpha" without its ":]" is characters too, and a class of an unknown name matches nothing
+    for name in ["-", ":", "]", "a", "p", "x"]:
+        (ws / name).write_text("")
+    shown = "\n".join(found) if found else f"no files match {glob} under ."
+    assert run_tool(lich.coding_tools(ws), "list_files", pattern=glob) == lich.ToolResult(ok=True, output=shown)
 
 
 def test_a_pathological_glob_is_matched_in_linear_time(ws):
@@ -11024,6 +11066,13 @@ def test_a_file_named_as_a_folder_is_refused_as_the_system_refuses_it(ws):
     (ws / "sub").mkdir()
     assert run_tool(tools, "write_file", path="sub/", content="x") == lich.ToolResult(
         ok=False, error="path is a directory: sub/")
+
+
+def test_an_edit_that_writes_a_character_beyond_ascii_into_a_utf8_file_adds_no_note(ws):
+    (ws / "f.txt").write_text("a b\n", encoding="utf-8")
+    assert run_tool(lich.coding_tools(ws, allow_write=True), "edit_file", path="f.txt", old_text="a", new_text="é") == (
+        lich.ToolResult(ok=True, output="replaced 1 occurrence of old_text in f.txt"))
+    assert (ws / "f.txt").read_bytes() == "é b\n".encode()
 
 
 def test_edit_file_keeps_the_files_own_bytes_but_writes_only_utf8_of_its_own(ws):
