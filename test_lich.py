@@ -7168,6 +7168,16 @@ def test_a_stream_whose_lines_end_in_crlf_or_cr_reads_as_one_with_lf(server, lin
         assert deltas == ["Hel", "lo"]
 
 
+def test_an_events_data_lines_whose_crlf_comes_in_two_reads_stay_one_event(server):
+    # the CR at one read's end and the LF at the next's were two line ends: an empty line,
+    # which ended the event before its second data line
+    first = json.dumps(delta_chunk(content="Hi", finish="stop"))
+    cut = first.index('"choices"')
+    chunks = [f"data: {first[:cut]}\r".encode(), f"\ndata: {first[cut:]}\r\n\r\n".encode(), b"data: [DONE]\r\n\r\n"]
+    server.reply(200, chunks=chunks, content_type="text/event-stream", delay=0.1)
+    assert openai_at(server, stream=True)(USER).message["content"] == "Hi"
+
+
 def test_openai_stream_assembles_split_parallel_tool_calls(server):
     body = openai_sse(
         delta_chunk(role="assistant", content=None,
