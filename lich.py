@@ -11162,6 +11162,60 @@ class _LineMode:
                 pass
 
 
+class _StopsAtThePrompt:
+    """``with _StopsAtThePrompt(fd, redraw)`` around readline's ``input()`` on the terminal
+    ``fd``: Ctrl-Z there stops lich as ever, and on ``fg`` readline gets back the modes it
+    had set (the shell leaves its own: keys went to readline only at Enter, echoed twice)
+    and ``redraw()`` shows the line again. CPython's readline does neither (nor does
+    Python's own prompt). Nothing when readline is not in use, or Ctrl-Z is ignored."""
+
+    def __init__(self, fd, redraw):
+        self.fd = fd
+        self.redraw = redraw
+        self.previous = None
+
+    def __enter__(self):
+        import signal as signals
+
+        stop = getattr(signals, "SIGTSTP", None)
+        if (stop is None or "readline" not in sys.modules or not isinstance(self.fd, int)
+                or threading.current_thread() is not threading.main_thread()
+                or signals.getsignal(stop) is not signals.SIG_DFL or not os.isatty(self.fd)):
+            return self
+        self.previous = signals.signal(stop, self._stopped)
+        return self
+
+    def _stopped(self, signum, frame):
+        import signal as signals
+        import termios
+
+        try:
+            modes = termios.tcgetattr(self.fd)  # readline's
+        except termios.error:
+            modes = None
+        signals.signal(signum, signals.SIG_DFL)
+        try:
+            os.kill(os.getpid(), signum)  # stopped here, until SIGCONT
+        finally:
+            signals.signal(signum, self._stopped)
+        _wait_for_the_foreground(self.fd)  # continued in the background (bg): until fg
+        if modes is not None:
+            try:
+                termios.tcsetattr(self.fd, termios.TCSANOW, modes)
+            except termios.error:
+                pass
+        try:
+            self.redraw()
+        except (OSError, ValueError):  # a closed stdout is said as the chat goes on
+            pass
+
+    def __exit__(self, *exc_info):
+        if self.previous is not None:
+            import signal as signals
+
+            signals.signal(signals.SIGTSTP, self.previous)
+
+
 def _hung_up(fd) -> bool:
     """Whether the terminal of ``fd`` is gone (its window closed), not at a Ctrl-D."""
     import select
@@ -11750,15 +11804,17 @@ class _Cli:
         self.term.note("(Ctrl-C again or Ctrl-D to quit)")
 
     def _input(self, prompt, to_stderr):
+        fd = _fd_of(sys.stdin)
         try:
             # readline keeps the modes it finds as the terminal's own: a shell's, with no
             # echo, when lich came to the prompt in the background
-            _wait_for_the_foreground(_fd_of(sys.stdin))
-            if to_stderr:
-                self.term.typed(prompt)
-                line = input()
-            else:
-                line = input(prompt)
+            _wait_for_the_foreground(fd)
+            with _StopsAtThePrompt(fd, lambda: self._redraw_prompt(prompt, to_stderr)):
+                if to_stderr:
+                    self.term.typed(prompt)
+                    line = input()
+                else:
+                    line = input(prompt)
             if line and self.typed is not None:  # what readline adds to its history
                 self.typed.append(line)
             return line
@@ -11772,6 +11828,17 @@ class _Cli:
         except UnicodeDecodeError:  # a terminal whose bytes are not the locale's
             self.term.error("that line is not valid text in this terminal's encoding")
             return ""
+
+    def _redraw_prompt(self, prompt, to_stderr):
+        """The prompt and what was typed at it, again (after ``fg``: the shell wrote since)."""
+        import readline
+
+        shown = ("\r\033[K" if self.term.fancy else "\n") + prompt + readline.get_line_buffer()
+        if to_stderr:
+            self.term.typed(shown)
+        else:
+            sys.stdout.write(shown)
+            sys.stdout.flush()
 
     def _load_input_history(self):
         """Give readline the chat input of earlier chats (JSON lines: a paste keeps its newlines)."""

@@ -16748,6 +16748,40 @@ def test_a_chat_that_comes_to_its_prompt_in_the_background_keeps_the_modes_of_th
         job.end()
 
 
+def test_ctrl_z_at_the_prompt_then_fg_gives_readline_its_modes_and_shows_the_line_again(server, lich_model, tmp_path):
+    """The shell's modes stayed after ``fg`` (keys reached readline only at Enter, echoed twice,
+    arrows shown as ^[[D) and the line typed so far was not shown: what was sent was not what
+    was seen. Python's own prompt does the same."""
+    import termios
+
+    queue(server, stream_reply("Hi."))
+    job = Job(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")})
+    try:
+        job.stopped()
+        job.order("fg")
+        job.expect(PROMPT)
+        os.write(job.master, b"hel")
+        job.expect("hel")
+        os.write(job.master, b"\x1a")  # Ctrl-Z
+        job.stopped()
+        job.order("modes", "lines")  # as the shell keeps the terminal for itself
+        job.order("fg")
+        job.expect(PROMPT + "hel")
+        tty = os.open(os.readlink(f"/proc/{job.pid}/fd/0"), os.O_RDWR | os.O_NOCTTY)
+        try:
+            assert termios.tcgetattr(tty)[3] & termios.ICANON == 0  # readline's, which takes each key
+        finally:
+            os.close(tty)
+        os.write(job.master, b"lo\n")
+        job.expect("Hi.")
+        job.expect(PROMPT)
+        job.send("\x04")
+        assert job.wait() == (0, LINES)
+    finally:
+        job.end()
+    assert server.requests[0]["json"]["messages"][-1] == user("hello")
+
+
 def test_kill_ends_a_chat_stopped_at_its_prompt(server, lich_model, tmp_path):
     """Ctrl-Z at the prompt, then ``kill %1`` (SIGTERM, SIGCONT): readline's clean-up set the
     terminal's modes from the background, which stopped lich again, until ``fg``."""
