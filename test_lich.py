@@ -15826,6 +15826,13 @@ class Job(Pty):
             time.sleep(0.02)
         raise AssertionError(f"the job never stopped; it showed {self.output!r}")
 
+    def waits_for_a_key(self):
+        """Return once readline waits for a key: a signal that comes as it shows what came
+        (the prompt, a key's echo) is seen only at the next key (see Pty.signal_at_prompt)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not _waits_in_select(self.pid, main=True):
+            time.sleep(0.005)
+
     def wait(self, timeout=20):
         """(the job's exit code, ICANON | ECHO of its terminal's modes as it left them)."""
         import select
@@ -16762,6 +16769,7 @@ def test_ctrl_z_at_the_prompt_then_fg_gives_readline_its_modes_and_shows_the_lin
         job.expect(PROMPT)
         os.write(job.master, b"hel")
         job.expect("hel")
+        job.waits_for_a_key()
         os.write(job.master, b"\x1a")  # Ctrl-Z
         job.stopped()
         job.order("modes", "lines")  # as the shell keeps the terminal for itself
@@ -16790,7 +16798,7 @@ def test_kill_ends_a_chat_stopped_at_its_prompt(server, lich_model, tmp_path):
         job.stopped()
         job.order("fg")
         job.expect(PROMPT)
-        time.sleep(0.2)  # readline waits for a key
+        job.waits_for_a_key()
         os.write(job.master, b"\x1a")
         job.stopped()
         job.order("kill", "SIGTERM")
