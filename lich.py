@@ -2527,6 +2527,7 @@ _SSE_MAX_EVENT_BYTES = 32 << 20    # one SSE line or event
 _ERROR_BODY_MAX_BYTES = 1 << 20    # an error body: only its start is read
 _BODY_READ_BYTES = 64 << 10        # read size for whole bodies and streams without chunks
 _WATCH_SECONDS = 0.1               # how often a cut is looked for: a signal is seen this soon
+_STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _MAX_REDIRECTS = 5                 # same-origin 307/308 redirects followed per request
 _ERRNO_TEXT = r"\[Errno -?\d+\] [^'\")]+"
 _HTTP_URL = r"(?i)https?://[^/?#\s]"
@@ -2616,6 +2617,22 @@ def _unreachable_reason(error) -> str:
     text = _redact_url(_redact_secrets(str(error)))
     found = re.search(_ERRNO_TEXT, text)
     return found.group(0) if found else _snippet(text)
+
+
+def _drain_stream(chunks, exchange):
+    """Read what follows an answer in a stream (the chunked terminator), so that the
+    connection can serve the next request; a server that holds it open is cut soon."""
+    exchange.draining = True
+    exchange.deadline = time.monotonic() + _STREAM_DRAIN_SECONDS
+    _watchdog.watch(exchange)
+    drained = 0
+    try:
+        for chunk in chunks:
+            drained += len(chunk)
+            if drained > _BODY_READ_BYTES or exchange.due():
+                break
+    except Exception as e:  # cut, reset: the connection is not reused, the answer stands
+        _log.debug("the end of a stream was not read: %s", e)
 
 
 def _arriving_chunks(response):
@@ -3178,7 +3195,6 @@ _ANTHROPIC_VERSION = "2023-06-01"
 _DEFAULT_TIMEOUT = 600             # seconds: the whole exchange, from sending to the last byte
 _ANTHROPIC_MAX_TOKENS = 4096       # the Messages API requires an output cap on every request
 _ERROR_TEXT_MAX_CHARS = 2000       # provider error text kept in a ProviderError message
-_STREAM_DRAIN_SECONDS = 0.2        # after a stream's end marker: time to read the body's end
 _REFUSED_KEPT = 1000               # messages whose refused reasoning a chat remembers, the newest
 _SCHEMAS_REFUSED_KEPT = 100        # schemas an AnthropicChat remembers Anthropic refused
 _MAX_RETRY_AFTER = 60.0            # run_with_retries: longer server-requested waits are not waited
@@ -3738,23 +3754,8 @@ class _HTTPChat:
             if error is e:
                 raise
             raise error from None
-        self._drain(chunks, exchange)
+        _drain_stream(chunks, exchange)
         return result
-
-    def _drain(self, chunks, exchange):
-        """Read what follows an answer's end marker (the chunked terminator), so that the
-        connection can serve the next request; a server that holds it open is cut soon."""
-        exchange.draining = True
-        exchange.deadline = time.monotonic() + _STREAM_DRAIN_SECONDS
-        _watchdog.watch(exchange)
-        drained = 0
-        try:
-            for chunk in chunks:
-                drained += len(chunk)
-                if drained > _BODY_READ_BYTES or exchange.due():
-                    break
-        except Exception as e:  # cut, reset: the connection is not reused, the answer stands
-            _log.debug("the end of a stream was not read: %s", e)
 
     def _read_stream(self, events, on_delta, start, broken):
         """Assemble a ChatResult from SSE events with the dialect's ``_Stream``; ``start``
@@ -8642,14 +8643,16 @@ class _HTTPServer:
                 raise _Gone(f"the MCP server {self.name} answered with a body that is not JSON: "
                             f"{_snippet(body)}")
         else:
+            chunks = _arriving_chunks(response)
             messages = (_mcp_message(data) for _, data in
-                        _sse_events(_arriving_chunks(response), exchange.check, resume)
-                        if data.strip())
+                        _sse_events(chunks, exchange.check, resume) if data.strip())
         for message in messages:
             for each in message if isinstance(message, list) else [message]:
                 answer_id = each.get("id") if isinstance(each, dict) else None
                 if (isinstance(each, dict) and each.get("method") is None
                         and answer_id == request_id and not isinstance(answer_id, bool)):
+                    if not isinstance(messages, list):  # the stream's end, as the server closes it:
+                        _drain_stream(chunks, exchange)  # its connection serves the next call
                     return each  # true == 1, but JSON's true is no id
                 self._heard(each)
         return None

@@ -13080,6 +13080,29 @@ def mcp_http(server, result_of):
     return server.url + "/mcp"
 
 
+def test_mcp_over_http_calls_answered_in_streams_share_one_connection(server):
+    """The client closed each answer's stream at the answer, before the stream's end: urllib3
+    dropped the connection, and each call opened a new one (a TLS handshake each, remotely;
+    the soak trial's 1,000 calls left 1,000 sockets in TIME-WAIT)."""
+    def respond(request):
+        body = request["json"] or {}
+        if request["method"] == "GET":
+            return Reply(405, "")
+        if "id" not in body:
+            return Reply(202, "")
+        result = ({"protocolVersion": "2025-06-18", "capabilities": {"tools": {}}} if body["method"] == "initialize"
+                  else {"tools": [{"name": "echo"}]} if body["method"] == "tools/list"
+                  else {"content": [{"type": "text", "text": "echoed"}]})
+        return Reply(200, chunks=[sse((None, {"jsonrpc": "2.0", "id": body["id"], "result": result}))],
+                     content_type="text/event-stream")
+
+    server.responder = respond
+    with lich.mcp_tools(server.url + "/mcp") as tools:
+        assert [tools.run(tool_call("echo")) for _ in range(5)] == [lich.ToolResult(ok=True, output="echoed")] * 5
+    calls = [r for r in server.requests if r["method"] == "POST" and r["json"]["method"] == "tools/call"]
+    assert (len(calls), len({r["port"] for r in calls})) == (5, 1)
+
+
 def test_mcp_reads_a_hundred_pages_of_tools_at_most_and_says_what_odd_results_hold(server, caplog):
     def result_of(body):
         if body["method"] == "initialize":
