@@ -2231,7 +2231,8 @@ def _repair_history(messages) -> list:
     history the next run was given; and user messages left without an answer, as trailing
     ones do at the end. A system message right after a run's start is the prompt that run
     set, new or changed, and stands first, in place of any before it, as the run had it,
-    unless nothing of that run is kept.
+    unless nothing of that run is kept; of a run that recorded its whole history (a
+    handle's first), only when a user message (its prompt) follows that history.
     """
     repaired = []
     pending = []  # [call, answered] of the last assistant's calls, while tool messages follow
@@ -2276,8 +2277,11 @@ def _repair_history(messages) -> list:
                     if repaired[at]["role"] != "tool":  # not inside a call's answers
                         del repaired[at:]
                         used, counters = _call_ids(repaired), {}  # as the next run's loop has them
-                shifted = _drop_unanswered(repaired, prompts_set,
-                                           keep=len(repaired) if shortened else keep + chain_inserts)
+                # a history from before the runs cut short lacks the prompts they put first
+                # (one that is the file's reading holds them: it reaches past their start)
+                before = cut_from is not None and keep + chain_inserts <= cut_from
+                shifted = _drop_unanswered(repaired, prompts_set, keep=len(repaired) if shortened
+                                           else keep + (chain_inserts if before else 0))
                 if cut_from is not None:  # where it began, as the messages stand now
                     cut_from = max(0, cut_from - shifted)
                     chain_inserts = max(0, chain_inserts - shifted)
@@ -2798,15 +2802,16 @@ def _sse_events(chunks, check, kept=None):
 
 
 def _origin(url) -> str:
-    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info."""
+    """``scheme://host[:port]`` of ``url``, lower-cased, without user-info or a default port."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     host = (parts.hostname or "").lower()
     if ":" in host:  # IPv6 in its brackets: [::1]:8080 is not [::1:8080]
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme.lower()}://{host}{port}"
+    scheme = parts.scheme.lower()
+    port = f":{parts.port}" if parts.port and parts.port != {"http": 80, "https": 443}.get(scheme) else ""
+    return f"{scheme}://{host}{port}"
 
 
 def _wire_json(value) -> bytes:
@@ -10457,6 +10462,49 @@ def _fd_of(stream):
         return None
 
 
+def _in_the_background(fd) -> bool:
+    """Whether ``fd`` is a terminal whose foreground job is another's than lich's (a shell's
+    ``bg`` or ``&``): drawing there writes over the shell's line, and reading it or setting
+    its modes stops lich (SIGTTIN, SIGTTOU)."""
+    try:
+        return os.tcgetpgrp(fd) != os.getpgrp()
+    except (OSError, TypeError, ValueError):  # not a terminal, closed, or none
+        return False
+
+
+def _wait_for_the_foreground(fd):
+    """Return once lich is the foreground job of the terminal ``fd``: tcdrain, which changes
+    nothing, stops a job in the background (SIGTTOU), as the shell's job control means,
+    until its ``fg``. At once when that cannot stop lich (an orphaned job, SIGTTOU
+    ignored), or ``fd`` is no terminal."""
+    import termios
+
+    try:
+        termios.tcdrain(fd)
+    except (termios.error, OSError, TypeError, ValueError):
+        pass
+
+
+def _terminal_modes(fd):
+    """The modes of the terminal ``fd`` (termios' list), or None (no terminal)."""
+    import termios
+
+    try:
+        return termios.tcgetattr(fd)
+    except (termios.error, OSError, TypeError, ValueError):
+        return None
+
+
+def _set_terminal_modes(fd, modes):
+    """Give the terminal ``fd`` the modes ``modes``, now (nothing when that cannot be done)."""
+    import termios
+
+    try:
+        termios.tcsetattr(fd, termios.TCSANOW, modes)
+    except (termios.error, OSError, TypeError, ValueError):
+        pass
+
+
 def _write_all(fd, data):
     """Write all of ``data`` to ``fd`` or raise. CPython's buffered write keeps nothing of a
     short write's rest: on a disk that fills, sys.stdout drops it without an error."""
@@ -11097,72 +11145,40 @@ def _hold_interrupts(interrupts):
     return give_back
 
 
-def _in_the_background(fd) -> bool:
-    """Whether ``fd`` is a terminal whose foreground job is another's than lich's (a shell's
-    ``bg`` or ``&``): drawing there writes over the shell's line, and reading it or setting
-    its modes stops lich (SIGTTIN, SIGTTOU)."""
-    try:
-        return os.tcgetpgrp(fd) != os.getpgrp()
-    except (OSError, TypeError, ValueError):  # not a terminal, closed, or none
-        return False
-
-
-def _wait_for_the_foreground(fd):
-    """Return once lich is the foreground job of the terminal ``fd``: tcdrain, which changes
-    nothing, stops a job in the background (SIGTTOU), as the shell's job control means,
-    until its ``fg``. At once when that cannot stop lich (an orphaned job, SIGTTOU
-    ignored), or ``fd`` is no terminal."""
-    import termios
-
-    try:
-        termios.tcdrain(fd)
-    except (termios.error, OSError, TypeError, ValueError):
-        pass
-
-
 class _LineMode:
-    """``with _LineMode(fd) as fd``: the terminal ``fd`` in the foreground, taking
-    lines, echoed, until the block ends; then its modes are given back (unless lich is in
-    the background by then: the terminal is the shell's)."""
+    """``with _LineMode(fd) as lines``: the terminal ``fd`` taking lines, echoed, while
+    lich is its foreground job, until the block ends; then its modes are given back
+    (unless lich is in the background by then: the terminal is the shell's)."""
 
     def __init__(self, fd):
         self.fd = fd
         self.modes = None
 
     def __enter__(self):
-        import termios
-
         _wait_for_the_foreground(self.fd)
-        try:
-            self.modes = termios.tcgetattr(self.fd)
-        except (termios.error, OSError, ValueError):  # no terminal: nothing to set
-            return self.fd
-        self.again(self.fd)
-        return self.fd
+        self.modes = _terminal_modes(self.fd)
+        if self.modes is not None:
+            self.take_lines()
+        return self
 
-    @staticmethod
-    def again(fd):
-        """Wait for the foreground, and set the modes there again (a shell that took the
-        terminal meanwhile leaves its own)."""
+    def take_lines(self) -> bool:
+        """Set the modes that take lines, echoed, when lich is the foreground job (after
+        ``fg`` the shell may have left its own); whether it is (not: the modes are the
+        shell's, and stay so)."""
         import termios
 
-        _wait_for_the_foreground(fd)
-        try:
-            modes = termios.tcgetattr(fd)
-            if modes[3] & (termios.ICANON | termios.ECHO) != termios.ICANON | termios.ECHO:
-                modes[3] |= termios.ICANON | termios.ECHO
-                termios.tcsetattr(fd, termios.TCSANOW, modes)
-        except (termios.error, OSError, ValueError):
-            pass
+        if _in_the_background(self.fd):
+            return False
+        modes = _terminal_modes(self.fd)
+        lines = termios.ICANON | termios.ECHO
+        if modes is not None and modes[3] & lines != lines:
+            modes[3] |= lines
+            _set_terminal_modes(self.fd, modes)
+        return True
 
     def __exit__(self, *exc_info):
-        import termios
-
         if self.modes is not None and not _in_the_background(self.fd):
-            try:
-                termios.tcsetattr(self.fd, termios.TCSANOW, self.modes)
-            except (termios.error, OSError, ValueError):
-                pass
+            _set_terminal_modes(self.fd, self.modes)
 
 
 class _StopsAtThePrompt:
@@ -11190,23 +11206,16 @@ class _StopsAtThePrompt:
 
     def _stopped(self, signum, frame):
         import signal as signals
-        import termios
 
-        try:
-            modes = termios.tcgetattr(self.fd)  # readline's
-        except termios.error:
-            modes = None
+        modes = _terminal_modes(self.fd)  # readline's
         signals.signal(signum, signals.SIG_DFL)
         try:
             os.kill(os.getpid(), signum)  # stopped here, until SIGCONT
         finally:
             signals.signal(signum, self._stopped)
         _wait_for_the_foreground(self.fd)  # continued in the background (bg): until fg
-        if modes is not None:
-            try:
-                termios.tcsetattr(self.fd, termios.TCSANOW, modes)
-            except termios.error:
-                pass
+        if modes is not None and not _in_the_background(self.fd):
+            _set_terminal_modes(self.fd, modes)
         try:
             self.redraw()
         except (OSError, ValueError):  # a closed stdout is said as the chat goes on
@@ -11503,19 +11512,21 @@ class _Cli:
         run stops as for Ctrl-C before SIGHUP comes). The terminal takes lines, echoed, while
         it is asked (a pager's mode would take a key as the answer, unseen); a lich put in
         the background stops there, as a job that needs its terminal does, until ``fg``."""
-        with _LineMode(sys.stdin.fileno()) as fd:
-            return self._answer_typed(fd)
+        with _LineMode(sys.stdin.fileno()) as lines:
+            return self._answer_typed(lines)
 
-    def _answer_typed(self, fd):
+    def _answer_typed(self, lines):
         import select
 
-        signal = self.signal
+        signal, fd = self.signal, lines.fd
         while not signal.is_set():
             if _in_the_background(fd):  # its keys are the shell's: a read would stop lich
-                _LineMode.again(fd)  # with the terminal non-blocking, the shell's too
+                _wait_for_the_foreground(fd)  # with the terminal non-blocking, the shell's too
+                if not lines.take_lines():  # job control cannot stop it (SIGTTOU ignored,
+                    signal.wait(_POLL_SECONDS)  # an orphaned job): it waits, idle
                 continue
-            if not select.select([fd], [], [], _POLL_SECONDS)[0]:
-                continue
+            if not select.select([fd], [], [], _POLL_SECONDS)[0] or _in_the_background(fd):
+                continue  # (put in the background as it waited: the key is the shell's)
             # Not a blocking read: a Ctrl-C just after select empties the terminal's line
             # (it flushes what was typed), and such a read would wait for another line.
             blocking = os.get_blocking(fd)
@@ -12321,13 +12332,16 @@ def _main(argv, main_thread) -> int:
     handlers = {}  # each signal's handler before lich's, given back at the end
     undumpable = bool(args.mcp) or "shell" in args.allow or args.yolo
     was_dumpable = cli = None
+    shells_modes = []  # the terminal's modes as a SIGTERM or SIGHUP in the background found them
 
     def terminated(signum, frame):
         # kill %1 of a lich stopped in the background: readline's cleanup as it leaves the
-        # prompt sets the terminal's modes, which would stop it again there (SIGTTOU)
+        # prompt sets the terminal's modes, which would stop it again there (SIGTTOU); the
+        # shell's, as they are now, are given back as lich leaves
         stop = getattr(signals, "SIGTTOU", None)
         if stop is not None and stop not in handlers and _in_the_background(0):
             handlers[stop] = signals.signal(stop, signals.SIG_IGN)
+            shells_modes.append(_terminal_modes(0))
         if interrupts.terminate(signum):
             interrupts.arrived()
 
@@ -12382,6 +12396,8 @@ def _main(argv, main_thread) -> int:
         if cli is not None:
             cli.close()
         term.stop_spinner()
+        if shells_modes and shells_modes[0] is not None and _in_the_background(0):
+            _set_terminal_modes(0, shells_modes[0])  # over readline's, set as it left the prompt
         for number, previous in handlers.items():  # None: a handler Python did not install
             signals.signal(number, previous if previous is not None else signals.SIG_DFL)
         if was_dumpable:

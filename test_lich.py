@@ -4137,12 +4137,33 @@ def test_the_first_run_of_a_handle_that_failed_after_a_tool_call_leaves_nothing_
     tools.register(lambda: "pong", name="ping", description="ping")
     session = lich.open_session(tmp_path)
     with pytest.raises(lich.ProviderError):
-        lich.run_agent("P0", chat=ScriptedChat(assistant("", tool_call("ping", call_id="c1")), DOWN), tools=tools,
+        lich.run_agent("P0", chat=ScriptedChat(assistant("", ("c1", "ping", "{}")), DOWN), tools=tools,
                        history=history, session=session, max_turns=3, system_prompt=system_prompt)
     last = lich.run_agent("P1", chat=ScriptedChat(answer("the end")), tools=tools, history=history,
                           session=session, max_turns=3)
     session.close()
     assert lich.read_session_messages(session.path) == last.messages == [*history, user("P1"), answer("the end")]
+
+
+def test_runs_given_the_files_reading_after_a_failed_first_run_that_set_a_system_prompt_read_back_as_they_had_it(
+        tmp_path):
+    """The review: once the reader counted the prompt a failed run put first, a run given the
+    file's reading (which holds it) kept the unanswered prompt of a run that failed before it."""
+    tools = lich.Tools()
+    tools.register(lambda: "pong", name="ping", description="ping")
+    session = lich.open_session(tmp_path)
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("P0", chat=ScriptedChat(assistant("", ("c1", "ping", "{}")), DOWN), tools=tools,
+                       session=session, max_turns=3, system_prompt="S1")
+    with pytest.raises(lich.ProviderError):
+        lich.run_agent("P1", chat=ScriptedChat(DOWN), tools=tools, session=session, max_turns=3,
+                       history=lich.read_session_messages(session.path))
+    last = lich.run_agent("P2", chat=ScriptedChat(answer("r2")), tools=tools, session=session, max_turns=3,
+                          history=lich.read_session_messages(session.path))
+    session.close()
+    assert lich.read_session_messages(session.path) == last.messages
+    assert [m["content"] for m in last.messages] == ["S1", "P0", "", "pong",
+                                                      "P2", "r2"]
 
 
 def test_the_system_prompts_of_runs_that_left_nothing_go_however_far_back(tmp_path):
@@ -15808,13 +15829,13 @@ class Job(Pty):
     keys`` (as a shell's line editor leaves them), ``modes lines``, or ``read`` (what was
     typed, as the shell would)."""
 
-    def __init__(self, *args, env=None):
+    def __init__(self, *args, env=None, shell=JOB_CONTROL_SHELL):
         self.orders, self.shell_orders = os.pipe()
         self.shell_answers, answers = os.pipe()
         import pty
 
         self.master, slave = pty.openpty()
-        self.shell = subprocess.Popen([sys.executable, "-c", JOB_CONTROL_SHELL, str(self.orders), str(answers),
+        self.shell = subprocess.Popen([sys.executable, "-c", shell, str(self.orders), str(answers),
                                        sys.executable, *LICH, *args],
                                       stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                                       pass_fds=(self.orders, answers), env={**os.environ, **(env or {})})
@@ -15822,7 +15843,12 @@ class Job(Pty):
         os.close(self.orders)
         os.close(answers)
         self.answers = os.fdopen(self.shell_answers)
-        self.pid = int(self.answers.readline())
+        try:
+            self.pid = int(self.answers.readline())
+        except ValueError:  # the shell failed
+            self.shell.kill()
+            os.close(self.master)
+            raise
         self.output = self.transcript = ""
         import codecs
 
@@ -15840,14 +15866,29 @@ class Job(Pty):
         while time.monotonic() < deadline:
             try:
                 with open(f"/proc/{self.pid}/stat") as stat:
-                    state = stat.read().rpartition(")")[2].split()[0]
+                    if stat.read().rpartition(")")[2].split()[0] == "T":
+                        with open(f"/proc/{self.pid}/fdinfo/0") as info:
+                            return int(re.search(r"flags:\s*(\d+)", info.read()).group(1), 8)
             except FileNotFoundError:
-                self.expect("\0", timeout=1)  # the job ended: what it showed
-            if state == "T":
-                    with open(f"/proc/{self.pid}/fdinfo/0") as info:
-                        return int(re.search(r"flags:\s*(\d+)", info.read()).group(1), 8)
+                raise AssertionError(f"the job ended; it showed {self.output!r}") from None
             time.sleep(0.02)
         raise AssertionError(f"the job never stopped; it showed {self.output!r}")
+
+    def cpu_ticks(self):
+        """The CPU time the job has used, in clock ticks."""
+        with open(f"/proc/{self.pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        return int(fields[11]) + int(fields[12])
+
+    def modes(self):
+        """ICANON | ECHO of the terminal's modes now."""
+        import termios
+
+        tty = os.open(os.readlink(f"/proc/{self.pid}/fd/0"), os.O_RDWR | os.O_NOCTTY)
+        try:
+            return termios.tcgetattr(tty)[3] & LINES
+        finally:
+            os.close(tty)
 
     def waits_for_a_key(self):
         """Return once readline waits for a key: a signal that comes as it shows what came
@@ -15865,10 +15906,11 @@ class Job(Pty):
         return tuple(json.loads(self.answers.readline()))
 
     def end(self):
-        try:  # a job still there (a failed test's) goes too
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pgrp in (self.pid, self.shell.pid):  # a job still there (a failed test's) goes too
+            try:
+                os.killpg(pgrp, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os.close(self.shell_orders)
         self.shell.wait(10)
         os.close(self.master)
@@ -16756,6 +16798,29 @@ def test_a_question_put_in_the_background_stops_lich_and_leaves_the_terminal_blo
     assert (workspace / "ran").exists()
 
 
+def test_a_question_in_the_background_that_job_control_cannot_stop_waits_idle_and_leaves_the_shells_modes(
+        server, lich_model, workspace):
+    """With SIGTTOU ignored (or in an orphaned job) nothing stops lich: it spun at a whole core
+    (300 ticks in 3 s) setting the shell's terminal to take lines, again and again (the review)."""
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch ran"}')), openai_reply("Not run."))
+    job = Job("--allow", "shell", "--no-stream", "--root", str(workspace), "go", env={"NO_COLOR": "1"},
+              shell=JOB_CONTROL_SHELL.replace("    signal.signal(signal.SIGTTOU, signal.SIG_DFL)", "    pass"))
+    try:
+        job.order("modes", "keys")  # the shell at its prompt
+        job.expect("[t] always bash: ")
+        time.sleep(0.5)
+        before = job.cpu_ticks()
+        time.sleep(2)
+        assert (job.cpu_ticks() - before < 40, job.modes()) == (True, 0)  # 200 when it spun
+        job.order("fg")
+        os.write(job.master, b"n\n")
+        job.expect("Not run.")
+        assert job.wait() == (0, 0)  # the modes it found given back
+    finally:
+        job.end()
+    assert not (workspace / "ran").exists()
+
+
 def test_a_chat_that_comes_to_its_prompt_in_the_background_keeps_the_modes_of_the_foreground(server, lich_model,
                                                                                            tmp_path):
     """``lich &``, then ``fg``: readline had kept the modes of the shell's line editor, no echo, as
@@ -16798,11 +16863,7 @@ def test_ctrl_z_at_the_prompt_then_fg_gives_readline_its_modes_and_shows_the_lin
         job.order("modes", "lines")  # as the shell keeps the terminal for itself
         job.order("fg")
         job.expect(PROMPT + "hel")
-        tty = os.open(os.readlink(f"/proc/{job.pid}/fd/0"), os.O_RDWR | os.O_NOCTTY)
-        try:
-            assert termios.tcgetattr(tty)[3] & termios.ICANON == 0  # readline's, which takes each key
-        finally:
-            os.close(tty)
+        assert job.modes() & termios.ICANON == 0  # readline's, which takes each key
         os.write(job.master, b"lo\n")
         job.expect("Hi.")
         job.expect(PROMPT)
@@ -16824,8 +16885,9 @@ def test_kill_ends_a_chat_stopped_at_its_prompt(server, lich_model, tmp_path):
         job.waits_for_a_key()
         os.write(job.master, b"\x1a")
         job.stopped()
+        job.order("modes", "keys")  # the shell at its prompt
         job.order("kill", "SIGTERM")
-        assert job.wait()[0] == 128 + 15
+        assert job.wait() == (128 + 15, 0)  # the shell's modes, not those readline left as it ended
     finally:
         job.end()
 
