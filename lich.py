@@ -10479,10 +10479,15 @@ def _wait_for_the_foreground(fd):
     ignored), or ``fd`` is no terminal."""
     import termios
 
-    try:
-        termios.tcdrain(fd)
-    except (termios.error, OSError, TypeError, ValueError):
-        pass
+    while True:
+        try:
+            termios.tcdrain(fd)
+            return
+        except termios.error as e:  # a signal's handler ran, still in the background: again
+            if e.args[0] != errno.EINTR:
+                return
+        except (OSError, TypeError, ValueError):
+            return
 
 
 def _terminal_modes(fd):
@@ -11146,32 +11151,32 @@ def _hold_interrupts(interrupts):
 
 
 class _LineMode:
-    """``with _LineMode(fd) as lines``: the terminal ``fd`` taking lines, echoed, while
-    lich is its foreground job, until the block ends; then its modes are given back
-    (unless lich is in the background by then: the terminal is the shell's)."""
+    """``with _LineMode(fd) as lines``: the terminal ``fd`` taking lines, echoed, whenever
+    ``lines.take_lines()`` finds lich its foreground job, until the block ends; then the
+    modes it found are given back (unless lich is in the background by then: the
+    terminal is the shell's)."""
 
     def __init__(self, fd):
         self.fd = fd
-        self.modes = None
+        self.modes = None  # as first found in the foreground
 
     def __enter__(self):
-        _wait_for_the_foreground(self.fd)
-        self.modes = _terminal_modes(self.fd)
-        if self.modes is not None:
-            self.take_lines()
         return self
 
     def take_lines(self) -> bool:
         """Set the modes that take lines, echoed, when lich is the foreground job (after
-        ``fg`` the shell may have left its own); whether it is (not: the modes are the
-        shell's, and stay so)."""
+        ``fg`` the shell may have left its own); whether it is (else nothing is touched)."""
         import termios
 
         if _in_the_background(self.fd):
             return False
         modes = _terminal_modes(self.fd)
+        if modes is None:  # no terminal
+            return True
+        if self.modes is None:
+            self.modes = list(modes)
         lines = termios.ICANON | termios.ECHO
-        if modes is not None and modes[3] & lines != lines:
+        if modes[3] & lines != lines:
             modes[3] |= lines
             _set_terminal_modes(self.fd, modes)
         return True
@@ -11183,49 +11188,51 @@ class _LineMode:
 
 class _StopsAtThePrompt:
     """``with _StopsAtThePrompt(fd, redraw)`` around readline's ``input()`` on the terminal
-    ``fd``: Ctrl-Z there stops lich as ever, and on ``fg`` readline gets back the modes it
-    had set (the shell leaves its own: keys went to readline only at Enter, echoed twice)
-    and ``redraw()`` shows the line again. CPython's readline does neither (nor does
-    Python's own prompt). Nothing when readline is not in use, or Ctrl-Z is ignored."""
+    ``fd``: Ctrl-Z stops lich as ever (its default), and when ``fg`` continues it readline
+    gets back the modes it had set (the shell leaves its own: keys went to readline only at
+    Enter, echoed twice) and ``redraw()`` shows the line again. CPython's readline does
+    neither (nor does Python's own prompt). Nothing when readline is not in use, or
+    SIGCONT has a handler of another's."""
 
     def __init__(self, fd, redraw):
         self.fd = fd
         self.redraw = redraw
+        self.modes = None  # readline's, once it has set them
         self.previous = None
 
     def __enter__(self):
         import signal as signals
 
-        stop = getattr(signals, "SIGTSTP", None)
-        if (stop is None or "readline" not in sys.modules or not isinstance(self.fd, int)
+        go_on = getattr(signals, "SIGCONT", None)
+        if (go_on is None or "readline" not in sys.modules or not isinstance(self.fd, int)
                 or threading.current_thread() is not threading.main_thread()
-                or signals.getsignal(stop) is not signals.SIG_DFL or not os.isatty(self.fd)):
+                or signals.getsignal(go_on) is not signals.SIG_DFL or not os.isatty(self.fd)):
             return self
-        self.previous = signals.signal(stop, self._stopped)
+        import readline
+
+        readline.set_pre_input_hook(self._prepared)
+        self.previous = signals.signal(go_on, self._continued)
         return self
 
-    def _stopped(self, signum, frame):
-        import signal as signals
+    def _prepared(self):
+        self.modes = _terminal_modes(self.fd)
 
-        modes = _terminal_modes(self.fd)  # readline's
-        signals.signal(signum, signals.SIG_DFL)
-        try:
-            os.kill(os.getpid(), signum)  # stopped here, until SIGCONT
-        finally:
-            signals.signal(signum, self._stopped)
+    def _continued(self, signum, frame):
         _wait_for_the_foreground(self.fd)  # continued in the background (bg): until fg
-        if modes is not None and not _in_the_background(self.fd):
-            _set_terminal_modes(self.fd, modes)
-        try:
-            self.redraw()
-        except (OSError, ValueError):  # a closed stdout is said as the chat goes on
-            pass
+        if self.modes is not None and not _in_the_background(self.fd):
+            _set_terminal_modes(self.fd, self.modes)
+            try:
+                self.redraw()
+            except (OSError, ValueError):  # a closed stdout is said as the chat goes on
+                pass
 
     def __exit__(self, *exc_info):
         if self.previous is not None:
+            import readline
             import signal as signals
 
-            signals.signal(signals.SIGTSTP, self.previous)
+            readline.set_pre_input_hook(None)
+            signals.signal(signals.SIGCONT, self.previous)
 
 
 def _hung_up(fd) -> bool:
@@ -11500,6 +11507,8 @@ class _Cli:
         import termios
 
         try:
+            if _in_the_background(sys.stdin.fileno()):  # what is typed is the shell's; a flush
+                return False  # would stop lich (SIGTTOU): the question waits for fg
             pending = bool(select.select([sys.stdin], [], [], 0)[0])
             termios.tcflush(sys.stdin.fileno(), termios.TCIFLUSH)
         except (OSError, ValueError, termios.error):  # not a terminal after all
@@ -11510,8 +11519,9 @@ class _Cli:
         """A line typed at an approval question ("" for Ctrl-D), or None when the run was
         interrupted: by Ctrl-C, or by the terminal closing (no answer can come then, and the
         run stops as for Ctrl-C before SIGHUP comes). The terminal takes lines, echoed, while
-        it is asked (a pager's mode would take a key as the answer, unseen); a lich put in
-        the background stops there, as a job that needs its terminal does, until ``fg``."""
+        it is asked (a pager's mode would take a key as the answer, unseen); a lich in the
+        background waits, idle, until ``fg`` (it is the run's thread: stopped there, it could
+        stop again after a ``kill``'s SIGCONT before the main thread took the SIGTERM)."""
         with _LineMode(sys.stdin.fileno()) as lines:
             return self._answer_typed(lines)
 
@@ -11520,10 +11530,10 @@ class _Cli:
 
         signal, fd = self.signal, lines.fd
         while not signal.is_set():
-            if _in_the_background(fd):  # its keys are the shell's: a read would stop lich
-                _wait_for_the_foreground(fd)  # with the terminal non-blocking, the shell's too
-                if not lines.take_lines():  # job control cannot stop it (SIGTTOU ignored,
-                    signal.wait(_POLL_SECONDS)  # an orphaned job): it waits, idle
+            # In the background, its keys are the shell's, and a read would stop lich with
+            # the terminal non-blocking (the shell's too)
+            if not lines.take_lines():
+                signal.wait(_POLL_SECONDS)
                 continue
             if not select.select([fd], [], [], _POLL_SECONDS)[0] or _in_the_background(fd):
                 continue  # (put in the background as it waited: the key is the shell's)

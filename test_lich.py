@@ -15874,6 +15874,13 @@ class Job(Pty):
             time.sleep(0.02)
         raise AssertionError(f"the job never stopped; it showed {self.output!r}")
 
+    def state(self):
+        """The job's state (``ps``'s: S sleeping, T stopped) and the flags of its stdin
+        (os.O_NONBLOCK: the shell's too)."""
+        with open(f"/proc/{self.pid}/stat") as stat, open(f"/proc/{self.pid}/fdinfo/0") as info:
+            return (stat.read().rpartition(")")[2].split()[0],
+                    int(re.search(r"flags:\s*(\d+)", info.read()).group(1), 8))
+
     def cpu_ticks(self):
         """The CPU time the job has used, in clock ticks."""
         with open(f"/proc/{self.pid}/stat") as stat:
@@ -15902,7 +15909,15 @@ class Job(Pty):
         import select
 
         os.write(self.shell_orders, b"wait\n")
-        assert select.select([self.answers], [], [], timeout)[0], f"the job never ended; it showed {self.output!r}"
+        deadline = time.monotonic() + timeout
+        while not select.select([self.answers], [], [], 0)[0]:  # what it shows meanwhile is read
+            left = deadline - time.monotonic()
+            assert left > 0, f"the job never ended; it showed {self.output!r}"
+            if select.select([self.master, self.answers], [], [], left)[0] == [self.master]:
+                try:
+                    self._shown(os.read(self.master, 65536))
+                except OSError:  # the terminal is closed: the answer comes
+                    select.select([self.answers], [], [], left)
         return tuple(json.loads(self.answers.readline()))
 
     def end(self):
@@ -16770,23 +16785,25 @@ def test_a_question_takes_a_line_where_a_pager_left_the_terminal_taking_keys(ser
     assert term.transcript.replace("\r\n", "\n").count("[t] always bash: y\n") == 1  # echoed
 
 
-def test_a_question_put_in_the_background_stops_lich_and_leaves_the_terminal_blocking(server, lich_model, workspace):
+def test_a_question_put_in_the_background_waits_for_fg_and_leaves_the_terminal_blocking(server, lich_model,
+                                                                                        workspace):
     """Ctrl-Z at a question, then ``bg``: the first key typed at the shell made lich read with the
     terminal set non-blocking, which stopped it there (SIGTTIN), the shell's terminal left
     non-blocking: the next program's ``input()`` failed at once."""
     queue(server, tool_reply(("c1", "bash", '{"command": "touch ran"}')), openai_reply("Ran."))
     job = Job("--allow", "shell", "--no-stream", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
     try:
-        job.stopped()  # started in the background: it waits for its terminal before it asks
+        job.expect("[t] always bash: ")  # asked in the background: it waits for fg
         job.order("fg")
-        job.expect("[t] always bash: ")
         os.write(job.master, b"\x1a")  # Ctrl-Z
         job.stopped()
         job.order("bg")
         job.order("modes", "keys")  # the shell at its prompt
         time.sleep(0.3)
         os.write(job.master, b"x")  # typed at the shell
-        assert job.stopped() & os.O_NONBLOCK == 0
+        time.sleep(0.5)
+        state, flags = job.state()
+        assert (state, flags & os.O_NONBLOCK, job.modes()) == ("S", 0, 0)  # waiting, idle; the shell's modes kept
         job.order("read")
         job.order("modes", "lines")
         job.order("fg")
@@ -16872,6 +16889,44 @@ def test_ctrl_z_at_the_prompt_then_fg_gives_readline_its_modes_and_shows_the_lin
     finally:
         job.end()
     assert server.requests[0]["json"]["messages"][-1] == user("hello")
+
+
+def test_ctrl_z_as_readline_takes_a_paste_stops_lich_at_once(server, lich_model, tmp_path):
+    """The second job-control trial: a handler of lich's for Ctrl-Z ran only when readline next
+    waited for a key, and a Ctrl-Z that came as it took a paste was held back until then."""
+    job = Job(env={"NO_COLOR": "1", "XDG_STATE_HOME": str(tmp_path / "state")})
+    try:
+        job.stopped()
+        job.order("fg")
+        job.expect(PROMPT)
+        os.write(job.master, b"\x1b[200~" + b"pasted " * 2000 + b"\x1b[201~\x1a")
+        job.stopped(timeout=5)
+        job.order("fg")
+        # Ctrl-Z threw away what readline had not read yet, the paste's end with it
+        os.write(job.master, b"\x1b[201~\x15\x04")  # that end, the line killed, then Ctrl-D
+        assert job.wait()[0] == 0
+    finally:
+        job.end()
+
+
+def test_kill_ends_a_run_stopped_at_a_question(server, lich_model, workspace):
+    """The second job-control trial: after ``kill %1`` (SIGTERM, SIGCONT) the run's thread, which
+    waited for the foreground by being stopped, stopped lich again before the main thread took
+    the SIGTERM (1 time in 4)."""
+    queue(server, tool_reply(("c1", "bash", '{"command": "touch ran"}')), openai_reply("Not run."))
+    job = Job("--allow", "shell", "--no-stream", "--root", str(workspace), "go", env={"NO_COLOR": "1"})
+    try:
+        job.expect("[t] always bash: ")
+        job.order("fg")
+        time.sleep(0.3)
+        os.write(job.master, b"\x1a")  # Ctrl-Z
+        job.stopped()
+        job.order("modes", "keys")
+        job.order("kill", "SIGTERM")
+        assert job.wait() == (128 + 15, 0)
+    finally:
+        job.end()
+    assert not (workspace / "ran").exists()
 
 
 def test_kill_ends_a_chat_stopped_at_its_prompt(server, lich_model, tmp_path):
