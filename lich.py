@@ -8641,6 +8641,7 @@ class _HTTPServer:
     def _answer(self, response, request_id, exchange, resume):
         """The answer to ``request_id`` from a JSON body or an SSE stream; None when the
         stream ended without it (``resume`` holds its last event id and retry)."""
+        chunks = None  # of an SSE stream
         if response.headers.get("content-type", "").startswith("application/json"):
             body = response.raw.read(_MCP_LINE_MAX_BYTES, decode_content=True)
             messages = [_mcp_message(body)]
@@ -8656,8 +8657,8 @@ class _HTTPServer:
                 answer_id = each.get("id") if isinstance(each, dict) else None
                 if (isinstance(each, dict) and each.get("method") is None
                         and answer_id == request_id and not isinstance(answer_id, bool)):
-                    if not isinstance(messages, list):  # the stream's end, as the server closes it:
-                        _drain_stream(chunks, exchange)  # its connection serves the next call
+                    if chunks is not None:  # the stream's end, as the server closes it: its
+                        _drain_stream(chunks, exchange)  # connection serves the next call
                     return each  # true == 1, but JSON's true is no id
                 self._heard(each)
         return None
@@ -11186,9 +11187,9 @@ class _LineMode:
             _set_terminal_modes(self.fd, self.modes)
 
 
-class _StopsAtThePrompt:
-    """``with _StopsAtThePrompt(fd, redraw)`` around readline's ``input()`` on the terminal
-    ``fd``: Ctrl-Z stops lich as ever (its default), and when ``fg`` continues it readline
+class _BackAtThePrompt:
+    """``with _BackAtThePrompt(fd, redraw)`` around readline's ``input()`` on the terminal
+    ``fd``: Ctrl-Z stops lich as ever (its default), and when ``fg`` brings it back readline
     gets back the modes it had set (the shell leaves its own: keys went to readline only at
     Enter, echoed twice) and ``redraw()`` shows the line again. CPython's readline does
     neither (nor does Python's own prompt). Nothing when readline is not in use, or
@@ -11833,7 +11834,7 @@ class _Cli:
             # readline keeps the modes it finds as the terminal's own: a shell's, with no
             # echo, when lich came to the prompt in the background
             _wait_for_the_foreground(fd)
-            with _StopsAtThePrompt(fd, lambda: self._redraw_prompt(prompt, to_stderr)):
+            with _BackAtThePrompt(fd, lambda: self._redraw_prompt(prompt, to_stderr)):
                 if to_stderr:
                     self.term.typed(prompt)
                     line = input()
