@@ -5088,30 +5088,26 @@ def test_a_server_that_closes_or_speaks_no_http_says_so(answer, said):
         f"openai: cannot reach http://{server}/v1/chat/completions: {said}", "network", True, 1)
 
 
-def test_a_page_of_an_http_servers_proxy_names_the_proxy(monkeypatch):
+@pytest.mark.parametrize("content_type, body, said, kind, status", [
+    ("text/html", b"<html><title>ERROR: The requested URL could not be retrieved</title></html>",
+     ("HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the proxy "
+      "http://[redacted]@{proxy})"), "auth", 403),
+    ("application/json", json.dumps(openai_error("bad request")).encode(),
+     "HTTP 400 (invalid_request_error): bad request", "bad_request", 400),
+], ids=["its-own-page", "the-apis-answer"])
+def test_a_page_of_an_http_servers_proxy_names_the_proxy_and_the_apis_answer_does_not(
+        monkeypatch, content_type, body, said, kind, status):
     """squid's 403 page for an http:// server read "auth: HTTP 403: ERROR: The requested URL could
     not be retrieved", which sent the user to their API key."""
-    page = b"<html><title>ERROR: The requested URL could not be retrieved</title></html>"
-    proxy, _ = _a_listener_answering(b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/html\r\n"
-                                        b"Content-Length: %d\r\n\r\n%s" % (len(page), page))
+    reason = b"Forbidden" if status == 403 else b"Bad Request"
+    proxy, _ = _a_listener_answering(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        status, reason, content_type.encode(), len(body), body))
     monkeypatch.delenv("NO_PROXY")
     monkeypatch.setenv("HTTP_PROXY", f"http://carol:Squ1dPassw0rd@{proxy}")
     with pytest.raises(lich.ProviderError) as info:
         lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
     assert (str(info.value), info.value.kind, info.value.status) == (
-        (f"openai: HTTP 403: ERROR: The requested URL could not be retrieved (an HTML page) (through the "
-         f"proxy http://[redacted]@{proxy})"), "auth", 403)
-
-
-def test_an_apis_answer_through_the_proxy_of_an_http_server_does_not_name_the_proxy(monkeypatch):
-    body = json.dumps(openai_error("bad request")).encode()
-    proxy, _ = _a_listener_answering(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    monkeypatch.delenv("NO_PROXY")
-    monkeypatch.setenv("HTTP_PROXY", f"http://{proxy}")
-    with pytest.raises(lich.ProviderError) as info:
-        lich.OpenAIChat("gpt-test", base_url="http://127.0.0.1:9/v1", api_key="k")(USER)
-    assert (str(info.value), info.value.kind) == ("openai: HTTP 400 (invalid_request_error): bad request", "bad_request")
+        "openai: " + said.format(proxy=proxy), kind, status)
 
 
 def test_a_proxy_that_cannot_be_reached_is_named(monkeypatch):
@@ -15920,6 +15916,13 @@ class Job(Pty):
                     select.select([self.answers], [], [], left)
         return tuple(json.loads(self.answers.readline()))
 
+    def answered_then_left(self, answer):
+        """Expect the chat's ``answer`` and its next prompt, and leave with Ctrl-D; as ``wait``."""
+        self.expect(answer)
+        self.expect(PROMPT)
+        self.send("\x04")
+        return self.wait()
+
     def end(self):
         for pgrp in (self.pid, self.shell.pid):  # a job still there (a failed test's) goes too
             try:
@@ -16852,10 +16855,7 @@ def test_a_chat_that_comes_to_its_prompt_in_the_background_keeps_the_modes_of_th
         job.order("fg")
         job.expect(PROMPT)
         job.send("hello")
-        job.expect("Hi.")
-        job.expect(PROMPT)
-        job.send("\x04")
-        assert job.wait() == (0, LINES)
+        assert job.answered_then_left("Hi.") == (0, LINES)
     finally:
         job.end()
 
@@ -16882,10 +16882,7 @@ def test_ctrl_z_at_the_prompt_then_fg_gives_readline_its_modes_and_shows_the_lin
         job.expect(PROMPT + "hel")
         assert job.modes() & termios.ICANON == 0  # readline's, which takes each key
         os.write(job.master, b"lo\n")
-        job.expect("Hi.")
-        job.expect(PROMPT)
-        job.send("\x04")
-        assert job.wait() == (0, LINES)
+        assert job.answered_then_left("Hi.") == (0, LINES)
     finally:
         job.end()
     assert server.requests[0]["json"]["messages"][-1] == user("hello")
