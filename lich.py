@@ -10738,20 +10738,21 @@ class _Approvals:
         what = "file" if kind in ("write_file", "edit_file") else "command" if kind == "bash" \
             else "call"
         body = self._body(kind, args, call)
-        if self.cli.drop_typed_ahead():
-            self.cli.term.note("(what was typed before this question is dropped: it needs a "
-                               "fresh answer)")
-        lines = [f"→ {_tool_summary(call)}", *("  " + line for line in "\n".join(body).split("\n"))]
-        term = self.cli.term
-        rows = term.rows_of(lines)
-        if rows + 1 > term.rows():  # its first lines are off the screen
-            lines.append(f"  ({rows} lines above: scroll up to read the whole {what} from its "
-                         f"start)")
-        term.ask("\n".join([*lines, f"  allow? [y]es / [N]o / [a]lways this {what} / [t] always {name}: "]))
-        try:
-            answer = self.cli.read_answer()
-        finally:
-            self.answered_at = time.monotonic()
+        with self.cli.answer_lines() as answer_lines:  # before the question shows: a key then
+            if self.cli.drop_typed_ahead():  # would be a line of its own
+                self.cli.term.note("(what was typed before this question is dropped: it needs a "
+                                   "fresh answer)")
+            lines = [f"→ {_tool_summary(call)}", *("  " + line for line in "\n".join(body).split("\n"))]
+            term = self.cli.term
+            rows = term.rows_of(lines)
+            if rows + 1 > term.rows():  # its first lines are off the screen
+                lines.append(f"  ({rows} lines above: scroll up to read the whole {what} from its "
+                             f"start)")
+            term.ask("\n".join([*lines, f"  allow? [y]es / [N]o / [a]lways this {what} / [t] always {name}: "]))
+            try:
+                answer = self.cli.read_answer(answer_lines)
+            finally:
+                self.answered_at = time.monotonic()
         self.cli.term.question_answered(answer)
         if answer is None:
             raise AbortError("interrupted before the user answered")
@@ -11162,6 +11163,7 @@ class _LineMode:
         self.modes = None  # as first found in the foreground
 
     def __enter__(self):
+        self.take_lines()
         return self
 
     def take_lines(self) -> bool:
@@ -11516,17 +11518,19 @@ class _Cli:
             return False
         return pending
 
-    def read_answer(self):
+    def answer_lines(self):
+        """``with cli.answer_lines() as lines``, around a question and its ``read_answer``:
+        the terminal takes lines, echoed, from before the question shows (a pager's mode
+        would take a key as the answer, unseen), and gets its modes back after."""
+        return _LineMode(sys.stdin.fileno())
+
+    def read_answer(self, lines):
         """A line typed at an approval question ("" for Ctrl-D), or None when the run was
         interrupted: by Ctrl-C, or by the terminal closing (no answer can come then, and the
-        run stops as for Ctrl-C before SIGHUP comes). The terminal takes lines, echoed, while
-        it is asked (a pager's mode would take a key as the answer, unseen); a lich in the
-        background waits, idle, until ``fg`` (it is the run's thread: stopped there, it could
-        stop again after a ``kill``'s SIGCONT before the main thread took the SIGTERM)."""
-        with _LineMode(sys.stdin.fileno()) as lines:
-            return self._answer_typed(lines)
-
-    def _answer_typed(self, lines):
+        run stops as for Ctrl-C before SIGHUP comes). ``lines``: ``answer_lines()``'s. A
+        lich in the background waits, idle, until ``fg`` (it is the run's thread: stopped
+        there, it could stop again after a ``kill``'s SIGCONT before the main thread took
+        the SIGTERM)."""
         import select
 
         signal, fd = self.signal, lines.fd
